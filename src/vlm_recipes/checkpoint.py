@@ -1,0 +1,75 @@
+"""Stage directories: what a finished stage leaves behind, and how it is written so a crash never
+leaves a half-written stage looking finished.
+
+    stage-<i>-<name>/
+      final/          complete model dir (merged weights, config, processor, provenance.json)
+      adapter/        the LoRA adapter, when the stage trained one
+      checkpoints/    Trainer's working dir (logs, intermediate checkpoints)
+      report.json     guard decisions, trainable parameters per role, sources
+      metrics.json    losses, throughput, wall time
+      DONE            written last: the stage is finished
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+
+FINAL_DIR = "final"
+ADAPTER_DIR = "adapter"
+DONE_MARKER = "DONE"
+PROVENANCE_FILE = "provenance.json"
+
+
+def stage_dir_name(index: int, name: str) -> str:
+    return f"stage-{index}-{name}"
+
+
+def is_done(stage_dir: Path) -> bool:
+    return (stage_dir / DONE_MARKER).is_file() and (stage_dir / FINAL_DIR / "config.json").is_file()
+
+
+def mark_done(stage_dir: Path) -> None:
+    write_json(stage_dir / DONE_MARKER, {"finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def read_provenance(model_dir: str | Path) -> list[dict]:
+    path = Path(model_dir) / PROVENANCE_FILE
+    return read_json(path) if path.is_file() else []
+
+
+def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, dtype: torch.dtype, provenance: list[dict]) -> Path:
+    """Save a complete model directory that `from_pretrained` loads alone.
+
+    A PEFT model is merged first (its adapter is saved beside final/ too). Written to final.partial/
+    and renamed, so final/ exists only when whole."""
+    final = stage_dir / FINAL_DIR
+    partial = stage_dir / (FINAL_DIR + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    model = model.to(dtype)
+    model.save_pretrained(partial)
+    processor.save_pretrained(partial)
+    write_json(partial / PROVENANCE_FILE, provenance)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    return final

@@ -1,0 +1,136 @@
+"""The recipe schema: every key a recipe may contain, its type, default and meaning.
+
+This file is the documentation of the recipe format (one fact, one place). `recipe.py`
+turns YAML into these dataclasses; `python scripts/train_recipe.py --schema` prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["frozen", "lora", "full"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+QuantMode = Literal["none", "4bit", "8bit"]
+
+ROLES = ("vision", "projector", "llm")
+# Parts a quantized load can leave in full precision: the training roles plus the output head.
+QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
+
+
+def doc(text: str, default=None, factory=None):
+    """A dataclass field carrying its help text (shown by `--schema`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class TrainModes:
+    """How each module role is trained in a stage."""
+
+    vision: Mode = doc("vision tower (ViT blocks and patch embedding): frozen | lora | full", "frozen")
+    projector: Mode = doc("projector between vision and language model (Qwen2-VL: the merger)", "frozen")
+    llm: Mode = doc("language model (decoder layers, embeddings, lm_head)", "frozen")
+
+
+@dataclass
+class LoraSettings:
+    rank: int = doc("LoRA rank; higher: more capacity and memory", 16)
+    alpha: int = doc("LoRA scaling numerator (scale = alpha / rank)", 32)
+    dropout: float = doc("dropout on the LoRA input", 0.05)
+    targets: dict[str, list[str]] = doc(
+        "per role, module-name suffixes to adapt (e.g. {llm: [q_proj, v_proj]}); "
+        "a role in lora mode that is not listed adapts all its linear layers",
+        factory=dict,
+    )
+
+
+@dataclass
+class QuantizationSettings:
+    mode: QuantMode = doc("load the base weights quantized with bitsandbytes: none | 4bit | 8bit", "none")
+    quant_type: Literal["nf4", "fp4"] = doc("4-bit data type", "nf4")
+    double_quant: bool = doc("quantize the 4-bit quantization constants too (saves ~0.4 bit/param)", True)
+    skip_roles: list[str] = doc(
+        "parts kept in full precision (vision, projector, llm, lm_head): a stage cannot train "
+        "what it cannot dequantize, so by default only the language model's decoder is quantized",
+        factory=lambda: ["vision", "projector", "lm_head"],
+    )
+
+
+@dataclass
+class DataSettings:
+    train: str = doc(
+        "training data: demo:train, a .jsonl/.json/.parquet file or folder, or a hub dataset id", "demo:train"
+    )
+    eval: str | None = doc("held-out data, same forms as train; null for none", "demo:eval")
+    train_split: str = doc("split name when `train` is a hub dataset id", "train")
+    eval_split: str = doc("split name when `eval` is a hub dataset id", "test")
+    max_train_samples: int | None = doc("use only the first N training rows (quick runs)", None)
+    max_eval_samples: int | None = doc("use only the first N eval rows", None)
+    min_pixels: int | None = doc("image processor lower bound on pixels per image; null: the model's own", None)
+    max_pixels: int | None = doc(
+        "image processor upper bound on pixels per image (28*28*256 = 256 visual tokens for Qwen2-VL); "
+        "null: the model's own",
+        None,
+    )
+    max_length: int | None = doc("longest tokenized sample, image tokens included; null: no limit", 2048)
+
+
+@dataclass
+class TrainingSettings:
+    epochs: float = doc("passes over the training data", 1.0)
+    max_steps: int = doc("stop after this many optimizer steps; -1: run all epochs", -1)
+    learning_rate: float = doc("peak learning rate", 2e-4)
+    role_learning_rates: dict[str, float] = doc(
+        "per-role learning rate overriding learning_rate (e.g. {vision: 2.0e-5})", factory=dict
+    )
+    per_device_batch_size: int = doc("samples per device per step", 4)
+    gradient_accumulation_steps: int = doc("steps summed before each optimizer step", 1)
+    gradient_checkpointing: bool = doc("recompute activations in backward: less memory, ~30% slower", False)
+    warmup_ratio: float = doc("fraction of steps with linear warm-up", 0.0)
+    lr_scheduler: str = doc("transformers scheduler name: cosine, linear, constant, ...", "cosine")
+    weight_decay: float = doc("AdamW weight decay", 0.0)
+    max_grad_norm: float = doc("gradient clipping norm", 1.0)
+    logging_steps: int = doc("log train loss every N optimizer steps", 5)
+    eval_batch_size: int = doc("samples per device when evaluating", 4)
+    trainable_dtype: Literal["fp32", "compute"] = doc(
+        "dtype of fully trained parameters: fp32 master weights, or the compute dtype (less memory)", "fp32"
+    )
+    seed: int = doc("random seed for weights init of adapters, data order and dropout", 42)
+    report_to: list[str] = doc("logging integrations: tensorboard, wandb, mlflow, none", factory=lambda: ["none"])
+
+
+@dataclass
+class Stage:
+    name: str = doc("stage name, unique in the recipe; its directory is stage-<i>-<name>", "")
+    description: str = doc("one line on what this stage does", "")
+    init_from: str = doc(
+        "where the weights come from: `base` (the recipe's model), `previous` (the stage before; "
+        "the first stage's previous is base), `stage:<name>`, or a model id / local directory",
+        "previous",
+    )
+    train: TrainModes = doc("training mode per module role", factory=TrainModes)
+    lora: LoraSettings = doc("LoRA settings, used by roles in lora mode", factory=LoraSettings)
+    quantization: QuantizationSettings = doc("how the base weights are loaded", factory=QuantizationSettings)
+    precision: Precision = doc(
+        "compute precision: auto picks bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU", "auto"
+    )
+    data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
+    training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
+
+
+@dataclass
+class Recipe:
+    name: str = doc("recipe name (the file name without .yaml)", "")
+    description: str = doc("one line shown by --list", "")
+    model: str = doc("base model: demo:tiny-qwen2-vl, a hub id (Qwen/Qwen2-VL-2B-Instruct) or a directory", "")
+    trust_remote_code: bool = doc("run code shipped with the model repository (off unless you trust it)", False)
+    stages: list[Stage] = doc("the stages, run in order", factory=list)
+    source_file: str = ""  # where the recipe was loaded from (not a YAML key)
+
+
+# Stage sections a recipe file may also set at its top level, as defaults for every stage.
+STAGE_DEFAULT_SECTIONS = ("data", "training", "precision", "quantization", "lora")
+# Every key a recipe file may hold at its top level.
+RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

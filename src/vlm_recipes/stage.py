@@ -1,0 +1,194 @@
+"""Run one stage: data → guards → model → SFTTrainer → final/ model dir. The only place an SFTTrainer is built."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from trl import SFTConfig, SFTTrainer
+
+from vlm_recipes.build import BuiltModel, build_stage_model, load_unquantized_with_adapter
+from vlm_recipes.checkpoint import (
+    ADAPTER_DIR,
+    mark_done,
+    read_provenance,
+    save_final_model,
+    write_json,
+)
+from vlm_recipes.data import StageData, check_lengths, load_stage_data
+from vlm_recipes.guards import Decision, Environment, apply_parallelism, decide_parallelism, decide_precision
+from vlm_recipes.roles import count_params_by_role, params_by_role
+from vlm_recipes.schema import Recipe, Stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    stage: Stage
+    index: int  # 1-based
+    stage_dir: Path
+    source: str  # resolved init_from: a model id or directory
+    env: Environment
+    decisions: list[Decision] = field(default_factory=list)
+
+
+def build_sft_config(stage: Stage, output_dir: Path, precision: str, env: Environment, has_eval: bool) -> SFTConfig:
+    t = stage.training
+    return SFTConfig(
+        output_dir=str(output_dir),
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        per_device_eval_batch_size=t.eval_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of total steps
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        eval_strategy="no",  # evaluated once at the end of the stage
+        save_strategy="no",  # the stage saves final/ itself
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=env.device == "cpu",
+        seed=t.seed,
+        data_seed=t.seed,
+        report_to=[r for r in t.report_to if r != "none"] or "none",
+        gradient_checkpointing=t.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        # Lengths are checked before training (data.check_lengths): the collator must never truncate
+        # through image tokens.
+        max_length=None,
+        assistant_only_loss=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+
+def role_optimizer(built: BuiltModel, stage: Stage) -> torch.optim.Optimizer | None:
+    """AdamW with one parameter group per role when the recipe sets per-role learning rates."""
+    role_lrs = stage.training.role_learning_rates
+    if not role_lrs:
+        return None
+    groups = []
+    for role, params in params_by_role(built.model, built.family).items():
+        trainable = [p for _, p in params if p.requires_grad]
+        if trainable:
+            lr = role_lrs.get(role, stage.training.learning_rate)
+            groups.append({"params": trainable, "lr": lr, "weight_decay": stage.training.weight_decay, "role": role})
+    return torch.optim.AdamW(groups, lr=stage.training.learning_rate)
+
+
+def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
+    parts = [f"{role} {c['trainable']:,}/{c['total']:,}" for role, c in counts.items() if c["total"]]
+    return "trainable/total per role: " + ", ".join(parts)
+
+
+def run_stage(ctx: StageContext) -> dict:
+    """Train one stage and write its directory; returns the stage's metrics."""
+    stage, stage_dir = ctx.stage, ctx.stage_dir
+    started = time.time()
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    transformers.set_seed(stage.training.seed)
+
+    log.info("stage %d `%s`: loading data", ctx.index, stage.name)
+    data: StageData = load_stage_data(stage.data)
+
+    quantized = stage.quantization.mode != "none"
+    precision = decide_precision(stage.precision, ctx.env, quantized)
+    ctx.decisions += [precision, decide_parallelism(ctx.env)]
+    for decision in ctx.decisions:
+        log.info("  %s", decision)
+
+    log.info("stage %d `%s`: loading %s%s", ctx.index, stage.name, ctx.source,
+             f" ({stage.quantization.mode})" if quantized else "")
+    built = build_stage_model(ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code)
+    lengths = check_lengths(data.train, built.processor, stage.data.max_length, data.train_source)
+    if data.eval is not None:
+        check_lengths(data.eval, built.processor, stage.data.max_length, data.eval_source or "")
+    counts = count_params_by_role(built.model, built.family)
+    log.info("  %s", _trainable_summary(counts))
+
+    report = {
+        "stage": stage.name,
+        "index": ctx.index,
+        "source": ctx.source,
+        "family": built.family.name,
+        "environment": ctx.env.describe(),
+        "decisions": [d.to_dict() for d in ctx.decisions],
+        "params_by_role": counts,
+        "lora_targets": built.lora_targets,
+        "data": {"train": data.train_source, "train_rows": len(data.train), "eval": data.eval_source,
+                 "eval_rows": len(data.eval) if data.eval is not None else 0,
+                 "max_sample_tokens": max(lengths)},
+    }
+    write_json(stage_dir / "report.json", report)
+
+    args = build_sft_config(stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None)
+    trainer = SFTTrainer(
+        model=built.model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        optimizers=(role_optimizer(built, stage), None),
+    )
+    apply_parallelism(trainer)
+
+    train_output = trainer.train()
+    eval_metrics = trainer.evaluate() if data.eval is not None else {}
+    metrics = _collect_metrics(trainer, train_output, eval_metrics, started)
+
+    log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
+    save_stage_outputs(ctx, built, trainer.model)
+    metrics["wall_time_s"] = round(time.time() - started, 2)
+    write_json(stage_dir / "metrics.json", metrics)
+    write_json(stage_dir / "report.json", report)
+    mark_done(stage_dir)
+    return metrics
+
+
+def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.Module) -> None:
+    provenance = read_provenance(ctx.source) + [{
+        "recipe": ctx.recipe.name,
+        "stage": ctx.stage.name,
+        "index": ctx.index,
+        "init_from": ctx.stage.init_from,
+        "source": ctx.source,
+        "train": {role: getattr(ctx.stage.train, role) for role in ("vision", "projector", "llm")},
+        "quantization": ctx.stage.quantization.mode,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }]
+    model = trained
+    if built.lora_targets:
+        adapter_dir = ctx.stage_dir / ADAPTER_DIR
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        trained.save_pretrained(str(adapter_dir))
+        if ctx.stage.quantization.mode != "none":
+            model = load_unquantized_with_adapter(built, adapter_dir, trained, ctx.recipe.trust_remote_code)
+    save_final_model(model, built.processor, ctx.stage_dir, built.source_dtype, provenance)
+
+
+def _collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:
+    history = trainer.state.log_history
+    curve = [{"step": e["step"], "loss": e["loss"]} for e in history if "loss" in e]
+    return {
+        "train_loss": train_output.training_loss,
+        "final_train_loss": curve[-1]["loss"] if curve else None,
+        "eval_loss": eval_metrics.get("eval_loss"),
+        "steps": trainer.state.global_step,
+        "epochs": trainer.state.epoch,
+        "train_runtime_s": train_output.metrics.get("train_runtime"),
+        "train_samples_per_second": train_output.metrics.get("train_samples_per_second"),
+        "loss_curve": curve,
+        "train_time_s": round(time.time() - started, 2),
+    }

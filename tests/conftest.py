@@ -1,0 +1,44 @@
+"""Shared fixtures: every test builds the demo model and data into a private cache, never the user's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_demo_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("vlm-recipes-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLM_RECIPES_CACHE", str(cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+        mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(private_demo_cache) -> Path:
+    from vlm_recipes.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture()
+def in_repo(monkeypatch):
+    """Run with the repository as working directory (recipes/ found as a user would)."""
+    monkeypatch.chdir(REPO)
+    return REPO
+
+
+def write_recipe(directory: Path, name: str, text: str) -> Path:
+    path = directory / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false")

@@ -1,0 +1,144 @@
+"""Recipe loading: every shipped YAML, reuse (`use`, `extends`), overrides and validation errors."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO, write_recipe
+
+from vlm_recipes.recipe import RecipeError, available_recipes, load_recipe
+
+SEEDS = ["r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_recipe_loads_and_validates(path):
+    recipe = load_recipe(str(path))
+    assert recipe.stages and recipe.description and recipe.model
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# Run: python scripts/train_recipe.py --recipe"), "YAML starts with its command"
+
+
+def test_seed_recipes_match_the_table():
+    r1, r2, r3, r4 = (load_recipe(n) for n in SEEDS)
+    (s1,) = r1.stages
+    assert (s1.quantization.mode, s1.train.vision, s1.train.llm) == ("4bit", "frozen", "lora")
+    (s2,) = r2.stages
+    assert (s2.quantization.mode, s2.train.vision, s2.train.llm) == ("none", "full", "frozen")
+    assert [s.name for s in r3.stages] == [s2.name, s1.name]
+    assert r3.stages[0].train == s2.train and r3.stages[1].train == s1.train
+    assert r3.stages[1].quantization == s1.quantization
+    assert r3.stages[1].init_from == "previous"  # r1 alone starts from base
+    assert r3.stages[0].training == s2.training  # r2's recipe-level defaults travel with its stage
+    (s4,) = r4.stages
+    assert (s4.quantization.mode, s4.train.vision, s4.train.llm) == ("4bit", "lora", "lora")
+
+
+def test_recipes_are_found_by_name():
+    assert set(SEEDS) <= set(available_recipes())
+
+
+def test_overrides_reach_every_stage_or_one_stage():
+    recipe = load_recipe(
+        "r3-two-stage",
+        ["training.epochs=3", "stages.llm-lora.lora.rank=4", "stages.1.training.learning_rate=1e-3",
+         "model=Qwen/Qwen2-VL-2B-Instruct", "data.train=/data/train.jsonl"],
+    )
+    assert recipe.model == "Qwen/Qwen2-VL-2B-Instruct"
+    assert [s.training.epochs for s in recipe.stages] == [3.0, 3.0]
+    assert [s.lora.rank for s in recipe.stages] == [16, 4]
+    assert recipe.stages[0].training.learning_rate == pytest.approx(1e-3)  # "1e-3" read as a number
+    assert {s.data.train for s in recipe.stages} == {"/data/train.jsonl"}
+
+
+def test_three_stage_recipe_reusing_stages(tmp_path):
+    path = write_recipe(tmp_path, "projector-vision-llm", """
+description: projector, then vision, then LoRA on the LLM
+model: demo:tiny-qwen2-vl
+training: {max_steps: 2}
+stages:
+  - name: projector
+    train: {projector: full}
+  - use: r2-vision-only:vision-full
+    train: {projector: frozen}
+  - use: r1-llm-only:llm-lora
+    init_from: previous
+""")
+    recipe = load_recipe(str(path))
+    assert [s.name for s in recipe.stages] == ["projector", "vision-full", "llm-lora"]
+    assert recipe.stages[1].train.vision == "full" and recipe.stages[1].train.projector == "frozen"
+    assert recipe.stages[1].init_from == "base"  # as r2 wrote it
+    assert recipe.stages[2].training.max_steps == 2  # this file's defaults apply to used stages
+
+
+def test_extends_inherits_and_overrides(tmp_path):
+    path = write_recipe(tmp_path, "r1-rank8", """
+extends: r1-llm-only
+description: r1 with a smaller LoRA
+lora: {rank: 8}
+""")
+    recipe = load_recipe(str(path))
+    assert recipe.stages[0].lora.rank == 8
+    assert recipe.stages[0].quantization.mode == "4bit"
+    assert recipe.description == "r1 with a smaller LoRA"
+
+
+BAD_RECIPES = [
+    ("stages:\n  - name: a\n    train: {llm: lora}\n    lora: {rnak: 4}\n", "stages[0].lora.rnak: unknown key; did you mean `rank`?"),
+    ("stages:\n  - name: a\n    train: {llm: lora}\n    training: {epochs: many}\n", "stages[0].training.epochs: expected a number"),
+    ("stages:\n  - name: a\n    train: {llm: lroa}\n", "must be one of frozen | lora | full, got 'lroa'; did you mean `lora`?"),
+    ("stages: []\n", "needs a non-empty list of stages"),
+    ("stages:\n  - name: a\n", "every role is frozen"),
+    ("stages:\n  - name: a\n    train: {llm: full}\n    quantization: {mode: 4bit}\n", "`full` training of a 4bit quantized role is impossible"),
+    ("stages:\n  - name: a\n    train: {llm: lora}\n    init_from: stage:b\n  - name: b\n    train: {llm: lora}\n", "stage `b` comes later"),
+    ("stages:\n  - use: r1-llm-only:nope\n", "recipe `r1-llm-only` has no stage `nope`"),
+    ("stages:\n  - use: r9-missing\n", "unknown recipe"),
+    ("modle: x\nstages:\n  - name: a\n    train: {llm: lora}\n", "modle: unknown key; did you mean `model`?"),
+    ("stages:\n  - name: a\n    train: {llm: lora}\n    training: {role_learning_rates: {visoin: 1.0e-5}}\n", "unknown role; did you mean `vision`?"),
+    ("stages:\n  - name: a\n    train: {llm: lora}\n  - name: a\n    train: {llm: lora}\n", "stage name `a` is used twice"),
+    ("stages:\n  - name: a\n    train: {llm: lora\n", "YAML syntax error"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_RECIPES, ids=[m[:30] for _, m in BAD_RECIPES])
+def test_bad_recipe_is_rejected_with_key_path_and_fix(tmp_path, text, message):
+    path = write_recipe(tmp_path, "bad", "model: demo:tiny-qwen2-vl\n" + text if "modle" not in text else text)
+    with pytest.raises(RecipeError) as error:
+        load_recipe(str(path))
+    assert message in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = write_recipe(tmp_path, "bad", """
+model: demo:tiny-qwen2-vl
+stages:
+  - name: a
+    train: {llm: lora}
+    lora: {rnak: 4}
+    training: {epochs: many, batch: 3}
+""")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(str(path))
+    assert len(error.value.problems) == 3
+
+
+def test_reuse_cycle_is_reported(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    write_recipe(tmp_path / "recipes", "loop-a", "model: demo:tiny-qwen2-vl\nextends: loop-b\nstages:\n  - name: a\n    train: {llm: lora}\n")
+    write_recipe(tmp_path / "recipes", "loop-b", "model: demo:tiny-qwen2-vl\nextends: loop-a\nstages:\n  - name: b\n    train: {llm: lora}\n")
+    with pytest.raises(RecipeError, match="cycle: loop-a → loop-b → loop-a"):
+        load_recipe("loop-a")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("stages.llm-lora.lora.rnak=3", "unknown key `rnak`; did you mean `rank`?"),
+    ("stages.nope.lora.rank=3", "no stage `nope`"),
+    ("trainig.epochs=2", "unknown key `trainig`; did you mean `training`?"),
+    ("training.epochs", "an override is key=value"),
+    ("training.epochs=lots", "expected a number, got 'lots'"),
+])
+def test_bad_override_is_rejected(override, message):
+    with pytest.raises(RecipeError) as error:
+        load_recipe("r3-two-stage", [override])
+    assert message in str(error.value)
