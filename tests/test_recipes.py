@@ -15,7 +15,9 @@ def test_every_shipped_recipe_loads_and_validates(path):
     recipe = load_recipe(str(path))
     assert recipe.stages and recipe.description and recipe.model
     first_line = path.read_text().splitlines()[0]
-    assert first_line.startswith("# Run: python scripts/train_recipe.py --recipe"), "YAML starts with its command"
+    assert first_line.startswith("# Run: python scripts/train_recipe.py --recipe"), (
+        "YAML starts with its command"
+    )
 
 
 def test_seed_recipes_match_the_table():
@@ -40,8 +42,13 @@ def test_recipes_are_found_by_name():
 def test_overrides_reach_every_stage_or_one_stage():
     recipe = load_recipe(
         "r3-two-stage",
-        ["training.epochs=3", "stages.llm-lora.lora.rank=4", "stages.1.training.learning_rate=1e-3",
-         "model=Qwen/Qwen2-VL-2B-Instruct", "data.train=/data/train.jsonl"],
+        [
+            "training.epochs=3",
+            "stages.llm-lora.lora.rank=4",
+            "stages.1.training.learning_rate=1e-3",
+            "model=Qwen/Qwen2-VL-2B-Instruct",
+            "data.train=/data/train.jsonl",
+        ],
     )
     assert recipe.model == "Qwen/Qwen2-VL-2B-Instruct"
     assert [s.training.epochs for s in recipe.stages] == [3.0, 3.0]
@@ -51,7 +58,10 @@ def test_overrides_reach_every_stage_or_one_stage():
 
 
 def test_three_stage_recipe_reusing_stages(tmp_path):
-    path = write_recipe(tmp_path, "projector-vision-llm", """
+    path = write_recipe(
+        tmp_path,
+        "projector-vision-llm",
+        """
 description: projector, then vision, then LoRA on the LLM
 model: demo:tiny-qwen2-vl
 training: {max_steps: 2}
@@ -62,7 +72,8 @@ stages:
     train: {projector: frozen}
   - use: r1-llm-only:llm-lora
     init_from: previous
-""")
+""",
+    )
     recipe = load_recipe(str(path))
     assert [s.name for s in recipe.stages] == ["projector", "vision-full", "llm-lora"]
     assert recipe.stages[1].train.vision == "full" and recipe.stages[1].train.projector == "frozen"
@@ -71,11 +82,15 @@ stages:
 
 
 def test_extends_inherits_and_overrides(tmp_path):
-    path = write_recipe(tmp_path, "r1-rank8", """
+    path = write_recipe(
+        tmp_path,
+        "r1-rank8",
+        """
 extends: r1-llm-only
 description: r1 with a smaller LoRA
 lora: {rank: 8}
-""")
+""",
+    )
     recipe = load_recipe(str(path))
     assert recipe.stages[0].lora.rank == 8
     assert recipe.stages[0].quantization.mode == "4bit"
@@ -83,25 +98,48 @@ lora: {rank: 8}
 
 
 BAD_RECIPES = [
-    ("stages:\n  - name: a\n    train: {llm: lora}\n    lora: {rnak: 4}\n", "stages[0].lora.rnak: unknown key; did you mean `rank`?"),
-    ("stages:\n  - name: a\n    train: {llm: lora}\n    training: {epochs: many}\n", "stages[0].training.epochs: expected a number"),
-    ("stages:\n  - name: a\n    train: {llm: lroa}\n", "must be one of frozen | lora | full, got 'lroa'; did you mean `lora`?"),
+    (
+        "stages:\n  - name: a\n    train: {llm: lora}\n    lora: {rnak: 4}\n",
+        "stages[0].lora.rnak: unknown key; did you mean `rank`?",
+    ),
+    (
+        "stages:\n  - name: a\n    train: {llm: lora}\n    training: {epochs: many}\n",
+        "stages[0].training.epochs: expected a number",
+    ),
+    (
+        "stages:\n  - name: a\n    train: {llm: lroa}\n",
+        "must be one of frozen | lora | full, got 'lroa'; did you mean `lora`?",
+    ),
     ("stages: []\n", "needs a non-empty list of stages"),
     ("stages:\n  - name: a\n", "every role is frozen"),
-    ("stages:\n  - name: a\n    train: {llm: full}\n    quantization: {mode: 4bit}\n", "`full` training of a 4bit quantized role is impossible"),
-    ("stages:\n  - name: a\n    train: {llm: lora}\n    init_from: stage:b\n  - name: b\n    train: {llm: lora}\n", "stage `b` comes later"),
+    (
+        "stages:\n  - name: a\n    train: {llm: full}\n    quantization: {mode: 4bit}\n",
+        "`full` training of a 4bit quantized role is impossible",
+    ),
+    (
+        "stages:\n  - name: a\n    train: {llm: lora}\n    init_from: stage:b\n  - name: b\n    train: {llm: lora}\n",
+        "stage `b` comes later",
+    ),
     ("stages:\n  - use: r1-llm-only:nope\n", "recipe `r1-llm-only` has no stage `nope`"),
     ("stages:\n  - use: r9-missing\n", "unknown recipe"),
     ("modle: x\nstages:\n  - name: a\n    train: {llm: lora}\n", "modle: unknown key; did you mean `model`?"),
-    ("stages:\n  - name: a\n    train: {llm: lora}\n    training: {role_learning_rates: {visoin: 1.0e-5}}\n", "unknown role; did you mean `vision`?"),
-    ("stages:\n  - name: a\n    train: {llm: lora}\n  - name: a\n    train: {llm: lora}\n", "stage name `a` is used twice"),
+    (
+        "stages:\n  - name: a\n    train: {llm: lora}\n    training: {role_learning_rates: {visoin: 1.0e-5}}\n",
+        "unknown role; did you mean `vision`?",
+    ),
+    (
+        "stages:\n  - name: a\n    train: {llm: lora}\n  - name: a\n    train: {llm: lora}\n",
+        "stage name `a` is used twice",
+    ),
     ("stages:\n  - name: a\n    train: {llm: lora\n", "YAML syntax error"),
 ]
 
 
 @pytest.mark.parametrize(("text", "message"), BAD_RECIPES, ids=[m[:30] for _, m in BAD_RECIPES])
 def test_bad_recipe_is_rejected_with_key_path_and_fix(tmp_path, text, message):
-    path = write_recipe(tmp_path, "bad", "model: demo:tiny-qwen2-vl\n" + text if "modle" not in text else text)
+    path = write_recipe(
+        tmp_path, "bad", "model: demo:tiny-qwen2-vl\n" + text if "modle" not in text else text
+    )
     with pytest.raises(RecipeError) as error:
         load_recipe(str(path))
     assert message in str(error.value)
@@ -109,14 +147,18 @@ def test_bad_recipe_is_rejected_with_key_path_and_fix(tmp_path, text, message):
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
-    path = write_recipe(tmp_path, "bad", """
+    path = write_recipe(
+        tmp_path,
+        "bad",
+        """
 model: demo:tiny-qwen2-vl
 stages:
   - name: a
     train: {llm: lora}
     lora: {rnak: 4}
     training: {epochs: many, batch: 3}
-""")
+""",
+    )
     with pytest.raises(RecipeError) as error:
         load_recipe(str(path))
     assert len(error.value.problems) == 3
@@ -125,19 +167,30 @@ stages:
 def test_reuse_cycle_is_reported(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipes").mkdir()
-    write_recipe(tmp_path / "recipes", "loop-a", "model: demo:tiny-qwen2-vl\nextends: loop-b\nstages:\n  - name: a\n    train: {llm: lora}\n")
-    write_recipe(tmp_path / "recipes", "loop-b", "model: demo:tiny-qwen2-vl\nextends: loop-a\nstages:\n  - name: b\n    train: {llm: lora}\n")
+    write_recipe(
+        tmp_path / "recipes",
+        "loop-a",
+        "model: demo:tiny-qwen2-vl\nextends: loop-b\nstages:\n  - name: a\n    train: {llm: lora}\n",
+    )
+    write_recipe(
+        tmp_path / "recipes",
+        "loop-b",
+        "model: demo:tiny-qwen2-vl\nextends: loop-a\nstages:\n  - name: b\n    train: {llm: lora}\n",
+    )
     with pytest.raises(RecipeError, match="cycle: loop-a → loop-b → loop-a"):
         load_recipe("loop-a")
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("stages.llm-lora.lora.rnak=3", "unknown key `rnak`; did you mean `rank`?"),
-    ("stages.nope.lora.rank=3", "no stage `nope`"),
-    ("trainig.epochs=2", "unknown key `trainig`; did you mean `training`?"),
-    ("training.epochs", "an override is key=value"),
-    ("training.epochs=lots", "expected a number, got 'lots'"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stages.llm-lora.lora.rnak=3", "unknown key `rnak`; did you mean `rank`?"),
+        ("stages.nope.lora.rank=3", "no stage `nope`"),
+        ("trainig.epochs=2", "unknown key `trainig`; did you mean `training`?"),
+        ("training.epochs", "an override is key=value"),
+        ("training.epochs=lots", "expected a number, got 'lots'"),
+    ],
+)
 def test_bad_override_is_rejected(override, message):
     with pytest.raises(RecipeError) as error:
         load_recipe("r3-two-stage", [override])

@@ -13,6 +13,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
+from transformers.image_utils import SizeDict
 
 from vlm_recipes.guards import DTYPES
 from vlm_recipes.roles import FamilyAdapter, adapter_for_model_type, lora_target_modules, params_by_role
@@ -42,14 +43,16 @@ def load_processor(source: str, data: DataSettings, trust_remote_code: bool = Fa
     processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     image_processor = processor.image_processor
     if data.min_pixels is not None or data.max_pixels is not None:
-        size = dict(image_processor.size)
+        # `size` is what the processor reads at call time (passing min/max_pixels per call is deprecated).
+        bounds = {
+            "shortest_edge": image_processor.size["shortest_edge"],
+            "longest_edge": image_processor.size["longest_edge"],
+        }
         if data.min_pixels is not None:
-            size["shortest_edge"] = data.min_pixels
+            bounds["shortest_edge"] = data.min_pixels
         if data.max_pixels is not None:
-            size["longest_edge"] = data.max_pixels
-        image_processor.size = size
-        # Older processors read these attributes instead of `size`.
-        image_processor.min_pixels, image_processor.max_pixels = size["shortest_edge"], size["longest_edge"]
+            bounds["longest_edge"] = data.max_pixels
+        image_processor.size = SizeDict(**bounds)
     return processor
 
 
@@ -89,7 +92,9 @@ def load_model(
     return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
 
 
-def apply_training_modes(model: nn.Module, stage: Stage, family: FamilyAdapter) -> tuple[nn.Module, list[str]]:
+def apply_training_modes(
+    model: nn.Module, stage: Stage, family: FamilyAdapter
+) -> tuple[nn.Module, list[str]]:
     """Freeze everything, add LoRA adapters to lora roles, unfreeze full roles.
 
     Returns the (possibly PEFT-wrapped) model and the LoRA target module names."""
@@ -141,7 +146,9 @@ def build_stage_model(
     )
 
 
-def load_unquantized_with_adapter(built: BuiltModel, adapter_dir: Path, trained: nn.Module, trust_remote_code: bool):
+def load_unquantized_with_adapter(
+    built: BuiltModel, adapter_dir: Path, trained: nn.Module, trust_remote_code: bool
+):
     """A full-precision copy of the stage's base with the trained adapter and fully trained weights,
     for merging: LoRA cannot be merged into 4-bit weights without rounding them."""
     base = AutoModelForImageTextToText.from_pretrained(

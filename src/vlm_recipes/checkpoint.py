@@ -56,7 +56,9 @@ def read_provenance(model_dir: str | Path) -> list[dict]:
     return read_json(path) if path.is_file() else []
 
 
-def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, dtype: torch.dtype, provenance: list[dict]) -> Path:
+def save_final_model(
+    model: torch.nn.Module, processor, stage_dir: Path, dtype: torch.dtype, provenance: list[dict]
+) -> Path:
     """Save a complete model directory that `from_pretrained` loads alone.
 
     A PEFT model is merged first (its adapter is saved beside final/ too). Written to final.partial/

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 DEFAULT_RECIPE = "r3-two-stage"
@@ -21,13 +22,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Overrides: key=value, e.g. model=Qwen/Qwen2-VL-2B-Instruct training.learning_rate=1e-4 "
         "stages.llm-lora.lora.rank=32 (a stage key without `stages.` applies to every stage).",
     )
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .yaml path (default: {DEFAULT_RECIPE})")
+    parser.add_argument(
+        "--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .yaml path (default: {DEFAULT_RECIPE})"
+    )
     parser.add_argument("--list", action="store_true", help="list the available recipes and exit")
-    parser.add_argument("--schema", action="store_true", help="print every recipe key with its meaning and exit")
+    parser.add_argument(
+        "--schema", action="store_true", help="print every recipe key with its meaning and exit"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the plan per stage without training")
     parser.add_argument("--epochs", type=float, help="epochs for every stage")
     parser.add_argument("--max-steps", type=int, help="stop every stage after this many optimizer steps")
-    parser.add_argument("--output-dir", default="runs", type=Path, help="where runs are written (default: runs/)")
+    parser.add_argument(
+        "--output-dir", default="runs", type=Path, help="where runs are written (default: runs/)"
+    )
     parser.add_argument("--run-name", help="run directory name (default: a timestamp)")
     parser.add_argument("--resume", action="store_true", help="continue the run named by --run-name")
     parser.add_argument("--gpu", help="GPU ids to use, e.g. 6,7 (sets CUDA_VISIBLE_DEVICES)")
@@ -36,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    # transformers 5.x renamed gradient checkpointing; PEFT and TRL still call the old names.
+    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # bitsandbytes warns on every CPU import that an optional kernels package is missing; its
@@ -77,10 +87,13 @@ def describe_schema() -> str:
         return out
 
     lines = ["# recipe file (top level)"] + walk(Recipe, "")
-    lines += [f"extends: null  # another recipe to start from", "stages:  # each stage:"]
+    lines += ["extends: null  # another recipe to start from", "stages:  # each stage:"]
     lines += walk(Stage, "  ")
-    lines += ["", f"# {', '.join(STAGE_DEFAULT_SECTIONS)} may also be set at the top level, as defaults for "
-              "every stage; `- use: recipe:stage` reuses a stage of another recipe."]
+    lines += [
+        "",
+        f"# {', '.join(STAGE_DEFAULT_SECTIONS)} may also be set at the top level, as defaults for "
+        "every stage; `- use: recipe:stage` reuses a stage of another recipe.",
+    ]
     return "\n".join(lines)
 
 
@@ -122,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("\ninterrupted: finished stages are kept; continue with --resume --run-name <name>", file=sys.stderr)
+        print(
+            "\ninterrupted: finished stages are kept; continue with --resume --run-name <name>",
+            file=sys.stderr,
+        )
         return 130
     print("\n" + format_summary(run_dir))
     return 0

@@ -92,11 +92,19 @@ def _check_rows(ds: datasets.Dataset, source: str, image_root: Path | None) -> N
         problem = row_problem(row, image_root)
         if problem:
             line = f"line {index + 1}" if Path(source).suffix == ".jsonl" else f"row {index}"
-            problems.append(f"{source}:{line}: {problem}" if "line" in line else f"{source} {line}: {problem}")
+            problems.append(
+                f"{source}:{line}: {problem}" if "line" in line else f"{source} {line}: {problem}"
+            )
     if problems:
         shown = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
-        more = f"\n  … and {len(problems) - MAX_LISTED_PROBLEMS} more" if len(problems) > MAX_LISTED_PROBLEMS else ""
-        raise DataError(f"{len(problems)} bad row(s) in {source}:\n  {shown}{more}\nFix or remove these rows.")
+        more = (
+            f"\n  … and {len(problems) - MAX_LISTED_PROBLEMS} more"
+            if len(problems) > MAX_LISTED_PROBLEMS
+            else ""
+        )
+        raise DataError(
+            f"{len(problems)} bad row(s) in {source}:\n  {shown}{more}\nFix or remove these rows."
+        )
 
 
 def load_split(source: str, split: str, max_samples: int | None) -> datasets.Dataset:
@@ -159,8 +167,12 @@ def _image_size(image) -> tuple[int, int]:
 def check_lengths(ds: datasets.Dataset, processor, max_length: int | None, source: str) -> list[int]:
     """Refuse samples longer than max_length: cutting through image tokens breaks the model
     ("image features and image tokens do not match"), and cutting the answer trains on nothing."""
-    lengths = sample_lengths(ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
-                             if "images" in ds.column_names else ds, processor)
+    lengths = sample_lengths(
+        ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
+        if "images" in ds.column_names
+        else ds,
+        processor,
+    )
     if max_length is not None:
         too_long = [(i, n) for i, n in enumerate(lengths) if n > max_length]
         if too_long:

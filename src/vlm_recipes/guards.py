@@ -60,7 +60,9 @@ def decide_precision(requested: str, env: Environment, quantized: bool) -> Decis
     """Pick the compute precision. An explicit request wins, unless the hardware cannot do it."""
     if requested != "auto":
         if requested == "fp16" and env.device == "cpu":
-            raise GuardError("precision fp16 was requested but this machine has no GPU: use bf16 or fp32 on CPU")
+            raise GuardError(
+                "precision fp16 was requested but this machine has no GPU: use bf16 or fp32 on CPU"
+            )
         if requested == "bf16" and env.device == "cuda" and not env.bf16_supported:
             raise GuardError(
                 f"precision bf16 was requested but {env.gpu_name or 'this GPU'} does not support it: "
@@ -72,7 +74,9 @@ def decide_precision(requested: str, env: Environment, quantized: bool) -> Decis
         if env.bf16_supported:
             return Decision("precision", "bf16", f"GPU supports bf16; {kind}")
         return Decision("precision", "fp16", "GPU does not support bf16; fp16 autocast with loss scaling")
-    return Decision("precision", "fp32", "CPU: fp32 is exact and, for small models, no slower than bf16 autocast")
+    return Decision(
+        "precision", "fp32", "CPU: fp32 is exact and, for small models, no slower than bf16 autocast"
+    )
 
 
 def decide_parallelism(env: Environment) -> Decision:

@@ -32,7 +32,9 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
     counts = count_params_by_role(model, family)
     run_dir = run_dir_for(recipe, options)
     plans = []
-    for index, (stage, stage_dir) in enumerate(zip(recipe.stages, stage_dirs(recipe, run_dir), strict=True), 1):
+    for index, (stage, stage_dir) in enumerate(
+        zip(recipe.stages, stage_dirs(recipe, run_dir), strict=True), 1
+    ):
         roles = {}
         lora_roles = {r: stage.lora.targets.get(r, []) for r in ROLES if getattr(stage.train, r) == "lora"}
         lora_params = {r: 0 for r in ROLES}
@@ -40,7 +42,9 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             modules = dict(model.named_modules())
             for name in lora_target_modules(model, family, lora_roles):
                 layer = modules[name]
-                lora_params[family.role_of(name)] += stage.lora.rank * (layer.in_features + layer.out_features)
+                lora_params[family.role_of(name)] += stage.lora.rank * (
+                    layer.in_features + layer.out_features
+                )
         for role in ROLES:
             mode = getattr(stage.train, role)
             total = counts[role]["total"]
@@ -51,22 +55,25 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             precision = f"{decision.choice} ({decision.reason})"
         except GuardError as exc:
             precision = f"ERROR: {exc}"
-        plans.append({
-            "index": index,
-            "name": stage.name,
-            "source": describe_source(recipe, stage, index),
-            "roles": roles,
-            "quantization": stage.quantization.mode if stage.quantization.mode == "none"
-            else f"{stage.quantization.mode} {stage.quantization.quant_type}, kept unquantized: "
-                 f"{', '.join(stage.quantization.skip_roles) or 'nothing'}",
-            "precision": precision,
-            "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
-            "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
-            "training": f"{stage.training.epochs:g} epoch(s), lr {stage.training.learning_rate:g}, "
-                        f"batch {stage.training.per_device_batch_size} × accum "
-                        f"{stage.training.gradient_accumulation_steps}",
-            "output_dir": str(Path(stage_dir)),
-        })
+        plans.append(
+            {
+                "index": index,
+                "name": stage.name,
+                "source": describe_source(recipe, stage, index),
+                "roles": roles,
+                "quantization": stage.quantization.mode
+                if stage.quantization.mode == "none"
+                else f"{stage.quantization.mode} {stage.quantization.quant_type}, kept unquantized: "
+                f"{', '.join(stage.quantization.skip_roles) or 'nothing'}",
+                "precision": precision,
+                "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
+                "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
+                "training": f"{stage.training.epochs:g} epoch(s), lr {stage.training.learning_rate:g}, "
+                f"batch {stage.training.per_device_batch_size} × accum "
+                f"{stage.training.gradient_accumulation_steps}",
+                "output_dir": str(Path(stage_dir)),
+            }
+        )
     return plans
 
 
@@ -76,7 +83,9 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
         lines.append(f"stage {p['index']}: {p['name']}  (from {p['source']})")
         for role, r in p["roles"].items():
             share = f"{100 * r['trainable'] / r['total']:.1f}%" if r["total"] else "-"
-            lines.append(f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})")
+            lines.append(
+                f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})"
+            )
         for key in ("quantization", "precision", "lora", "data", "training", "output_dir"):
             lines.append(f"    {key:<13} {p[key]}")
         lines.append("")

@@ -102,7 +102,11 @@ def find_recipe_file(name_or_path: str) -> Path:
     hint = did_you_mean(name_or_path, recipes)
     listing = ", ".join(recipes) or "none"
     raise RecipeError(
-        [Problem(name_or_path, f"unknown recipe{hint} Available: {listing} (or pass a path to a .yaml file)")],
+        [
+            Problem(
+                name_or_path, f"unknown recipe{hint} Available: {listing} (or pass a path to a .yaml file)"
+            )
+        ],
         "Cannot load recipe",
     )
 
@@ -117,7 +121,9 @@ def read_yaml(path: Path) -> dict:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError([Problem(str(path), "a recipe must be a mapping of keys (description, model, stages…)")])
+        raise RecipeError(
+            [Problem(str(path), "a recipe must be a mapping of keys (description, model, stages…)")]
+        )
     return data
 
 
@@ -147,7 +153,9 @@ def _read_extended(path: Path, chain: tuple[str, ...], problems: list[Problem]) 
     """A recipe file's keys with its `extends` chain merged underneath (the file's own keys win)."""
     data = read_yaml(path)
     for unknown in set(data) - set(RECIPE_FILE_KEYS):
-        problems.append(Problem(f"{path}: {unknown}", f"unknown key{did_you_mean(unknown, RECIPE_FILE_KEYS)}"))
+        problems.append(
+            Problem(f"{path}: {unknown}", f"unknown key{did_you_mean(unknown, RECIPE_FILE_KEYS)}")
+        )
     if "extends" not in data:
         return data
     own = {k: v for k, v in data.items() if k != "extends"}
@@ -193,7 +201,9 @@ def _load_raw(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> _R
     for i, entry in enumerate(stages_raw):
         where = f"{path}: stages[{i}]"
         if not isinstance(entry, dict):
-            problems.append(Problem(where, "each stage must be a mapping (name, train, …) or {use: recipe:stage}"))
+            problems.append(
+                Problem(where, "each stage must be a mapping (name, train, …) or {use: recipe:stage}")
+            )
             continue
         if "use" not in entry:
             stages.append(({}, entry))
@@ -202,7 +212,9 @@ def _load_raw(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> _R
     return _RawRecipe(path, top, stages)
 
 
-def _expand_use(entry: dict, where: str, chain: tuple[str, ...], problems: list[Problem]) -> list[tuple[dict, dict]]:
+def _expand_use(
+    entry: dict, where: str, chain: tuple[str, ...], problems: list[Problem]
+) -> list[tuple[dict, dict]]:
     ref = entry["use"]
     local = {k: v for k, v in entry.items() if k != "use"}
     if not isinstance(ref, str):
@@ -220,14 +232,20 @@ def _expand_use(entry: dict, where: str, chain: tuple[str, ...], problems: list[
         if not picked:
             names = [s[1].get("name", "?") for s in used.stages]
             problems.append(
-                Problem(f"{where}.use", f"recipe `{recipe_name}` has no stage `{stage_name}`"
-                        f"{did_you_mean(stage_name, names)} Its stages: {', '.join(names)}")
+                Problem(
+                    f"{where}.use",
+                    f"recipe `{recipe_name}` has no stage `{stage_name}`"
+                    f"{did_you_mean(stage_name, names)} Its stages: {', '.join(names)}",
+                )
             )
             return []
     if local and len(picked) > 1:
         problems.append(
-            Problem(f"{where}", f"`use: {ref}` brings {len(picked)} stages; name one (`{recipe_name}:<stage>`) "
-                    "to override its keys")
+            Problem(
+                f"{where}",
+                f"`use: {ref}` brings {len(picked)} stages; name one (`{recipe_name}:<stage>`) "
+                "to override its keys",
+            )
         )
         return []
     return [(deep_merge(used_defaults, inherited), deep_merge(keys, local)) for inherited, keys in picked]
@@ -253,8 +271,9 @@ def resolve_recipe_dict(name_or_path: str) -> tuple[Path, dict]:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
-        raise RecipeError([Problem(text, "an override is key=value, e.g. training.learning_rate=1e-4")],
-                          "Bad override")
+        raise RecipeError(
+            [Problem(text, "an override is key=value, e.g. training.learning_rate=1e-4")], "Bad override"
+        )
     key, _, value_text = text.partition("=")
     try:
         value = yaml.safe_load(value_text) if value_text.strip() else ""
@@ -314,8 +333,13 @@ def _select_stage(stages: list[dict], selector: str, where: str, problems: list[
         if stage.get("name") == selector:
             return [stage]
     names = [str(s.get("name")) for s in stages]
-    problems.append(Problem(where, f"no stage `{selector}`{did_you_mean(selector, names)} "
-                            f"Stages: {', '.join(names)} (or their 1-based index)"))
+    problems.append(
+        Problem(
+            where,
+            f"no stage `{selector}`{did_you_mean(selector, names)} "
+            f"Stages: {', '.join(names)} (or their 1-based index)",
+        )
+    )
     return []
 
 
@@ -353,7 +377,9 @@ def convert(hint: Any, value: Any, where: str, problems: list[Problem]) -> Any:
         choices = typing.get_args(hint)
         if value not in choices:
             hint_text = did_you_mean(str(value), [str(c) for c in choices])
-            problems.append(Problem(where, f"must be one of {' | '.join(map(str, choices))}, got {value!r}{hint_text}"))
+            problems.append(
+                Problem(where, f"must be one of {' | '.join(map(str, choices))}, got {value!r}{hint_text}")
+            )
         return value
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -420,13 +446,22 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
     for i, stage in enumerate(recipe.stages):
         at = f"{where}: stages[{i}]"
         if not STAGE_NAME_RE.match(stage.name or ""):
-            problems.append(Problem(f"{at}.name", f"a stage needs a name of letters, digits, - and _ (got {stage.name!r})"))
+            problems.append(
+                Problem(
+                    f"{at}.name", f"a stage needs a name of letters, digits, - and _ (got {stage.name!r})"
+                )
+            )
         elif stage.name in seen:
             problems.append(Problem(f"{at}.name", f"stage name `{stage.name}` is used twice"))
         modes = {role: getattr(stage.train, role) for role in ROLES}
         if all(mode == "frozen" for mode in modes.values()):
-            problems.append(Problem(f"{at}.train", "every role is frozen, nothing would be trained: "
-                                    "set vision, projector or llm to lora or full"))
+            problems.append(
+                Problem(
+                    f"{at}.train",
+                    "every role is frozen, nothing would be trained: "
+                    "set vision, projector or llm to lora or full",
+                )
+            )
         if stage.init_from.startswith("stage:"):
             ref = stage.init_from.removeprefix("stage:")
             if ref not in seen:
@@ -436,19 +471,35 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
         quant = stage.quantization
         for part in quant.skip_roles:
             if part not in QUANT_SKIPPABLE:
-                problems.append(Problem(f"{at}.quantization.skip_roles", f"unknown part `{part}`"
-                                        f"{did_you_mean(part, QUANT_SKIPPABLE)} Parts: {', '.join(QUANT_SKIPPABLE)}"))
+                problems.append(
+                    Problem(
+                        f"{at}.quantization.skip_roles",
+                        f"unknown part `{part}`"
+                        f"{did_you_mean(part, QUANT_SKIPPABLE)} Parts: {', '.join(QUANT_SKIPPABLE)}",
+                    )
+                )
         if quant.mode != "none":
             for role, mode in modes.items():
                 if mode == "full" and role not in quant.skip_roles:
-                    problems.append(Problem(f"{at}.train.{role}", f"`full` training of a {quant.mode} quantized "
-                                            f"role is impossible: use lora, or add `{role}` to quantization.skip_roles"))
-        for section, mapping in (("lora.targets", stage.lora.targets),
-                                 ("training.role_learning_rates", stage.training.role_learning_rates)):
+                    problems.append(
+                        Problem(
+                            f"{at}.train.{role}",
+                            f"`full` training of a {quant.mode} quantized "
+                            f"role is impossible: use lora, or add `{role}` to quantization.skip_roles",
+                        )
+                    )
+        for section, mapping in (
+            ("lora.targets", stage.lora.targets),
+            ("training.role_learning_rates", stage.training.role_learning_rates),
+        ):
             for role in mapping:
                 if role not in ROLES:
-                    problems.append(Problem(f"{at}.{section}.{role}", f"unknown role{did_you_mean(role, ROLES)} "
-                                            f"Roles: {', '.join(ROLES)}"))
+                    problems.append(
+                        Problem(
+                            f"{at}.{section}.{role}",
+                            f"unknown role{did_you_mean(role, ROLES)} Roles: {', '.join(ROLES)}",
+                        )
+                    )
         if stage.lora.rank < 1:
             problems.append(Problem(f"{at}.lora.rank", "must be at least 1"))
         if stage.training.per_device_batch_size < 1:
@@ -467,7 +518,9 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
     if overrides:
         resolved = apply_overrides(resolved, overrides)
     problems: list[Problem] = []
-    stages = [convert(Stage, s, f"{path}: stages[{i}]", problems) for i, s in enumerate(resolved.pop("stages"))]
+    stages = [
+        convert(Stage, s, f"{path}: stages[{i}]", problems) for i, s in enumerate(resolved.pop("stages"))
+    ]
     name = resolved.pop("name")
     recipe = convert(Recipe, resolved, str(path), problems)
     if not problems:

@@ -97,7 +97,9 @@ def linear_modules_of_role(model: nn.Module, family: FamilyAdapter, role: str) -
     return names
 
 
-def lora_target_modules(model: nn.Module, family: FamilyAdapter, lora_roles: dict[str, list[str]]) -> list[str]:
+def lora_target_modules(
+    model: nn.Module, family: FamilyAdapter, lora_roles: dict[str, list[str]]
+) -> list[str]:
     """Full module names for PEFT's `target_modules`.
 
     `lora_roles` maps each role in lora mode to the suffixes to adapt (empty: all its linear layers).

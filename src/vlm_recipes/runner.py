@@ -23,8 +23,18 @@ from vlm_recipes.schema import Recipe, Stage
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("vlm-recipes", "torch", "torchvision", "transformers", "trl", "peft", "accelerate",
-             "datasets", "bitsandbytes", "tokenizers")
+LIBRARIES = (
+    "vlm-recipes",
+    "torch",
+    "torchvision",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "tokenizers",
+)
 
 
 class RunExistsError(RuntimeError):
@@ -84,8 +94,13 @@ def library_versions() -> dict[str, str]:
 
 def git_sha() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -139,8 +154,13 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
             if stage_dir.exists():  # an interrupted attempt: start the stage again from scratch
                 log.info("stage %d `%s`: unfinished earlier attempt removed", index, stage.name)
                 shutil.rmtree(stage_dir)
-            log.info("stage %d/%d `%s` from %s", index, len(recipe.stages), stage.name,
-                     describe_source(recipe, stage, index))
+            log.info(
+                "stage %d/%d `%s` from %s",
+                index,
+                len(recipe.stages),
+                stage.name,
+                describe_source(recipe, stage, index),
+            )
             metrics = run_stage(StageContext(recipe, stage, index, stage_dir, source, env))
         manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
         write_json(run_dir / "run.json", manifest)
@@ -159,7 +179,9 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         "dir": str(stage_dir),
         "source": source,
         "final_model": str(stage_dir / FINAL_DIR),
-        **{k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")},
+        **{
+            k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
+        },
     }
 
 
@@ -167,8 +189,12 @@ def format_summary(run_dir: Path) -> str:
     """The table printed at the end of a run."""
     manifest = read_json(run_dir / "run.json")
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'time':>7}"
-    lines = [f"Recipe {manifest['recipe']} finished: {len(manifest['stages'])} stage(s)", "", header,
-             "-" * len(header)]
+    lines = [
+        f"Recipe {manifest['recipe']} finished: {len(manifest['stages'])} stage(s)",
+        "",
+        header,
+        "-" * len(header),
+    ]
     for s in manifest["stages"]:
         lines.append(
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "

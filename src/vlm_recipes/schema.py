@@ -68,7 +68,9 @@ class DataSettings:
     eval_split: str = doc("split name when `eval` is a hub dataset id", "test")
     max_train_samples: int | None = doc("use only the first N training rows (quick runs)", None)
     max_eval_samples: int | None = doc("use only the first N eval rows", None)
-    min_pixels: int | None = doc("image processor lower bound on pixels per image; null: the model's own", None)
+    min_pixels: int | None = doc(
+        "image processor lower bound on pixels per image; null: the model's own", None
+    )
     max_pixels: int | None = doc(
         "image processor upper bound on pixels per image (28*28*256 = 256 visual tokens for Qwen2-VL); "
         "null: the model's own",
@@ -98,7 +100,9 @@ class TrainingSettings:
         "dtype of fully trained parameters: fp32 master weights, or the compute dtype (less memory)", "fp32"
     )
     seed: int = doc("random seed for weights init of adapters, data order and dropout", 42)
-    report_to: list[str] = doc("logging integrations: tensorboard, wandb, mlflow, none", factory=lambda: ["none"])
+    report_to: list[str] = doc(
+        "logging integrations: tensorboard, wandb, mlflow, none", factory=lambda: ["none"]
+    )
 
 
 @dataclass
@@ -114,7 +118,8 @@ class Stage:
     lora: LoraSettings = doc("LoRA settings, used by roles in lora mode", factory=LoraSettings)
     quantization: QuantizationSettings = doc("how the base weights are loaded", factory=QuantizationSettings)
     precision: Precision = doc(
-        "compute precision: auto picks bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU", "auto"
+        "compute precision: auto picks bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU",
+        "auto",
     )
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
@@ -124,8 +129,12 @@ class Stage:
 class Recipe:
     name: str = doc("recipe name (the file name without .yaml)", "")
     description: str = doc("one line shown by --list", "")
-    model: str = doc("base model: demo:tiny-qwen2-vl, a hub id (Qwen/Qwen2-VL-2B-Instruct) or a directory", "")
-    trust_remote_code: bool = doc("run code shipped with the model repository (off unless you trust it)", False)
+    model: str = doc(
+        "base model: demo:tiny-qwen2-vl, a hub id (Qwen/Qwen2-VL-2B-Instruct) or a directory", ""
+    )
+    trust_remote_code: bool = doc(
+        "run code shipped with the model repository (off unless you trust it)", False
+    )
     stages: list[Stage] = doc("the stages, run in order", factory=list)
     source_file: str = ""  # where the recipe was loaded from (not a YAML key)
 

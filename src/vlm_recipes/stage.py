@@ -39,7 +39,9 @@ class StageContext:
     decisions: list[Decision] = field(default_factory=list)
 
 
-def build_sft_config(stage: Stage, output_dir: Path, precision: str, env: Environment, has_eval: bool) -> SFTConfig:
+def build_sft_config(
+    stage: Stage, output_dir: Path, precision: str, env: Environment, has_eval: bool
+) -> SFTConfig:
     t = stage.training
     return SFTConfig(
         output_dir=str(output_dir),
@@ -63,8 +65,8 @@ def build_sft_config(stage: Stage, output_dir: Path, precision: str, env: Enviro
         seed=t.seed,
         data_seed=t.seed,
         report_to=[r for r in t.report_to if r != "none"] or "none",
-        gradient_checkpointing=t.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
         # Lengths are checked before training (data.check_lengths): the collator must never truncate
         # through image tokens.
         max_length=None,
@@ -84,7 +86,9 @@ def role_optimizer(built: BuiltModel, stage: Stage) -> torch.optim.Optimizer | N
         trainable = [p for _, p in params if p.requires_grad]
         if trainable:
             lr = role_lrs.get(role, stage.training.learning_rate)
-            groups.append({"params": trainable, "lr": lr, "weight_decay": stage.training.weight_decay, "role": role})
+            groups.append(
+                {"params": trainable, "lr": lr, "weight_decay": stage.training.weight_decay, "role": role}
+            )
     return torch.optim.AdamW(groups, lr=stage.training.learning_rate)
 
 
@@ -109,9 +113,16 @@ def run_stage(ctx: StageContext) -> dict:
     for decision in ctx.decisions:
         log.info("  %s", decision)
 
-    log.info("stage %d `%s`: loading %s%s", ctx.index, stage.name, ctx.source,
-             f" ({stage.quantization.mode})" if quantized else "")
-    built = build_stage_model(ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code)
+    log.info(
+        "stage %d `%s`: loading %s%s",
+        ctx.index,
+        stage.name,
+        ctx.source,
+        f" ({stage.quantization.mode})" if quantized else "",
+    )
+    built = build_stage_model(
+        ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code
+    )
     lengths = check_lengths(data.train, built.processor, stage.data.max_length, data.train_source)
     if data.eval is not None:
         check_lengths(data.eval, built.processor, stage.data.max_length, data.eval_source or "")
@@ -127,13 +138,19 @@ def run_stage(ctx: StageContext) -> dict:
         "decisions": [d.to_dict() for d in ctx.decisions],
         "params_by_role": counts,
         "lora_targets": built.lora_targets,
-        "data": {"train": data.train_source, "train_rows": len(data.train), "eval": data.eval_source,
-                 "eval_rows": len(data.eval) if data.eval is not None else 0,
-                 "max_sample_tokens": max(lengths)},
+        "data": {
+            "train": data.train_source,
+            "train_rows": len(data.train),
+            "eval": data.eval_source,
+            "eval_rows": len(data.eval) if data.eval is not None else 0,
+            "max_sample_tokens": max(lengths),
+        },
     }
     write_json(stage_dir / "report.json", report)
 
-    args = build_sft_config(stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None)
+    args = build_sft_config(
+        stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None
+    )
     trainer = SFTTrainer(
         model=built.model,
         args=args,
@@ -158,16 +175,18 @@ def run_stage(ctx: StageContext) -> dict:
 
 
 def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.Module) -> None:
-    provenance = read_provenance(ctx.source) + [{
-        "recipe": ctx.recipe.name,
-        "stage": ctx.stage.name,
-        "index": ctx.index,
-        "init_from": ctx.stage.init_from,
-        "source": ctx.source,
-        "train": {role: getattr(ctx.stage.train, role) for role in ("vision", "projector", "llm")},
-        "quantization": ctx.stage.quantization.mode,
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }]
+    provenance = read_provenance(ctx.source) + [
+        {
+            "recipe": ctx.recipe.name,
+            "stage": ctx.stage.name,
+            "index": ctx.index,
+            "init_from": ctx.stage.init_from,
+            "source": ctx.source,
+            "train": {role: getattr(ctx.stage.train, role) for role in ("vision", "projector", "llm")},
+            "quantization": ctx.stage.quantization.mode,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+    ]
     model = trained
     if built.lora_targets:
         adapter_dir = ctx.stage_dir / ADAPTER_DIR

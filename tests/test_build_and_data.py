@@ -1,0 +1,141 @@
+"""Model building (roles, LoRA targets, quantization scope, per-role learning rates) and data checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vlm_recipes.build import build_stage_model, load_processor
+from vlm_recipes.data import DataError, check_lengths, load_split, sample_lengths
+from vlm_recipes.recipe import load_recipe
+from vlm_recipes.roles import QWEN2_VL, UnsupportedModelError, adapter_for_model_type
+from vlm_recipes.schema import DataSettings
+from vlm_recipes.stage import role_optimizer
+
+
+def test_roles_use_the_longest_prefix():
+    assert QWEN2_VL.role_of("model.visual.blocks.0.attn.qkv.weight") == "vision"
+    assert QWEN2_VL.role_of("model.visual.merger.mlp.0.weight") == "projector"
+    assert QWEN2_VL.role_of("model.language_model.layers.0.mlp.up_proj.weight") == "llm"
+    assert QWEN2_VL.role_of("lm_head.weight") == "llm"
+    assert QWEN2_VL.role_of("model.visualizer.x") is None  # a prefix matches whole name parts only
+
+
+def test_quantization_skip_list_uses_full_module_paths():
+    # `visual` alone still quantizes the tower (bitsandbytes matches full paths), and lm_head must be
+    # named: any explicit skip list replaces transformers' default skips.
+    skip = QWEN2_VL.quantization_skip_modules(["vision", "projector", "lm_head"])
+    assert skip == ["model.visual", "model.visual.merger", "lm_head"]
+
+
+def test_unknown_family_lists_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="Supported: qwen2_vl, qwen2_5_vl"):
+        adapter_for_model_type("llava")
+
+
+def test_joint_lora_stage_builds_adapters_per_role_and_keeps_vision_unquantized(demo_model_dir):
+    stage = load_recipe("r4-joint").stages[0]
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
+    roles_with_lora = {QWEN2_VL.role_of(t) for t in built.lora_targets}
+    assert roles_with_lora == {"vision", "projector", "llm"}
+    assert not any(t.startswith("lm_head") for t in built.lora_targets)
+    for name, param in built.model.named_parameters():
+        plain = name.removeprefix("base_model.model.")
+        assert param.requires_grad == ("lora_" in name), name
+        if param.dtype == torch.uint8:  # 4-bit weights: only inside the language model's decoder
+            assert QWEN2_VL.role_of(plain) == "llm" and not plain.startswith("lm_head"), name
+
+    optimizer = role_optimizer(built, stage)
+    rates = {group["role"]: group["lr"] for group in optimizer.param_groups}
+    assert rates == {
+        "vision": pytest.approx(5e-5),
+        "projector": pytest.approx(2e-4),
+        "llm": pytest.approx(2e-4),
+    }
+
+
+def test_full_stage_keeps_fp32_master_weights_for_trained_roles(demo_model_dir):
+    stage = load_recipe("r2-vision-only", ["precision=bf16"]).stages[0]
+    built = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
+    for name, param in built.model.named_parameters():
+        role = QWEN2_VL.role_of(name)
+        if role in ("vision", "projector"):
+            assert param.requires_grad and param.dtype == torch.float32, name
+        else:
+            assert not param.requires_grad and param.dtype == torch.bfloat16, name
+
+
+def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
+    processor = load_processor(
+        str(demo_model_dir), DataSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9)
+    )
+    ds = load_split("demo:eval", "test", 6)
+    predicted = sample_lengths(ds, processor)
+    for row, expected in zip(ds, predicted, strict=True):
+        messages = [
+            {
+                "role": m["role"],
+                "content": [
+                    dict(c, image=row["images"][0]) if c["type"] == "image" else c for c in m["content"]
+                ],
+            }
+            for m in row["messages"]
+        ]
+        out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+        assert out["input_ids"].shape[1] == expected
+        assert (out["image_grid_thw"].prod(-1) // 4).item() <= 9
+
+
+def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
+    processor = load_processor(str(demo_model_dir), DataSettings())
+    ds = load_split("demo:train", "train", 8)
+    with pytest.raises(DataError, match=r"longer than data.max_length=10: row 0 \(\d+ tokens\)"):
+        check_lengths(ds, processor, 10, "demo:train")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD = {
+    "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+    ],
+    "images": ["a.png"],
+}
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"images": []}, "line 2: no `messages` list"),
+        ({**GOOD, "messages": GOOD["messages"][:1]}, "line 2: no assistant turn"),
+        ({**GOOD, "images": []}, "line 2: 1 image parts in messages but 0 images"),
+        ({**GOOD, "images": ["missing.png"]}, "line 2: image not found"),
+    ],
+)
+def test_bad_rows_are_named_by_file_and_line(tmp_path, row, message):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56)).save(tmp_path / "a.png")
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD, row])
+    with pytest.raises(DataError) as error:
+        load_split(str(path), "train", None)
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_user_jsonl_with_relative_images_loads(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), "red").save(tmp_path / "a.png")
+    ds = load_split(str(write_jsonl(tmp_path / "train.jsonl", [GOOD, GOOD])), "train", None)
+    assert len(ds) == 2 and ds[0]["images"][0].size == (56, 56)
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="data file not found"):
+        load_split(str(tmp_path / "nope.jsonl"), "train", None)
