@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_logging() -> None:
     # transformers 5.x renamed gradient checkpointing; PEFT and TRL still call the old names.
-    warnings.filterwarnings("ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning
+    )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )

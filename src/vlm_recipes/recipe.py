@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from vlm_recipes.demo import DEMO_MODEL_ID
 from vlm_recipes.schema import (
     QUANT_SKIPPABLE,
     RECIPE_FILE_KEYS,
@@ -111,18 +112,27 @@ def find_recipe_file(name_or_path: str) -> Path:
     )
 
 
+def display_path(path: Path | str) -> str:
+    """A path as the user would type it: relative to the working directory when inside it."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        where = f"{display_path(path)}:{mark.line + 1}" if mark else display_path(path)
         raise RecipeError([Problem(where, f"YAML syntax error: {exc}")], "Cannot read recipe") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError(
-            [Problem(str(path), "a recipe must be a mapping of keys (description, model, stages…)")]
+            [Problem(display_path(path), "a recipe must be a mapping of keys (description, model, stages…)")]
         )
     return data
 
@@ -154,12 +164,14 @@ def _read_extended(path: Path, chain: tuple[str, ...], problems: list[Problem]) 
     data = read_yaml(path)
     for unknown in set(data) - set(RECIPE_FILE_KEYS):
         problems.append(
-            Problem(f"{path}: {unknown}", f"unknown key{did_you_mean(unknown, RECIPE_FILE_KEYS)}")
+            Problem(
+                f"{display_path(path)}: {unknown}", f"unknown key{did_you_mean(unknown, RECIPE_FILE_KEYS)}"
+            )
         )
     if "extends" not in data:
         return data
     own = {k: v for k, v in data.items() if k != "extends"}
-    parent_path = _find_in_chain(data["extends"], chain, problems, f"{path}: extends")
+    parent_path = _find_in_chain(data["extends"], chain, problems, f"{display_path(path)}: extends")
     if parent_path is None:
         return own
     parent = _read_extended(parent_path, (*chain, str(parent_path.resolve())), problems)
@@ -195,11 +207,11 @@ def _load_raw(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> _R
     top = {k: v for k, v in data.items() if k != "stages" and k in RECIPE_FILE_KEYS}
     stages_raw = data.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
-        problems.append(Problem(f"{path}: stages", "a recipe needs a non-empty list of stages"))
+        problems.append(Problem(f"{display_path(path)}: stages", "a recipe needs a non-empty list of stages"))
         return _RawRecipe(path, top, [])
     stages: list[tuple[dict, dict]] = []
     for i, entry in enumerate(stages_raw):
-        where = f"{path}: stages[{i}]"
+        where = f"{display_path(path)}: stages[{i}]"
         if not isinstance(entry, dict):
             problems.append(
                 Problem(where, "each stage must be a mapping (name, train, …) or {use: recipe:stage}")
@@ -256,7 +268,7 @@ def resolve_recipe_dict(name_or_path: str) -> tuple[Path, dict]:
     problems: list[Problem] = []
     raw = _load_raw(find_recipe_file(name_or_path), (), problems)
     if problems:
-        raise RecipeError(problems, f"Recipe {raw.path} is not valid")
+        raise RecipeError(problems, f"Recipe {display_path(raw.path)} is not valid")
     defaults = {k: v for k, v in raw.top.items() if k in STAGE_DEFAULT_SECTIONS}
     stages = [deep_merge(deep_merge(inherited, defaults), keys) for inherited, keys in raw.stages]
     resolved = {k: v for k, v in raw.top.items() if k not in STAGE_DEFAULT_SECTIONS}
@@ -438,10 +450,22 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
 # Semantic checks: what types cannot say
 
 
+def _model_source_problem(source: str) -> str | None:
+    """Why a model source cannot be found, judged without touching the network."""
+    if source.startswith("demo:") and source != DEMO_MODEL_ID:
+        return f"unknown demo model `{source}`: the embedded default is {DEMO_MODEL_ID}"
+    looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
+    if looks_local and not (Path(source).expanduser() / "config.json").is_file():
+        return f"`{source}` is not a model directory (no config.json there)"
+    return None
+
+
 def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
     problems: list[Problem] = []
     if not recipe.model:
         problems.append(Problem(f"{where}: model", "no model given: set `model:` (e.g. demo:tiny-qwen2-vl)"))
+    elif problem := _model_source_problem(recipe.model):
+        problems.append(Problem(f"{where}: model", problem))
     seen: list[str] = []
     for i, stage in enumerate(recipe.stages):
         at = f"{where}: stages[{i}]"
@@ -462,12 +486,22 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
                     "set vision, projector or llm to lora or full",
                 )
             )
-        if stage.init_from.startswith("stage:"):
-            ref = stage.init_from.removeprefix("stage:")
+        init = stage.init_from
+        if init.startswith("stage:"):
+            ref = init.removeprefix("stage:")
             if ref not in seen:
                 later = ref in [s.name for s in recipe.stages]
                 why = "comes later; a stage can only start from an earlier one" if later else "does not exist"
                 problems.append(Problem(f"{at}.init_from", f"stage `{ref}` {why}{did_you_mean(ref, seen)}"))
+        if init not in ("base", "previous") and not init.startswith("stage:"):
+            if problem := _model_source_problem(init):
+                problems.append(Problem(f"{at}.init_from", problem))
+        for key in ("train", "eval"):
+            source = getattr(stage.data, key)
+            if source and source.startswith("demo:") and source not in ("demo:train", "demo:eval"):
+                problems.append(
+                    Problem(f"{at}.data.{key}", f"unknown demo data `{source}`: use demo:train or demo:eval")
+                )
         quant = stage.quantization
         for part in quant.skip_roles:
             if part not in QUANT_SKIPPABLE:
@@ -519,15 +553,16 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         resolved = apply_overrides(resolved, overrides)
     problems: list[Problem] = []
     stages = [
-        convert(Stage, s, f"{path}: stages[{i}]", problems) for i, s in enumerate(resolved.pop("stages"))
+        convert(Stage, s, f"{display_path(path)}: stages[{i}]", problems)
+        for i, s in enumerate(resolved.pop("stages"))
     ]
     name = resolved.pop("name")
-    recipe = convert(Recipe, resolved, str(path), problems)
+    recipe = convert(Recipe, resolved, display_path(path), problems)
     if not problems:
         recipe.name, recipe.stages, recipe.source_file = name, stages, str(path)
-        problems = check_recipe(recipe, str(path))
+        problems = check_recipe(recipe, display_path(path))
     if problems:
-        raise RecipeError(problems, f"Recipe {path} is not valid")
+        raise RecipeError(problems, f"Recipe {display_path(path)} is not valid")
     return recipe
 
 
