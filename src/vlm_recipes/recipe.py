@@ -493,9 +493,9 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
                 later = ref in [s.name for s in recipe.stages]
                 why = "comes later; a stage can only start from an earlier one" if later else "does not exist"
                 problems.append(Problem(f"{at}.init_from", f"stage `{ref}` {why}{did_you_mean(ref, seen)}"))
-        if init not in ("base", "previous") and not init.startswith("stage:"):
-            if problem := _model_source_problem(init):
-                problems.append(Problem(f"{at}.init_from", problem))
+        is_model_source = init not in ("base", "previous") and not init.startswith("stage:")
+        if is_model_source and (problem := _model_source_problem(init)):
+            problems.append(Problem(f"{at}.init_from", problem))
         for key in ("train", "eval"):
             source = getattr(stage.data, key)
             if source and source.startswith("demo:") and source not in ("demo:train", "demo:eval"):
