@@ -86,6 +86,16 @@ def test_seed_recipe_trains_exactly_its_roles(seed_runs, recipe):
         metrics = read_json(stage_dir / "metrics.json")
         assert metrics["loss_curve"] and all(p["loss"] > 0 for p in metrics["loss_curve"])
         assert_stage_trained_what_it_should(stage, recipe_stage)
+        dtypes = read_json(stage_dir / "report.json")["dtypes_after_training"]
+        assert set(dtypes["trainable"]) == {"fp32"}, (
+            "trainable weights keep fp32 masters (LoRA: fp32 adapters)"
+        )
+        precision = next(
+            d["choice"]
+            for d in read_json(stage_dir / "report.json")["decisions"]
+            if d["guard"] == "precision"
+        )
+        assert set(dtypes["frozen"]) <= {precision, "uint8"}, "frozen weights are in the compute dtype"
 
 
 def test_run_manifest_records_provenance(seed_runs):
@@ -153,7 +163,8 @@ def test_final_model_loads_alone_and_generates(seed_runs):
     assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
-def test_new_three_stage_recipe_runs_without_code(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_new_three_stage_recipe_runs_without_code(tmp_path, precision):
     path = write_recipe(
         tmp_path,
         "projector-vision-llm",
@@ -168,11 +179,13 @@ stages:
   - use: r2-vision-only:vision-full
     init_from: previous
     train: {projector: frozen}
+    training: {gradient_checkpointing: true}
   - use: r1-llm-only:llm-lora
     init_from: previous
 """,
     )
-    run_dir = run_cli(str(path), tmp_path / "runs")
+    # fp32 merges in place; bf16 rounds frozen weights while training, so final/ is rebuilt from the source
+    run_dir = run_cli(str(path), tmp_path / "runs", f"precision={precision}")
     manifest = read_json(run_dir / "run.json")
     assert [s["name"] for s in manifest["stages"]] == ["projector", "vision-full", "llm-lora"]
     for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):

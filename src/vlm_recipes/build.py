@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 from transformers.image_utils import SizeDict
 
-from vlm_recipes.guards import DTYPES
+from vlm_recipes.guards import DTYPES, keep_fp32_patterns, matches_any
 from vlm_recipes.roles import FamilyAdapter, adapter_for_model_type, lora_target_modules, params_by_role
 from vlm_recipes.schema import ROLES, DataSettings, QuantizationSettings, Stage
 
@@ -76,7 +76,7 @@ def quantization_config(
 
 def load_model(
     source: str,
-    stage: Stage,
+    quantization: QuantizationSettings,
     family: FamilyAdapter,
     compute_dtype: torch.dtype,
     device: str,
@@ -84,7 +84,7 @@ def load_model(
 ) -> nn.Module:
     """Load weights in the compute dtype (frozen weights need nothing more), quantized if asked."""
     kwargs = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
-    qconfig = quantization_config(stage.quantization, family, compute_dtype)
+    qconfig = quantization_config(quantization, family, compute_dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
     if device == "cuda":
@@ -130,7 +130,7 @@ def build_stage_model(
     family, config = detect_family(source, trust_remote_code)
     compute_dtype = DTYPES[compute_precision]
     processor = load_processor(source, stage.data, trust_remote_code)
-    model = load_model(source, stage, family, compute_dtype, device, trust_remote_code)
+    model = load_model(source, stage.quantization, family, compute_dtype, device, trust_remote_code)
     model, targets = apply_training_modes(model, stage, family)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
     if isinstance(source_dtype, str):
@@ -146,11 +146,21 @@ def build_stage_model(
     )
 
 
-def load_unquantized_with_adapter(
-    built: BuiltModel, adapter_dir: Path, trained: nn.Module, trust_remote_code: bool
-):
-    """A full-precision copy of the stage's base with the trained adapter and fully trained weights,
-    for merging: LoRA cannot be merged into 4-bit weights without rounding them."""
+def model_for_final(
+    built: BuiltModel,
+    trained: nn.Module,
+    adapter_dir: Path | None,
+    quantized: bool,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """The stage's result as a plain model in the source checkpoint's dtype, LoRA merged.
+
+    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's),
+    the result is rebuilt on a fresh full-precision load of the source: frozen weights come back exactly
+    as they were, fully trained weights are copied in, and the adapter is merged into unrounded weights."""
+    if not quantized and built.compute_dtype == built.source_dtype:
+        model = trained.merge_and_unload() if isinstance(trained, PeftModel) else trained
+        return cast_model(model, built.source_dtype)
     base = AutoModelForImageTextToText.from_pretrained(
         built.source, dtype=built.source_dtype, trust_remote_code=trust_remote_code
     )
@@ -159,9 +169,19 @@ def load_unquantized_with_adapter(
         for name, p in trained.named_parameters()
         if p.requires_grad and "lora_" not in name
     }
-    if trained_state:  # fully trained roles (never quantized) carry their new weights over
-        base_params = dict(base.named_parameters())
-        with torch.no_grad():
-            for name, value in trained_state.items():
-                base_params[name].copy_(value.detach().to(base_params[name].dtype).cpu())
-    return PeftModel.from_pretrained(base, str(adapter_dir))
+    base_params = dict(base.named_parameters())
+    with torch.no_grad():
+        for name, value in trained_state.items():  # fully trained roles are never quantized
+            base_params[name].copy_(value.detach().to(base_params[name].dtype).cpu())
+    if adapter_dir is None:
+        return base
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters to `dtype`, leaving the model's strict fp32 modules in fp32."""
+    keep = keep_fp32_patterns(model, dtype)
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype and not (keep and matches_any(name, keep)):
+            param.data = param.data.to(dtype)
+    return model

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 
 FINAL_DIR = "final"
 ADAPTER_DIR = "adapter"
@@ -56,19 +55,13 @@ def read_provenance(model_dir: str | Path) -> list[dict]:
     return read_json(path) if path.is_file() else []
 
 
-def save_final_model(
-    model: torch.nn.Module, processor, stage_dir: Path, dtype: torch.dtype, provenance: list[dict]
-) -> Path:
+def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, provenance: list[dict]) -> Path:
     """Save a complete model directory that `from_pretrained` loads alone.
 
-    A PEFT model is merged first (its adapter is saved beside final/ too). Written to final.partial/
-    and renamed, so final/ exists only when whole."""
+    Written to final.partial/ and renamed, so final/ exists only when whole."""
     final = stage_dir / FINAL_DIR
     partial = stage_dir / (FINAL_DIR + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    if isinstance(model, PeftModel):
-        model = model.merge_and_unload()
-    model = model.to(dtype)
     model.save_pretrained(partial)
     processor.save_pretrained(partial)
     write_json(partial / PROVENANCE_FILE, provenance)

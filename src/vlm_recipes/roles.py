@@ -120,13 +120,13 @@ def count_params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, d
     """Total and trainable parameter counts per role (4-bit weights counted as stored elements × 2)."""
     counts = {}
     for role, params in params_by_role(model, family).items():
-        total = sum(_numel(p) for _, p in params)
-        trainable = sum(_numel(p) for _, p in params if p.requires_grad)
+        total = sum(stored_numel(p) for _, p in params)
+        trainable = sum(stored_numel(p) for _, p in params if p.requires_grad)
         counts[role] = {"total": total, "trainable": trainable}
     return counts
 
 
-def _numel(param: torch.Tensor) -> int:
+def stored_numel(param: torch.Tensor) -> int:
     # bitsandbytes packs two 4-bit values per uint8 element.
     if param.dtype == torch.uint8 and hasattr(param, "quant_state"):
         return param.numel() * 2

@@ -12,7 +12,7 @@ import torch
 import transformers
 from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.build import BuiltModel, build_stage_model, load_unquantized_with_adapter
+from vlm_recipes.build import BuiltModel, build_stage_model, model_for_final
 from vlm_recipes.checkpoint import (
     ADAPTER_DIR,
     mark_done,
@@ -21,7 +21,20 @@ from vlm_recipes.checkpoint import (
     write_json,
 )
 from vlm_recipes.data import StageData, check_lengths, load_stage_data
-from vlm_recipes.guards import Decision, Environment, apply_parallelism, decide_parallelism, decide_precision
+from vlm_recipes.guards import (
+    Decision,
+    Environment,
+    apply_parallelism,
+    apply_trainable_dtype,
+    cast_frozen_to_compute,
+    check_precision_agrees,
+    decide_parallelism,
+    decide_precision,
+    dtype_histogram,
+    place_tensors,
+    verify_quantization_scope,
+)
+from vlm_recipes.inspect import inspect_model
 from vlm_recipes.roles import count_params_by_role, params_by_role
 from vlm_recipes.schema import Recipe, Stage
 
@@ -97,6 +110,45 @@ def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
     return "trainable/total per role: " + ", ".join(parts)
 
 
+def apply_guards(built: BuiltModel, stage: Stage, precision: str, env: Environment) -> list[Decision]:
+    """The after-loading guards, in order; each returns its decision or raises GuardError."""
+    device = (
+        torch.device(f"cuda:{torch.cuda.current_device()}") if env.device == "cuda" else torch.device("cpu")
+    )
+    quant = stage.quantization
+    return [
+        verify_quantization_scope(built.model, built.family, quant.mode, quant.skip_roles),
+        cast_frozen_to_compute(built.model, built.compute_dtype),
+        apply_trainable_dtype(
+            built.model, stage.training.trainable_dtype, built.compute_dtype, "after loading"
+        ),
+        place_tensors(built.model, device),
+        check_precision_agrees(precision, built.model),
+    ]
+
+
+def build_trainer(
+    built: BuiltModel, stage: Stage, args: SFTConfig, data: StageData, decisions: list[Decision] | None = None
+) -> SFTTrainer:
+    """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
+    apply_parallelism(args)
+    trainer = SFTTrainer(
+        model=built.model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        optimizers=(role_optimizer(built, stage), None),
+    )
+    decision = apply_trainable_dtype(
+        trainer.model, stage.training.trainable_dtype, built.compute_dtype, "after SFTTrainer was built"
+    )
+    log.info("  %s", decision)
+    if decisions is not None:
+        decisions.append(decision)
+    return trainer
+
+
 def run_stage(ctx: StageContext) -> dict:
     """Train one stage and write its directory; returns the stage's metrics."""
     stage, stage_dir = ctx.stage, ctx.stage_dir
@@ -110,8 +162,6 @@ def run_stage(ctx: StageContext) -> dict:
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env)]
-    for decision in ctx.decisions:
-        log.info("  %s", decision)
 
     log.info(
         "stage %d `%s`: loading %s%s",
@@ -123,6 +173,9 @@ def run_stage(ctx: StageContext) -> dict:
     built = build_stage_model(
         ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code
     )
+    ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env)
+    for decision in ctx.decisions:
+        log.info("  %s", decision)
     lengths = check_lengths(data.train, built.processor, stage.data.max_length, data.train_source)
     if data.eval is not None:
         check_lengths(data.eval, built.processor, stage.data.max_length, data.eval_source or "")
@@ -137,6 +190,7 @@ def run_stage(ctx: StageContext) -> dict:
         "environment": ctx.env.describe(),
         "decisions": [d.to_dict() for d in ctx.decisions],
         "params_by_role": counts,
+        "inspection": inspect_model(built.model, built.family, ctx.env, quantized),
         "lora_targets": built.lora_targets,
         "data": {
             "train": data.train_source,
@@ -151,19 +205,11 @@ def run_stage(ctx: StageContext) -> dict:
     args = build_sft_config(
         stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None
     )
-    trainer = SFTTrainer(
-        model=built.model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        optimizers=(role_optimizer(built, stage), None),
-    )
-    apply_parallelism(trainer)
-
+    trainer = build_trainer(built, stage, args, data, ctx.decisions)
     train_output = trainer.train()
     eval_metrics = trainer.evaluate() if data.eval is not None else {}
     metrics = _collect_metrics(trainer, train_output, eval_metrics, started)
+    report["dtypes_after_training"] = dtype_histogram(built.model)
 
     log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
     save_stage_outputs(ctx, built, trainer.model)
@@ -187,14 +233,14 @@ def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.M
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
     ]
-    model = trained
+    adapter_dir = None
     if built.lora_targets:
         adapter_dir = ctx.stage_dir / ADAPTER_DIR
         shutil.rmtree(adapter_dir, ignore_errors=True)
         trained.save_pretrained(str(adapter_dir))
-        if ctx.stage.quantization.mode != "none":
-            model = load_unquantized_with_adapter(built, adapter_dir, trained, ctx.recipe.trust_remote_code)
-    save_final_model(model, built.processor, ctx.stage_dir, built.source_dtype, provenance)
+    quantized = ctx.stage.quantization.mode != "none"
+    model = model_for_final(built, trained, adapter_dir, quantized, ctx.recipe.trust_remote_code)
+    save_final_model(model, built.processor, ctx.stage_dir, provenance)
 
 
 def _collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:
