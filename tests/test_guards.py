@@ -329,3 +329,14 @@ def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir
     )
     assert lora_dtypes(trainer.model) == {torch.float32}
     assert "were bf16" in decisions[-1].reason
+
+
+def test_frozen_buffers_follow_their_module_and_rotary_frequencies_stay_fp32(demo_model_dir):
+    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir)  # fp32 checkpoint
+    model.requires_grad_(False)
+    norm = model.model.language_model.norm
+    norm.register_buffer("scale", torch.ones(1))  # a float buffer beside a frozen weight
+    cast_frozen_to_compute(model, torch.bfloat16)
+    assert norm.weight.dtype == torch.bfloat16 and norm.scale.dtype == torch.bfloat16
+    # A module without parameters keeps its buffers: rotary frequencies in bf16 would blur positions.
+    assert model.model.language_model.rotary_emb.inv_freq.dtype == torch.float32
