@@ -46,6 +46,12 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
+    os.replace(tmp, path)
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 import typing
 import warnings
 from pathlib import Path
@@ -23,8 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
         "stages.llm-lora.lora.rank=32 (a stage key without `stages.` applies to every stage).",
     )
     parser.add_argument(
-        "--recipe", default=DEFAULT_RECIPE, help=f"recipe name or .yaml path (default: {DEFAULT_RECIPE})"
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help=f"recipe name or .yaml path, or several separated by commas (default: {DEFAULT_RECIPE})",
     )
+    parser.add_argument("--all", action="store_true", help="run every available recipe, then compare them")
+    parser.add_argument("--seeds", help="run each recipe once per seed, e.g. 0,1,2 (compared as mean ± std)")
     parser.add_argument("--list", action="store_true", help="list the available recipes and exit")
     parser.add_argument(
         "--schema", action="store_true", help="print every recipe key with its meaning and exit"
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vlm_recipes.data import DataError
     from vlm_recipes.guards import GuardError
-    from vlm_recipes.recipe import RecipeError, load_recipe
+    from vlm_recipes.recipe import RecipeError, available_recipes, load_recipe
     from vlm_recipes.roles import UnsupportedModelError
     from vlm_recipes.runner import RunExistsError, RunOptions, format_summary, run_recipe
 
@@ -124,15 +129,30 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"training.epochs={args.epochs}")
     if args.max_steps is not None:
         overrides.append(f"training.max_steps={args.max_steps}")
-    options = RunOptions(output_dir=args.output_dir, run_name=args.run_name, resume=args.resume)
+    names = (
+        list(available_recipes()) if args.all else [n.strip() for n in args.recipe.split(",") if n.strip()]
+    )
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+    base_name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        # Every recipe is loaded and validated before the first one trains.
+        jobs = []
+        for name in names:
+            for seed in seeds:
+                extra = [f"training.seed={seed}"] if seed is not None else []
+                run_name = base_name if seed is None else f"{base_name}-seed{seed}"
+                jobs.append((load_recipe(name, overrides + extra), run_name))
         if args.dry_run:
             from vlm_recipes.plan import format_plan, plan_recipe
 
-            print(format_plan(recipe, plan_recipe(recipe, options)))
+            for recipe, run_name in jobs:
+                options = RunOptions(args.output_dir, run_name, args.resume)
+                print(format_plan(recipe, plan_recipe(recipe, options)))
             return 0
-        run_dir = run_recipe(recipe, options)
+        run_dirs = []
+        for recipe, run_name in jobs:
+            run_dirs.append(run_recipe(recipe, RunOptions(args.output_dir, run_name, args.resume)))
+            print("\n" + format_summary(run_dirs[-1]))
     except (RecipeError, DataError, GuardError, UnsupportedModelError, RunExistsError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -142,5 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    print("\n" + format_summary(run_dir))
+    if len(run_dirs) > 1:
+        from vlm_recipes.report import format_comparison, write_comparison
+
+        comparison, markdown, png = write_comparison(run_dirs, args.output_dir / "comparisons" / base_name)
+        print("\n" + format_comparison(comparison))
+        print(f"\nComparison: {markdown}\nPlot:       {png}")
     return 0

@@ -12,6 +12,8 @@ the assistant tokens only, marked by the chat template's generation markers.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +139,14 @@ def load_stage_data(settings: DataSettings) -> StageData:
     if settings.eval:
         eval_ds = load_split(settings.eval, settings.eval_split, settings.max_eval_samples)
     return StageData(train=train, eval=eval_ds, train_source=settings.train, eval_source=settings.eval)
+
+
+def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
+    """Identifies an eval set, so runs measured on different data are never compared as equals."""
+    digest = hashlib.sha256()
+    for row in ds.select_columns([c for c in ("id", "messages") if c in ds.column_names]):
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return f"{source}|{len(ds)} rows|{digest.hexdigest()[:12]}"
 
 
 def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:

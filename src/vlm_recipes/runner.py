@@ -188,7 +188,7 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
 def format_summary(run_dir: Path) -> str:
     """The table printed at the end of a run."""
     manifest = read_json(run_dir / "run.json")
-    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'time':>7}"
+    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11} {'time':>7}"
     lines = [
         f"Recipe {manifest['recipe']} finished: {len(manifest['stages'])} stage(s)",
         "",
@@ -198,11 +198,11 @@ def format_summary(run_dir: Path) -> str:
     for s in manifest["stages"]:
         lines.append(
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "
-            f"{_num(s['eval_loss']):>9} {(s['wall_time_s'] or 0):>6.1f}s"
+            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11} {(s['wall_time_s'] or 0):>6.1f}s"
         )
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
     return "\n".join(lines)
 
 
-def _num(value) -> str:
-    return "-" if value is None else f"{value:.4f}"
+def _num(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -101,7 +101,19 @@ class TrainingSettings:
     )
     seed: int = doc("random seed for weights init of adapters, data order and dropout", 42)
     report_to: list[str] = doc(
-        "logging integrations: tensorboard, wandb, mlflow, none", factory=lambda: ["none"]
+        "logging integrations: tensorboard (offline, under checkpoints/runs/), wandb, mlflow, none",
+        factory=lambda: ["tensorboard"],
+    )
+
+
+@dataclass
+class EvaluationSettings:
+    generate: bool = doc("after the stage, generate answers for the eval split and score them", True)
+    max_new_tokens: int = doc("longest generated answer", 64)
+    batch_size: int = doc("prompts per generation batch", 8)
+    numeric_tolerance: float = doc("relative tolerance when comparing numbers in JSON answers", 0.01)
+    eval_steps: int | None = doc(
+        "also compute eval loss every N optimizer steps; null: at the end only", None
     )
 
 
@@ -123,6 +135,7 @@ class Stage:
     )
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
+    evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
 
 
 @dataclass
@@ -140,6 +153,6 @@ class Recipe:
 
 
 # Stage sections a recipe file may also set at its top level, as defaults for every stage.
-STAGE_DEFAULT_SECTIONS = ("data", "training", "precision", "quantization", "lora")
+STAGE_DEFAULT_SECTIONS = ("data", "training", "evaluation", "precision", "quantization", "lora")
 # Every key a recipe file may hold at its top level.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

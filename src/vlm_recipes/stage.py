@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from vlm_recipes.checkpoint import (
     read_provenance,
     save_final_model,
     write_json,
+    write_jsonl,
 )
-from vlm_recipes.data import StageData, check_lengths, load_stage_data
+from vlm_recipes.data import StageData, check_lengths, dataset_signature, load_stage_data
+from vlm_recipes.evaluate import evaluate_generation
 from vlm_recipes.guards import (
     Decision,
     Environment,
@@ -70,7 +73,9 @@ def build_sft_config(
         max_grad_norm=t.max_grad_norm,
         logging_steps=t.logging_steps,
         logging_first_step=True,
-        eval_strategy="no",  # evaluated once at the end of the stage
+        # Eval loss at the end of the stage, and every `eval_steps` if the recipe asks.
+        eval_strategy="steps" if has_eval and stage.evaluation.eval_steps else "no",
+        eval_steps=stage.evaluation.eval_steps,
         save_strategy="no",  # the stage saves final/ itself
         bf16=precision == "bf16",
         fp16=precision == "fp16",
@@ -206,10 +211,17 @@ def run_stage(ctx: StageContext) -> dict:
         stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None
     )
     trainer = build_trainer(built, stage, args, data, ctx.decisions)
+    reset_peak_memory(ctx.env)
     train_output = trainer.train()
     eval_metrics = trainer.evaluate() if data.eval is not None else {}
     metrics = _collect_metrics(trainer, train_output, eval_metrics, started)
+    metrics["peak_memory"] = peak_memory(ctx.env)
+    metrics["params_by_role"] = counts
     report["dtypes_after_training"] = dtype_histogram(built.model)
+    if data.eval is not None:
+        metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
+        if stage.evaluation.generate:
+            metrics["eval"] = evaluate_stage(trainer.model, built, stage, data, stage_dir)
 
     log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
     save_stage_outputs(ctx, built, trainer.model)
@@ -243,17 +255,65 @@ def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.M
     save_final_model(model, built.processor, ctx.stage_dir, provenance)
 
 
+def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stage_dir: Path) -> dict:
+    """Greedy answers for the eval split, scored; predictions saved beside the metrics."""
+    settings = stage.evaluation
+    # The same autocast as training: trainable fp32 and frozen half-precision weights meet in one forward.
+    autocast = built.compute_dtype if built.compute_dtype != torch.float32 else None
+    scores, records = evaluate_generation(
+        model,
+        built.processor,
+        data.eval,
+        settings.max_new_tokens,
+        settings.batch_size,
+        settings.numeric_tolerance,
+        desc=f"evaluating {stage.name}",
+        autocast_dtype=autocast,
+    )
+    write_jsonl(stage_dir / "predictions.jsonl", records)
+    overall = scores["all"]
+    fields = overall.get("json_fields")
+    log.info(
+        "  eval: exact match %.3f on %d rows%s",
+        overall["exact_match"],
+        overall["rows"],
+        f"; JSON field F1 {fields['f1']:.3f}" if fields else "",
+    )
+    return scores
+
+
 def _collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:
     history = trainer.state.log_history
     curve = [{"step": e["step"], "loss": e["loss"]} for e in history if "loss" in e]
+    eval_curve = [{"step": e["step"], "loss": e["eval_loss"]} for e in history if "eval_loss" in e]
+    runtime = train_output.metrics.get("train_runtime") or 0.0
+    tokens = max((e.get("num_tokens", 0) for e in history), default=0)  # TRL counts non-padding tokens
     return {
         "train_loss": train_output.training_loss,
         "final_train_loss": curve[-1]["loss"] if curve else None,
         "eval_loss": eval_metrics.get("eval_loss"),
         "steps": trainer.state.global_step,
         "epochs": trainer.state.epoch,
-        "train_runtime_s": train_output.metrics.get("train_runtime"),
+        "train_runtime_s": runtime,
         "train_samples_per_second": train_output.metrics.get("train_samples_per_second"),
+        "train_tokens_per_second": tokens / runtime if runtime else None,
         "loss_curve": curve,
+        "eval_loss_curve": eval_curve,
         "train_time_s": round(time.time() - started, 2),
     }
+
+
+def reset_peak_memory(env: Environment) -> None:
+    if env.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(env: Environment) -> dict:
+    """GPU: peak allocated/reserved during the stage. CPU: the process's peak RSS so far."""
+    if env.device == "cuda":
+        return {
+            "device": "cuda",
+            "allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    return {"device": "cpu", "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -1,0 +1,88 @@
+"""`python scripts/predict.py`: run a trained model on an image + prompt, or on a data file, with the
+same prompting, decoding and scoring as the evaluation after each stage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vlm_recipes.checkpoint import FINAL_DIR, read_json, write_jsonl
+
+
+def resolve_model_dir(path: str) -> str:
+    """A run directory (its final model), a stage directory (its final/), a model directory or id."""
+    from vlm_recipes.demo import resolve_model_source
+
+    candidate = Path(path)
+    if (candidate / "run.json").is_file():
+        manifest = read_json(candidate / "run.json")
+        if "final_model" not in manifest:
+            raise FileNotFoundError(f"{path}: the run has not finished, so it has no final model yet")
+        return manifest["final_model"]
+    if (candidate / FINAL_DIR / "config.json").is_file():
+        return str(candidate / FINAL_DIR)
+    return resolve_model_source(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="predict.py", description=__doc__)
+    parser.add_argument("--model", required=True, help="run dir, stage dir, model dir, or model id")
+    parser.add_argument("--image", type=Path, action="append", default=[], help="image file (repeatable)")
+    parser.add_argument("--prompt", help="the question")
+    parser.add_argument("--data", help="a .jsonl file (or demo:eval) to answer and score instead")
+    parser.add_argument("--max-samples", type=int, help="with --data: only the first N rows")
+    parser.add_argument("--output", type=Path, help="with --data: write predictions.jsonl here")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+    if bool(args.data) == bool(args.prompt):
+        parser.error("give --prompt (with --image) or --data")
+
+    from vlm_recipes.cli import setup_logging
+
+    setup_logging()
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from vlm_recipes.data import DataError, load_split
+    from vlm_recipes.evaluate import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.guards import DTYPES, Environment, decide_precision
+
+    try:
+        model_dir = resolve_model_dir(args.model)
+        env = Environment.detect()
+        dtype = DTYPES[decide_precision("auto", env, quantized=False).choice]
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=dtype, device_map="auto" if env.device == "cuda" else None
+        )
+        processor = AutoProcessor.from_pretrained(model_dir)
+        if args.data:
+            rows = load_split(args.data, "test", args.max_samples)
+            scores, records = evaluate_generation(
+                model, processor, rows, args.max_new_tokens, args.batch_size, 0.01
+            )
+            for record in records:
+                print(
+                    f"[{record['id']}] {record['prompt']}\n  → {record['output']}   (reference: {record['reference']})"
+                )
+            overall = scores["all"]
+            print(
+                f"\nexact match {overall['exact_match']:.3f} on {overall['rows']} rows"
+                + (f"; JSON field F1 {overall['json_fields']['f1']:.3f}" if "json_fields" in overall else "")
+            )
+            if args.output:
+                write_jsonl(args.output, records)
+            return 0
+        missing = [str(p) for p in args.image if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"image not found: {', '.join(missing)}")
+        content = [{"type": "image", "image": Image.open(p).convert("RGB")} for p in args.image]
+        content.append({"type": "text", "text": args.prompt})
+        prompt = Prompt(id="cli", messages=[{"role": "user", "content": content}])
+        (answer,) = generate_answers(model, processor, [prompt], args.max_new_tokens, 1)
+        print(answer)
+        return 0
+    except (OSError, DataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
