@@ -182,6 +182,7 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         **{
             k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
         },
+        "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
     }
 
 
