@@ -340,3 +340,46 @@ def test_frozen_buffers_follow_their_module_and_rotary_frequencies_stay_fp32(dem
     assert norm.weight.dtype == torch.bfloat16 and norm.scale.dtype == torch.bfloat16
     # A module without parameters keeps its buffers: rotary frequencies in bf16 would blur positions.
     assert model.model.language_model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def _train_step_after_eval_pass(model, processor, rows):
+    model.eval()
+    with torch.no_grad():
+        _forward_in_worker_thread(model, processor, rows)  # an eval pass (any thread)
+    model.train()
+    messages = [
+        [
+            {
+                "role": m["role"],
+                "content": [
+                    dict(c, image=r["images"][0]) if c["type"] == "image" else c for c in m["content"]
+                ],
+            }
+            for m in r["messages"]
+        ]
+        for r in rows
+    ]
+    inputs = processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs={"padding": True}
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs, labels=inputs["input_ids"]).loss
+    loss.backward()
+
+
+def test_cpu_4bit_training_survives_an_eval_pass(demo_model_dir):
+    """bitsandbytes repacks 4-bit weights for CPU inference in place (AVX512-BF16 CPUs) and the next
+    training step fails; the guard keeps the weights trainable."""
+    stage = load_recipe("r1-llm-only").stages[0]
+    rows = list(load_stage_data(stage.data).train.select(range(2)))
+
+    unguarded = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
+    repacks = any(getattr(m, "support_avx512bf16_for_cpu", False) for m in unguarded.model.modules())
+    if repacks:  # only CPUs with native bf16 take bitsandbytes' repacking path
+        with pytest.raises(RuntimeError, match="in-place operation"):
+            _train_step_after_eval_pass(unguarded.model, unguarded.processor, rows)
+
+    built = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
+    decisions = apply_guards(built, stage, "bf16", CPU)
+    assert any(d.guard == "cpu-4bit" for d in decisions) == repacks
+    _train_step_after_eval_pass(built.model, built.processor, rows)

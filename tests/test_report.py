@@ -15,7 +15,13 @@ from vlm_recipes.report import compare_runs, load_run
 from vlm_recipes.report import main as compare_main
 
 pytestmark = pytest.mark.e2e
-QUICK = ["--max-steps", "2", "training.per_device_batch_size=4", "data.max_eval_samples=8"]
+QUICK = [
+    "--max-steps",
+    "2",
+    "training.per_device_batch_size=4",
+    "data.max_eval_samples=8",
+    "evaluation.eval_steps=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +77,11 @@ def test_stage_metrics_and_predictions_are_written(sweep):
     ):
         assert metrics.get(key) is not None, key
     assert set(metrics["eval"]) >= {"all", "task:shapes", "task:nutrition"}
+    assert [p["step"] for p in metrics["eval_loss_curve"]] == [
+        1,
+        2,
+        2,
+    ]  # every step (eval_steps=1), then final
     predictions = [json.loads(line) for line in (stage_dir / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 8
     assert set(predictions[0]) == {"id", "task", "prompt", "reference", "output", "exact_match"}

@@ -266,6 +266,23 @@ def verify_quantization_scope(model: nn.Module, family, mode: str, skip_parts: l
     )
 
 
+def keep_cpu_4bit_weights_trainable(model: nn.Module) -> Decision | None:
+    """bitsandbytes (0.50) repacks 4-bit weights in place for fast CPU inference the first time a layer
+    runs in eval mode on an AVX512-BF16 CPU, and never unpacks them: the next training step fails with
+    `a view of a leaf Variable that requires grad is being used in an in-place operation`. A stage that
+    evaluates mid-training (eval_steps) or after training (generation) must not let that happen."""
+    layers = [m for m in model.modules() if getattr(m, "support_avx512bf16_for_cpu", False)]
+    if not layers:
+        return None
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return Decision(
+        "cpu-4bit",
+        "inference repacking off",
+        f"{len(layers)} 4-bit layers: bitsandbytes' CPU repacking in eval would break the next training step",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Placement
 

@@ -34,6 +34,7 @@ from vlm_recipes.guards import (
     decide_parallelism,
     decide_precision,
     dtype_histogram,
+    keep_cpu_4bit_weights_trainable,
     place_tensors,
     verify_quantization_scope,
 )
@@ -121,15 +122,17 @@ def apply_guards(built: BuiltModel, stage: Stage, precision: str, env: Environme
         torch.device(f"cuda:{torch.cuda.current_device()}") if env.device == "cuda" else torch.device("cpu")
     )
     quant = stage.quantization
-    return [
+    trainable_dtype = stage.training.trainable_dtype
+    decisions = [
         verify_quantization_scope(built.model, built.family, quant.mode, quant.skip_roles),
         cast_frozen_to_compute(built.model, built.compute_dtype),
-        apply_trainable_dtype(
-            built.model, stage.training.trainable_dtype, built.compute_dtype, "after loading"
-        ),
+        apply_trainable_dtype(built.model, trainable_dtype, built.compute_dtype, "after loading"),
         place_tensors(built.model, device),
         check_precision_agrees(precision, built.model),
     ]
+    if env.device == "cpu" and (decision := keep_cpu_4bit_weights_trainable(built.model)):
+        decisions.append(decision)
+    return decisions
 
 
 def build_trainer(
