@@ -71,7 +71,7 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
     processor = load_processor(
         str(demo_model_dir), DataSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9)
     )
-    ds = load_split("demo:eval", "test", 6)
+    ds, _ = load_split("demo:eval", "test", 6)
     predicted = sample_lengths(ds, processor)
     for row, expected in zip(ds, predicted, strict=True):
         messages = [
@@ -90,8 +90,8 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
 
 def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
     processor = load_processor(str(demo_model_dir), DataSettings())
-    ds = load_split("demo:train", "train", 8)
-    with pytest.raises(DataError, match=r"longer than data.max_length=10: row 0 \(\d+ tokens\)"):
+    ds, _ = load_split("demo:train", "train", 8)
+    with pytest.raises(DataError, match=r"demo:train row train-00000: longer than max_length: \d+ tokens > 10"):
         check_lengths(ds, processor, 10, "demo:train")
 
 
@@ -112,9 +112,9 @@ GOOD = {
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"images": []}, "line 2: no `messages` list"),
+        ({"images": []}, "line 2: no messages"),
         ({**GOOD, "messages": GOOD["messages"][:1]}, "line 2: no assistant turn"),
-        ({**GOOD, "images": []}, "line 2: 1 image parts in messages but 0 images"),
+        ({**GOOD, "images": []}, "line 2: image count mismatch: 1 image parts in messages but 0 images"),
         ({**GOOD, "images": ["missing.png"]}, "line 2: image not found"),
     ],
 )
@@ -132,7 +132,7 @@ def test_user_jsonl_with_relative_images_loads(tmp_path):
     from PIL import Image
 
     Image.new("RGB", (56, 56), "red").save(tmp_path / "a.png")
-    ds = load_split(str(write_jsonl(tmp_path / "train.jsonl", [GOOD, GOOD])), "train", None)
+    ds, _ = load_split(str(write_jsonl(tmp_path / "train.jsonl", [GOOD, GOOD])), "train", None)
     assert len(ds) == 2 and ds[0]["images"][0].size == (56, 56)
 
 

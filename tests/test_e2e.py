@@ -140,7 +140,7 @@ def test_final_model_loads_alone_and_generates(seed_runs):
     final = seed_runs["r3-two-stage"] / "stage-2-llm-lora" / "final"
     model = AutoModelForImageTextToText.from_pretrained(final)
     processor = AutoProcessor.from_pretrained(final)
-    row = load_split("demo:eval", "test", 1)[0]
+    row = load_split("demo:eval", "test", 1)[0][0]
     prompt = [m for m in row["messages"] if m["role"] != "assistant"]
     inputs = processor.apply_chat_template(
         [

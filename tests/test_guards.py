@@ -343,10 +343,6 @@ def test_frozen_buffers_follow_their_module_and_rotary_frequencies_stay_fp32(dem
 
 
 def _train_step_after_eval_pass(model, processor, rows):
-    model.eval()
-    with torch.no_grad():
-        _forward_in_worker_thread(model, processor, rows)  # an eval pass (any thread)
-    model.train()
     messages = [
         [
             {
@@ -362,6 +358,10 @@ def _train_step_after_eval_pass(model, processor, rows):
     inputs = processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs={"padding": True}
     )
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**inputs)  # an eval pass
+    model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**inputs, labels=inputs["input_ids"]).loss
     loss.backward()

@@ -184,7 +184,7 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
     untrained, _ = evaluate_generation(
         AutoModelForImageTextToText.from_pretrained(base),
         AutoProcessor.from_pretrained(base),
-        load_split("demo:eval", "test", None),
+        load_split("demo:eval", "test", None)[0],
         16,
         16,
         0.01,

@@ -38,9 +38,24 @@ def detect_family(source: str, trust_remote_code: bool = False) -> tuple[FamilyA
     return adapter_for_model_type(config.model_type), config
 
 
+class MissingProcessorError(ValueError):
+    pass
+
+
 def load_processor(source: str, data: DataSettings, trust_remote_code: bool = False):
     """The model's processor, with the stage's image pixel bounds applied."""
-    processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise MissingProcessorError(
+            f"no usable processor in {source} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). A model "
+            "directory must hold the processor too: save it beside the weights with processor.save_pretrained(dir)"
+        ) from None
+    if not hasattr(processor, "image_processor"):
+        raise MissingProcessorError(
+            f"{source} has a tokenizer but no image processor: save the model's full processor "
+            "(AutoProcessor.from_pretrained(base).save_pretrained(dir))"
+        )
     image_processor = processor.image_processor
     if data.min_pixels is not None or data.max_pixels is not None:
         # `size` is what the processor reads at call time (passing min/max_pixels per call is deprecated).
@@ -125,11 +140,17 @@ def apply_training_modes(
 
 
 def build_stage_model(
-    source: str, stage: Stage, compute_precision: str, device: str, trust_remote_code: bool = False
+    source: str,
+    stage: Stage,
+    compute_precision: str,
+    device: str,
+    trust_remote_code: bool = False,
+    processor=None,
 ) -> BuiltModel:
+    """Processor (unless given), model loaded and quantized as the stage says, training modes applied."""
     family, config = detect_family(source, trust_remote_code)
     compute_dtype = DTYPES[compute_precision]
-    processor = load_processor(source, stage.data, trust_remote_code)
+    processor = processor or load_processor(source, stage.data, trust_remote_code)
     model = load_model(source, stage.quantization, family, compute_dtype, device, trust_remote_code)
     model, targets = apply_training_modes(model, stage, family)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)

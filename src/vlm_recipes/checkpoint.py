@@ -32,7 +32,24 @@ def stage_dir_name(index: int, name: str) -> str:
 
 
 def is_done(stage_dir: Path) -> bool:
-    return (stage_dir / DONE_MARKER).is_file() and (stage_dir / FINAL_DIR / "config.json").is_file()
+    """DONE written, and final/ still a complete model directory (weights, config, processor)."""
+    return (stage_dir / DONE_MARKER).is_file() and model_dir_problem(stage_dir / FINAL_DIR) is None
+
+
+def model_dir_problem(model_dir: Path) -> str | None:
+    """What makes a saved model directory unloadable, judged from its files (no weights are read)."""
+    if not (model_dir / "config.json").is_file():
+        return "no config.json"
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        missing = {f for f in read_json(index)["weight_map"].values() if not (model_dir / f).is_file()}
+        if missing:
+            return f"missing weight shards: {', '.join(sorted(missing))}"
+    elif not (model_dir / "model.safetensors").is_file():
+        return "no model.safetensors"
+    if not any((model_dir / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+        return "no processor"
+    return None
 
 
 def mark_done(stage_dir: Path) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 DEFAULT_RECIPE = "r3-two-stage"
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default="runs", type=Path, help="where runs are written (default: runs/)"
     )
     parser.add_argument("--run-name", help="run directory name (default: a timestamp)")
-    parser.add_argument("--resume", action="store_true", help="continue the run named by --run-name")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_DIR",
+        help="continue a run: RUN_DIR, or the one named by --recipe and --run-name (finished stages are skipped, "
+        "an interrupted one continues from its last complete checkpoint)",
+    )
     parser.add_argument("--gpu", help="GPU ids to use, e.g. 6,7 (sets CUDA_VISIBLE_DEVICES)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
     return parser
@@ -104,13 +114,59 @@ def describe_schema() -> str:
     return "\n".join(lines)
 
 
+def select_gpus(spec: str) -> None:
+    """`--gpu 6,7`: make exactly those GPUs visible, before CUDA starts, and check they exist."""
+    from vlm_recipes.guards import GuardError
+
+    ids = [i.strip() for i in spec.split(",") if i.strip()]
+    if not ids or not all(i.isdigit() for i in ids):
+        raise GuardError(f"--gpu {spec}: give GPU ids separated by commas, e.g. --gpu 0 or --gpu 6,7")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    import torch
+
+    visible = torch.cuda.device_count()  # CUDA drops every id from the first one that does not exist
+    if visible == 0:
+        raise GuardError(
+            f"--gpu {spec}: this machine has no usable CUDA GPU; leave out --gpu to train on the CPU"
+        )
+    if visible < len(ids):
+        raise GuardError(
+            f"--gpu {spec}: only {visible} of these GPU ids exist (ids {', '.join(ids[:visible])} work); "
+            "`nvidia-smi -L` lists this machine's GPUs"
+        )
+
+
+def resume_command(args, run_name: str) -> str:
+    if isinstance(args.resume, str):
+        return f"python scripts/train_recipe.py --resume {args.resume}"
+    recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
+    return f"python scripts/train_recipe.py --resume {args.output_dir / recipe / run_name}"
+
+
+def build_jobs(args, names: list[str], base_name: str) -> list:
+    """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
+    from vlm_recipes.recipe import load_recipe, load_recipe_from_run
+
+    if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
+        return [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
+    overrides = list(args.overrides)
+    if args.epochs is not None:
+        overrides.append(f"training.epochs={args.epochs}")
+    if args.max_steps is not None:
+        overrides.append(f"training.max_steps={args.max_steps}")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+    jobs = []
+    for name in names:
+        for seed in seeds:
+            extra = [f"training.seed={seed}"] if seed is not None else []
+            run_name = base_name if seed is None else f"{base_name}-seed{seed}"
+            jobs.append((load_recipe(name, overrides + extra), run_name))
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.gpu is not None:
-        # Before anything touches CUDA: this decides which devices the process can see.
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu
     setup_logging()
-
     if args.list:
         print(list_recipes())
         return 0
@@ -118,50 +174,56 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_schema())
         return 0
 
+    from vlm_recipes.build import MissingProcessorError
     from vlm_recipes.data import DataError
     from vlm_recipes.guards import GuardError
-    from vlm_recipes.recipe import RecipeError, available_recipes, load_recipe
-    from vlm_recipes.roles import UnsupportedModelError
+    from vlm_recipes.recipe import RecipeError, available_recipes
+    from vlm_recipes.resilience import StageInterrupted, TrainingDiverged
+    from vlm_recipes.roles import LoraTargetError, UnsupportedModelError
     from vlm_recipes.runner import RunExistsError, RunOptions, format_summary, run_recipe
 
-    overrides = list(args.overrides)
-    if args.epochs is not None:
-        overrides.append(f"training.epochs={args.epochs}")
-    if args.max_steps is not None:
-        overrides.append(f"training.max_steps={args.max_steps}")
+    bad_input = (
+        RecipeError,
+        DataError,
+        GuardError,
+        UnsupportedModelError,
+        LoraTargetError,
+        MissingProcessorError,
+        RunExistsError,
+    )
+    if isinstance(args.resume, str):
+        args.output_dir = Path(args.resume).parent.parent
     names = (
         list(available_recipes()) if args.all else [n.strip() for n in args.recipe.split(",") if n.strip()]
     )
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
     base_name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
+    run_dirs: list[Path] = []
     try:
-        # Every recipe is loaded and validated before the first one trains.
-        jobs = []
-        for name in names:
-            for seed in seeds:
-                extra = [f"training.seed={seed}"] if seed is not None else []
-                run_name = base_name if seed is None else f"{base_name}-seed{seed}"
-                jobs.append((load_recipe(name, overrides + extra), run_name))
+        if args.gpu is not None:
+            select_gpus(args.gpu)
+        jobs = build_jobs(args, names, base_name)
         if args.dry_run:
             from vlm_recipes.plan import format_plan, plan_recipe
 
             for recipe, run_name in jobs:
-                options = RunOptions(args.output_dir, run_name, args.resume)
-                print(format_plan(recipe, plan_recipe(recipe, options)))
+                print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
             return 0
-        run_dirs = []
         for recipe, run_name in jobs:
-            run_dirs.append(run_recipe(recipe, RunOptions(args.output_dir, run_name, args.resume)))
+            run_dirs.append(run_recipe(recipe, RunOptions(args.output_dir, run_name, bool(args.resume))))
             print("\n" + format_summary(run_dirs[-1]))
-    except (RecipeError, DataError, GuardError, UnsupportedModelError, RunExistsError) as exc:
+    except bad_input as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except TrainingDiverged as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (StageInterrupted, KeyboardInterrupt) as exc:
+        detail = f"{exc}\n" if isinstance(exc, StageInterrupted) else ""
         print(
-            "\ninterrupted: finished stages are kept; continue with --resume --run-name <name>",
+            f"\ninterrupted: {detail}finished stages are kept. Continue with:\n  {resume_command(args, base_name)}",
             file=sys.stderr,
         )
-        return 130
+        return EXIT_INTERRUPTED
     if len(run_dirs) > 1:
         from vlm_recipes.report import format_comparison, write_comparison
 

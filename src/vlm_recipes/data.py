@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -40,91 +41,158 @@ class StageData:
     eval: datasets.Dataset | None
     train_source: str
     eval_source: str | None
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # split → reason → rows skipped
 
 
-def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None]:
-    """A local file/folder or a hub dataset id. Returns the dataset and the folder image paths are relative to."""
+@dataclass
+class BadRow:
+    where: str  # "file.jsonl:line 7" or "source row 7"
+    reason: str  # short category, counted in reports
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}{': ' + self.detail if self.detail else ''}"
+
+
+def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad row(s)") -> dict[str, int]:
+    """`fail`: raise listing the first bad rows. `skip`: return the count per reason."""
+    if not bad:
+        return {}
+    if policy == "fail":
+        shown = "\n  ".join(str(b) for b in bad[:MAX_LISTED_PROBLEMS])
+        more = f"\n  … and {len(bad) - MAX_LISTED_PROBLEMS} more" if len(bad) > MAX_LISTED_PROBLEMS else ""
+        raise DataError(
+            f"{len(bad)} {what} in {source}:\n  {shown}{more}\n"
+            "Fix or remove these rows, or set data.on_bad_sample: skip to train without them."
+        )
+    counts = dict(Counter(b.reason for b in bad))
+    log.warning("%s: skipped %d %s: %s", source, len(bad), what, counts)
+    return counts
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], list[int], list[BadRow]]:
+    """Rows, their line numbers, and the lines that are not a JSON object."""
+    rows, lines, bad = [], [], []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                bad.append(BadRow(f"{path}:line {number}", "unreadable JSON", exc.msg))
+                continue
+            if not isinstance(row, dict):
+                bad.append(BadRow(f"{path}:line {number}", "unreadable JSON", "not an object"))
+                continue
+            rows.append(row)
+            lines.append(number)
+    return rows, lines, bad
+
+
+def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, list[str], list[BadRow]]:
+    """A local file/folder or a hub dataset id. Returns the dataset, the folder image paths are relative
+    to, where each row came from, and the lines that could not be read."""
     path = Path(source).expanduser()
     if path.suffix in LOCAL_FORMATS:
         if not path.is_file():
-            raise DataError(f"data file not found: {path}")
+            raise DataError(f"data file not found: {path} (check data.train / data.eval)")
+        if path.suffix == ".jsonl":
+            rows, lines, bad = read_jsonl(path)
+            ds = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({})
+            return ds, path.parent, [f"{path}:line {n}" for n in lines], bad
         ds = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-        return ds, path.parent
+        return ds, path.parent, [f"{path} row {i}" for i in range(len(ds))], []
     if path.is_dir():
-        return datasets.load_dataset(str(path), split=split), path
+        ds = datasets.load_dataset(str(path), split=split)
+        return ds, path, [f"{path} row {i}" for i in range(len(ds))], []
     # Anything else is a hub dataset id: a network fetch the recipe asked for.
     log.info("loading dataset %s (split %s) from the hub", source, split)
-    return datasets.load_dataset(source, split=split), None
+    ds = datasets.load_dataset(source, split=split)
+    return ds, None, [f"{source}[{split}] row {i}" for i in range(len(ds))], []
 
 
 def _count_image_parts(messages: list) -> int:
     count = 0
     for message in messages:
-        content = message.get("content")
+        content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
     return count
 
 
-def row_problem(row: dict, image_root: Path | None) -> str | None:
-    """Why a row cannot be trained on, or None."""
+def is_remote(image: str) -> bool:
+    return image.startswith(("http://", "https://"))
+
+
+def row_problem(
+    row: dict, image_root: Path | None, allow_remote_images: bool = False
+) -> tuple[str, str] | None:
+    """(reason, detail) for a row that cannot be trained on, or None."""
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
-        return "no `messages` list"
+        return "no messages", "the row needs a `messages` list"
     roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
     if any(r not in ("system", "user", "assistant") for r in roles):
-        return f"message roles must be system/user/assistant, got {roles}"
+        return "bad roles", f"roles must be system/user/assistant, got {roles}"
     if "assistant" not in roles:
-        return "no assistant turn: nothing to learn from"
+        return "no assistant turn", "nothing to learn from"
     images = row.get("images") or []
     placeholders = _count_image_parts(messages)
     if placeholders != len(images):
-        return f"{placeholders} image parts in messages but {len(images)} images"
+        return "image count mismatch", f"{placeholders} image parts in messages but {len(images)} images"
     for image in images:
-        if isinstance(image, str):
-            path = Path(image) if image_root is None else image_root / image
-            if not path.is_file():
-                return f"image not found: {path}"
+        if not isinstance(image, str):
+            continue  # already decoded (hub datasets)
+        if is_remote(image):
+            if not allow_remote_images:
+                return "remote image", f"{image}: set data.allow_remote_images: true to download images"
+            continue
+        path = Path(image) if image_root is None else image_root / image
+        if not path.is_file():
+            return "image not found", str(path)
+        try:
+            with Image.open(path) as opened:
+                opened.verify()  # reads the file through: catches corrupt and truncated images
+        except Exception as exc:  # PIL raises many types for broken files
+            return "corrupt image", f"{path}: {exc}"
     return None
 
 
-def _check_rows(ds: datasets.Dataset, source: str, image_root: Path | None) -> None:
-    problems = []
-    for index, row in enumerate(ds):
-        problem = row_problem(row, image_root)
-        if problem:
-            line = f"line {index + 1}" if Path(source).suffix == ".jsonl" else f"row {index}"
-            problems.append(
-                f"{source}:{line}: {problem}" if "line" in line else f"{source} {line}: {problem}"
-            )
-    if problems:
-        shown = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
-        more = (
-            f"\n  … and {len(problems) - MAX_LISTED_PROBLEMS} more"
-            if len(problems) > MAX_LISTED_PROBLEMS
-            else ""
-        )
-        raise DataError(
-            f"{len(problems)} bad row(s) in {source}:\n  {shown}{more}\nFix or remove these rows."
-        )
+def load_split(
+    source: str,
+    split: str,
+    max_samples: int | None,
+    on_bad_sample: str = "fail",
+    allow_remote_images: bool = False,
+) -> tuple[datasets.Dataset, dict[str, int]]:
+    """Load one split, check every row, and turn image paths into decodable Image features.
 
-
-def load_split(source: str, split: str, max_samples: int | None) -> datasets.Dataset:
-    """Load one split, check its rows and turn image paths into decodable Image features."""
+    Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     resolved = resolve_data_source(source)
-    ds, image_root = _load_any(resolved, split)
+    ds, image_root, where, bad = _load_any(resolved, split)
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
+    for index, row in enumerate(ds):
+        if problem := row_problem(row, image_root, allow_remote_images):
+            bad.append(BadRow(where[index], *problem))
+    skipped = fail_or_skip(bad, on_bad_sample, source)
+    if skipped:
+        bad_index = {where.index(b.where) for b in bad if b.where in where}
+        ds = ds.select([i for i in range(len(ds)) if i not in bad_index])
     if len(ds) == 0:
-        raise DataError(f"{source}: the dataset is empty")
-    _check_rows(ds, source, image_root)
+        after = f" after skipping {sum(skipped.values())} bad rows" if skipped else ""
+        raise DataError(f"{source}: the dataset is empty{after}")
     if "images" in ds.column_names and image_root is not None and _holds_paths(ds):
         root = str(image_root)
-        ds = ds.map(lambda row: {"images": [str(Path(root) / p) for p in row["images"]]}, desc="image paths")
+        ds = ds.map(
+            lambda row: {"images": [p if is_remote(p) else str(Path(root) / p) for p in row["images"]]},
+            desc="image paths",
+        )
         ds = ds.cast_column("images", datasets.List(datasets.Image()))
     keep = [c for c in ("messages", "images") if c in ds.column_names]
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
-    return ds.remove_columns(extra) if extra else ds
+    return (ds.remove_columns(extra) if extra else ds), skipped
 
 
 def _holds_paths(ds: datasets.Dataset) -> bool:
@@ -134,11 +202,21 @@ def _holds_paths(ds: datasets.Dataset) -> bool:
 
 
 def load_stage_data(settings: DataSettings) -> StageData:
-    train = load_split(settings.train, settings.train_split, settings.max_train_samples)
-    eval_ds = None
+    """Both splits, checked; all of it before any model loads."""
+    policy, remote = settings.on_bad_sample, settings.allow_remote_images
+    train, skipped_train = load_split(
+        settings.train, settings.train_split, settings.max_train_samples, policy, remote
+    )
+    eval_ds, skipped = None, {"train": skipped_train} if skipped_train else {}
     if settings.eval:
-        eval_ds = load_split(settings.eval, settings.eval_split, settings.max_eval_samples)
-    return StageData(train=train, eval=eval_ds, train_source=settings.train, eval_source=settings.eval)
+        eval_ds, skipped_eval = load_split(
+            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote
+        )
+        if skipped_eval:
+            skipped["eval"] = skipped_eval
+    return StageData(
+        train=train, eval=eval_ds, train_source=settings.train, eval_source=settings.eval, skipped=skipped
+    )
 
 
 def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
@@ -174,21 +252,37 @@ def _image_size(image) -> tuple[int, int]:
     return image.height, image.width
 
 
-def check_lengths(ds: datasets.Dataset, processor, max_length: int | None, source: str) -> list[int]:
+def check_lengths(
+    ds: datasets.Dataset, processor, max_length: int | None, source: str, on_bad_sample: str = "fail"
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse samples longer than max_length: cutting through image tokens breaks the model
-    ("image features and image tokens do not match"), and cutting the answer trains on nothing."""
-    lengths = sample_lengths(
+    ("image features and image tokens do not match"), and cutting the answer trains on nothing.
+
+    Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
+    undecoded = (
         ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
         if "images" in ds.column_names
-        else ds,
-        processor,
+        else ds
     )
-    if max_length is not None:
-        too_long = [(i, n) for i, n in enumerate(lengths) if n > max_length]
-        if too_long:
-            listed = ", ".join(f"row {i} ({n} tokens)" for i, n in too_long[:MAX_LISTED_PROBLEMS])
-            raise DataError(
-                f"{len(too_long)} sample(s) in {source} are longer than data.max_length={max_length}: {listed}. "
-                "Raise data.max_length, or lower data.max_pixels so images take fewer tokens."
-            )
-    return lengths
+    lengths = sample_lengths(undecoded, processor)
+    if max_length is None:
+        return ds, lengths, {}
+    ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
+    bad = [
+        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
+        for i, n in enumerate(lengths)
+        if n > max_length
+    ]
+    skipped = fail_or_skip(
+        bad,
+        on_bad_sample,
+        source,
+        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels "
+        "so images take fewer tokens)",
+    )
+    if not skipped:
+        return ds, lengths, {}
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if not keep:
+        raise DataError(f"{source}: every sample is longer than data.max_length={max_length}")
+    return ds.select(keep), [lengths[i] for i in keep], skipped

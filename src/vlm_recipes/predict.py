@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         processor = AutoProcessor.from_pretrained(model_dir)
         if args.data:
-            rows = load_split(args.data, "test", args.max_samples)
+            rows, _ = load_split(args.data, "test", args.max_samples)
             scores, records = evaluate_generation(
                 model, processor, rows, args.max_new_tokens, args.batch_size, 0.01
             )

@@ -536,6 +536,14 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
                     )
         if stage.lora.rank < 1:
             problems.append(Problem(f"{at}.lora.rank", "must be at least 1"))
+        if stage.training.save_total_limit < 2:
+            problems.append(
+                Problem(
+                    f"{at}.training.save_total_limit",
+                    "keep at least 2 checkpoints: the newest "
+                    "may be incomplete when a run is killed while writing it",
+                )
+            )
         if stage.training.per_device_batch_size < 1:
             problems.append(Problem(f"{at}.training.per_device_batch_size", "must be at least 1"))
         seen.append(stage.name)
@@ -569,3 +577,24 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
 def recipe_to_dict(recipe: Recipe) -> dict:
     """The resolved recipe as plain data (saved in run.json, printed by --dry-run)."""
     return dataclasses.asdict(recipe)
+
+
+def load_recipe_from_run(run_dir: Path) -> Recipe:
+    """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in)."""
+    import json
+
+    manifest_path = Path(run_dir) / "run.json"
+    if not manifest_path.is_file():
+        raise RecipeError([Problem(str(run_dir), "no run.json here: not a run directory")], "Cannot resume")
+    resolved = dict(json.loads(manifest_path.read_text())["resolved_recipe"])
+    problems: list[Problem] = []
+    stages = [
+        convert(Stage, s, f"{manifest_path}: stages[{i}]", problems)
+        for i, s in enumerate(resolved.pop("stages"))
+    ]
+    name, source_file = resolved.pop("name"), resolved.pop("source_file", "")
+    recipe = convert(Recipe, resolved, str(manifest_path), problems)
+    if problems:
+        raise RecipeError(problems, f"Cannot resume from {manifest_path}")
+    recipe.name, recipe.stages, recipe.source_file = name, stages, source_file
+    return recipe

@@ -19,6 +19,10 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class LoraTargetError(ValueError):
+    pass
+
+
 @dataclass(frozen=True)
 class FamilyAdapter:
     name: str
@@ -111,7 +115,11 @@ def lora_target_modules(
             linear = [n for n in linear if any(n == s or n.endswith("." + s) for s in suffixes)]
         if not linear:
             wanted = ", ".join(suffixes) if suffixes else "any linear layer"
-            raise ValueError(f"LoRA on `{role}` found no module matching {wanted} in the model")
+            names = sorted({n.rsplit(".", 1)[-1] for n in linear_modules_of_role(model, family, role)})
+            raise LoraTargetError(
+                f"lora.targets.{role}: no module of `{role}` matches {wanted}. Its linear layers end with: "
+                f"{', '.join(names) or 'none'}"
+            )
         targets.extend(linear)
     return targets
 

@@ -19,6 +19,7 @@ from vlm_recipes.checkpoint import FINAL_DIR, is_done, read_json, stage_dir_name
 from vlm_recipes.demo import resolve_model_source
 from vlm_recipes.guards import Environment
 from vlm_recipes.recipe import recipe_to_dict
+from vlm_recipes.resilience import maybe_fault
 from vlm_recipes.schema import Recipe, Stage
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def prepare_run_dir(recipe: Recipe, options: RunOptions) -> Path:
 
 def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     """Run every stage of a recipe in order; returns the run directory."""
-    from vlm_recipes.stage import StageContext, run_stage  # heavy imports only when training
+    from vlm_recipes.stage import StageContext, prepare_resume, run_stage  # heavy imports only when training
 
     env = Environment.detect()
     run_dir = prepare_run_dir(recipe, options)
@@ -145,15 +146,24 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     write_json(run_dir / "run.json", manifest)
     log.info("run %s: %d stage(s) on %s", run_dir, len(recipe.stages), env.describe())
 
+    retrained = False  # once a stage trains again, every later stage must too: its input changed
     for index, (stage, stage_dir) in enumerate(zip(recipe.stages, dirs, strict=True), start=1):
         source = resolve_source(recipe, stage, index, dirs)
-        if is_done(stage_dir):
+        if not retrained and is_done(stage_dir):
             log.info("stage %d `%s`: already done (%s), skipped", index, stage.name, stage_dir / "DONE")
             metrics = read_json(stage_dir / "metrics.json")
         else:
-            if stage_dir.exists():  # an interrupted attempt: start the stage again from scratch
-                log.info("stage %d `%s`: unfinished earlier attempt removed", index, stage.name)
-                shutil.rmtree(stage_dir)
+            resume_from = None
+            if stage_dir.exists() and not retrained:
+                resume_from = prepare_resume(stage_dir)
+                if resume_from is None:
+                    log.info(
+                        "stage %d `%s`: unfinished, no complete checkpoint: starting it again",
+                        index,
+                        stage.name,
+                    )
+            if resume_from is None:
+                shutil.rmtree(stage_dir, ignore_errors=True)
             log.info(
                 "stage %d/%d `%s` from %s",
                 index,
@@ -161,9 +171,11 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
                 stage.name,
                 describe_source(recipe, stage, index),
             )
-            metrics = run_stage(StageContext(recipe, stage, index, stage_dir, source, env))
+            metrics = run_stage(StageContext(recipe, stage, index, stage_dir, source, env), resume_from)
+            retrained = True
         manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
         write_json(run_dir / "run.json", manifest)
+        maybe_fault(f"between{index}")
 
     manifest["status"] = "finished"
     manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")

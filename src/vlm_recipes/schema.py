@@ -76,6 +76,12 @@ class DataSettings:
         "null: the model's own",
         None,
     )
+    on_bad_sample: Literal["fail", "skip"] = doc(
+        "a row that cannot be trained on: fail (list the first bad rows and stop) or skip (count per reason "
+        "in the stage report)",
+        "fail",
+    )
+    allow_remote_images: bool = doc("download images given as http(s) URLs (off: a URL is a bad row)", False)
     max_length: int | None = doc("longest tokenized sample, image tokens included; null: no limit", 2048)
 
 
@@ -95,6 +101,16 @@ class TrainingSettings:
     weight_decay: float = doc("AdamW weight decay", 0.0)
     max_grad_norm: float = doc("gradient clipping norm", 1.0)
     logging_steps: int = doc("log train loss every N optimizer steps", 5)
+    save_steps: int = doc(
+        "save a checkpoint to resume from every N optimizer steps; 0: none (Ctrl-C still saves one)", 200
+    )
+    save_total_limit: int = doc(
+        "checkpoints kept (at least 2: one stays complete while the next is written)", 2
+    )
+    nan_policy: Literal["stop", "skip_step"] = doc(
+        "NaN/inf loss or gradients: stop the stage (weights untouched by the bad step), or skip that step",
+        "stop",
+    )
     eval_batch_size: int = doc("samples per device when evaluating", 4)
     trainable_dtype: Literal["fp32", "compute"] = doc(
         "dtype of fully trained parameters: fp32 master weights, or the compute dtype (less memory)", "fp32"

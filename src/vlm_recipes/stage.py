@@ -13,7 +13,7 @@ import torch
 import transformers
 from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.build import BuiltModel, build_stage_model, model_for_final
+from vlm_recipes.build import BuiltModel, build_stage_model, load_processor, model_for_final
 from vlm_recipes.checkpoint import (
     ADAPTER_DIR,
     mark_done,
@@ -39,6 +39,16 @@ from vlm_recipes.guards import (
     verify_quantization_scope,
 )
 from vlm_recipes.inspect import inspect_model
+from vlm_recipes.resilience import (
+    CheckpointCallback,
+    FaultInjectionCallback,
+    InterruptCallback,
+    NonFiniteCallback,
+    StageInterrupted,
+    TrainingDiverged,
+    complete_checkpoints,
+    restore_trainable_non_lora,
+)
 from vlm_recipes.roles import count_params_by_role, params_by_role
 from vlm_recipes.schema import Recipe, Stage
 
@@ -77,7 +87,12 @@ def build_sft_config(
         # Eval loss at the end of the stage, and every `eval_steps` if the recipe asks.
         eval_strategy="steps" if has_eval and stage.evaluation.eval_steps else "no",
         eval_steps=stage.evaluation.eval_steps,
-        save_strategy="no",  # the stage saves final/ itself
+        # Checkpoints to resume from (final/ is saved by the stage itself); at least two are kept, so one
+        # is complete even while the next is being written.
+        save_strategy="steps" if t.save_steps > 0 else "no",
+        save_steps=t.save_steps if t.save_steps > 0 else 500,
+        save_total_limit=t.save_total_limit,
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         use_cpu=env.device == "cpu",
@@ -136,7 +151,12 @@ def apply_guards(built: BuiltModel, stage: Stage, precision: str, env: Environme
 
 
 def build_trainer(
-    built: BuiltModel, stage: Stage, args: SFTConfig, data: StageData, decisions: list[Decision] | None = None
+    built: BuiltModel,
+    stage: Stage,
+    args: SFTConfig,
+    data: StageData,
+    decisions: list[Decision] | None = None,
+    callbacks: list | None = None,
 ) -> SFTTrainer:
     """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
     apply_parallelism(args)
@@ -147,6 +167,7 @@ def build_trainer(
         eval_dataset=data.eval,
         processing_class=built.processor,
         optimizers=(role_optimizer(built, stage), None),
+        callbacks=callbacks,
     )
     decision = apply_trainable_dtype(
         trainer.model, stage.training.trainable_dtype, built.compute_dtype, "after SFTTrainer was built"
@@ -157,19 +178,41 @@ def build_trainer(
     return trainer
 
 
-def run_stage(ctx: StageContext) -> dict:
-    """Train one stage and write its directory; returns the stage's metrics."""
+def prepare_resume(stage_dir: Path) -> Path | None:
+    """The last complete checkpoint of an interrupted stage; incomplete ones are reported and removed."""
+    complete, incomplete = complete_checkpoints(stage_dir / "checkpoints")
+    for partial in incomplete:
+        log.warning("  %s was interrupted while being written: ignored and removed", partial)
+        shutil.rmtree(partial, ignore_errors=True)
+    return complete[-1] if complete else None
+
+
+def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
+    """Train one stage (from `resume_from`, a complete checkpoint, if given) and write its directory."""
     stage, stage_dir = ctx.stage, ctx.stage_dir
     started = time.time()
     stage_dir.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(stage.training.seed)
 
-    log.info("stage %d `%s`: loading data", ctx.index, stage.name)
+    # Every data check runs before the model loads: a bad row costs seconds, not a model load.
+    log.info("stage %d `%s`: checking data", ctx.index, stage.name)
     data: StageData = load_stage_data(stage.data)
-
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env)]
+    processor = load_processor(ctx.source, stage.data, ctx.recipe.trust_remote_code)
+    policy = stage.data.on_bad_sample
+    data.train, lengths, skipped = check_lengths(
+        data.train, processor, stage.data.max_length, data.train_source, policy
+    )
+    if skipped:
+        data.skipped.setdefault("train", {}).update(skipped)
+    if data.eval is not None:
+        data.eval, _, skipped = check_lengths(
+            data.eval, processor, stage.data.max_length, data.eval_source or "", policy
+        )
+        if skipped:
+            data.skipped.setdefault("eval", {}).update(skipped)
 
     log.info(
         "stage %d `%s`: loading %s%s",
@@ -179,14 +222,11 @@ def run_stage(ctx: StageContext) -> dict:
         f" ({stage.quantization.mode})" if quantized else "",
     )
     built = build_stage_model(
-        ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code
+        ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code, processor
     )
     ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env)
     for decision in ctx.decisions:
         log.info("  %s", decision)
-    lengths = check_lengths(data.train, built.processor, stage.data.max_length, data.train_source)
-    if data.eval is not None:
-        check_lengths(data.eval, built.processor, stage.data.max_length, data.eval_source or "")
     counts = count_params_by_role(built.model, built.family)
     log.info("  %s", _trainable_summary(counts))
 
@@ -206,20 +246,34 @@ def run_stage(ctx: StageContext) -> dict:
             "eval": data.eval_source,
             "eval_rows": len(data.eval) if data.eval is not None else 0,
             "max_sample_tokens": max(lengths),
+            "skipped_rows": data.skipped,
         },
+        "resumed_from": str(resume_from) if resume_from else None,
     }
     write_json(stage_dir / "report.json", report)
 
     args = build_sft_config(
         stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None
     )
-    trainer = build_trainer(built, stage, args, data, ctx.decisions)
+    nonfinite, interrupt = NonFiniteCallback(stage.training.nan_policy), InterruptCallback()
+    callbacks = [CheckpointCallback(ctx.index), nonfinite, interrupt, FaultInjectionCallback(ctx.index)]
+    trainer = build_trainer(built, stage, args, data, ctx.decisions, callbacks)
+    if resume_from is not None:
+        log.info("stage %d `%s`: resuming from %s", ctx.index, stage.name, resume_from)
+        restore_trainable_non_lora(trainer.model, resume_from)
     reset_peak_memory(ctx.env)
-    train_output = trainer.train()
+    interrupt.install()
+    try:
+        train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    finally:
+        interrupt.uninstall()
+    check_stopped_early(ctx, nonfinite, interrupt)
+
     eval_metrics = trainer.evaluate() if data.eval is not None else {}
     metrics = _collect_metrics(trainer, train_output, eval_metrics, started)
     metrics["peak_memory"] = peak_memory(ctx.env)
     metrics["params_by_role"] = counts
+    metrics["skipped_steps"] = nonfinite.skipped_steps
     report["dtypes_after_training"] = dtype_histogram(built.model)
     if data.eval is not None:
         metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
@@ -233,6 +287,24 @@ def run_stage(ctx: StageContext) -> dict:
     write_json(stage_dir / "report.json", report)
     mark_done(stage_dir)
     return metrics
+
+
+def check_stopped_early(
+    ctx: StageContext, nonfinite: NonFiniteCallback, interrupt: InterruptCallback
+) -> None:
+    """A stage that stopped on NaN/inf or Ctrl-C is not finished: say why and what is kept."""
+    complete, _ = complete_checkpoints(ctx.stage_dir / "checkpoints")
+    last = (
+        f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint was saved before it"
+    )
+    if nonfinite.diverged_at is not None:
+        raise TrainingDiverged(
+            f"stage {ctx.index} `{ctx.stage.name}` stopped at step {nonfinite.diverged_at}: {nonfinite.reason}; "
+            f"the weights were not updated with it, and {last}. Lower training.learning_rate, check the data, "
+            "or set training.nan_policy: skip_step to drop such steps."
+        )
+    if interrupt.requested:
+        raise StageInterrupted(f"stage {ctx.index} `{ctx.stage.name}` interrupted; {last}")
 
 
 def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.Module) -> None:

@@ -1,0 +1,163 @@
+"""What keeps a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C handling,
+and the fault-injection points the crash tests use.
+
+A Trainer checkpoint is written in place (model, optimizer, scheduler, RNG, trainer state, in that
+order); the `COMPLETE` marker is written after all of it, so a checkpoint without one was interrupted
+mid-write and is never resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import TrainerCallback
+
+log = logging.getLogger(__name__)
+
+COMPLETE_MARKER = "COMPLETE"
+EXTRA_TRAINABLE_FILE = "trainable_non_lora.safetensors"
+FAULT_ENV = "VLM_RECIPES_FAULT"  # testing: "stage<i>:step<n>", "stage<i>:checkpoint<n>", "between<i>"
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss or gradients became NaN/inf and the stage stopped (nan_policy: stop)."""
+
+
+class StageInterrupted(RuntimeError):
+    """Ctrl-C: a checkpoint was saved and the stage stopped."""
+
+
+def maybe_fault(point: str) -> None:
+    """Kill this process at a named point when the crash tests ask for it (SIGKILL: no cleanup runs)."""
+    if os.environ.get(FAULT_ENV) == point:
+        log.warning("fault injection: SIGKILL at %s", point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) `checkpoint-N` directories, each sorted by step."""
+    found = sorted(checkpoints_dir.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    complete = [p for p in found if (p / COMPLETE_MARKER).is_file()]
+    return complete, [p for p in found if p not in complete]
+
+
+def trainable_non_lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Fully trained weights inside a PEFT model: PEFT's checkpoints hold only the adapter."""
+    if not hasattr(model, "peft_config"):
+        return {}
+    return {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+
+
+def restore_trainable_non_lora(model: torch.nn.Module, checkpoint: Path) -> None:
+    path = checkpoint / EXTRA_TRAINABLE_FILE
+    if not path.is_file():
+        return
+    saved = load_file(str(path))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+class CheckpointCallback(TrainerCallback):
+    """After Trainer has written a checkpoint: add what PEFT leaves out, then mark it complete."""
+
+    def __init__(self, stage_index: int):
+        self.stage_index = stage_index
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        extra = trainable_non_lora(model) if model is not None else {}
+        if extra:
+            save_file(
+                {n: p.detach().cpu().contiguous() for n, p in extra.items()},
+                str(checkpoint / EXTRA_TRAINABLE_FILE),
+            )
+        maybe_fault(f"stage{self.stage_index}:checkpoint{state.global_step}")
+        (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
+
+
+class NonFiniteCallback(TrainerCallback):
+    """Before each optimizer step: if any gradient is NaN/inf, the step must not touch the weights.
+
+    `stop`: end the stage (the last complete checkpoint stays good). `skip_step`: drop this step's
+    gradients and go on. The logged loss is checked too (Trainer's NaN filter is turned off)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self.skipped_steps = 0
+        self.diverged_at: int | None = None
+        self.reason = ""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if args.fp16:
+            return  # fp16 loss scaling skips overflowing steps itself and lowers the scale
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        total = torch.stack([g.detach().float().norm() for g in grads]).sum()
+        if torch.isfinite(total):
+            return
+        for param in model.parameters():
+            param.grad = None  # optimizers skip parameters without a gradient: the weights stay as they were
+        step = state.global_step + 1
+        if self.policy == "skip_step":
+            self.skipped_steps += 1
+            log.warning("step %d: gradients are NaN/inf, step skipped (nan_policy: skip_step)", step)
+            return
+        self._stop(control, step, "gradients became NaN/inf")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if self.policy == "stop" and loss is not None and not torch.isfinite(torch.tensor(float(loss))):
+            self._stop(control, state.global_step, f"train loss became {loss}")
+
+    def _stop(self, control, step: int, reason: str) -> None:
+        if self.diverged_at is None:
+            self.diverged_at, self.reason = step, reason
+        control.should_training_stop = True
+        control.should_save = False  # never checkpoint a diverged state
+
+
+class InterruptCallback(TrainerCallback):
+    """First Ctrl-C: finish the current step, save a checkpoint, stop. A second one stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("Ctrl-C: saving a checkpoint after this step (press again to stop without saving)")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.requested:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class FaultInjectionCallback(TrainerCallback):
+    """Testing only: SIGKILL after optimizer step n of stage i when VLM_RECIPES_FAULT=stage<i>:step<n>."""
+
+    def __init__(self, stage_index: int):
+        self.stage_index = stage_index
+
+    def on_step_end(self, args, state, control, **kwargs):
+        maybe_fault(f"stage{self.stage_index}:step{state.global_step}")
