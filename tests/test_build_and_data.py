@@ -91,7 +91,9 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
 def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
     processor = load_processor(str(demo_model_dir), DataSettings())
     ds, _ = load_split("demo:train", "train", 8)
-    with pytest.raises(DataError, match=r"demo:train row train-00000: longer than max_length: \d+ tokens > 10"):
+    with pytest.raises(
+        DataError, match=r"demo:train row train-00000: longer than max_length: \d+ tokens > 10"
+    ):
         check_lengths(ds, processor, 10, "demo:train")
 
 

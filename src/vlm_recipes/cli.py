@@ -21,6 +21,7 @@ EXIT_INTERRUPTED = 130
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="train_recipe.py",
+        allow_abbrev=False,  # `--epoch` must not silently mean `--epochs`
         description="Run a multi-stage VLM fine-tuning recipe.",
         epilog="Overrides: key=value, e.g. model=Qwen/Qwen2-VL-2B-Instruct training.learning_rate=1e-4 "
         "stages.llm-lora.lora.rank=32 (a stage key without `stages.` applies to every stage).",

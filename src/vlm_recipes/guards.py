@@ -240,6 +240,30 @@ def apply_trainable_dtype(
 # ---------------------------------------------------------------------------------------------
 # Quantization scope
 
+MIN_BNB_CPU = "0.46"  # first bitsandbytes release whose 4-bit/8-bit layers run on the CPU
+
+
+def check_quantization_backend(mode: str, env: Environment) -> Decision | None:
+    """Before loading: bitsandbytes must be importable, and able to run on this device."""
+    if mode == "none":
+        return None
+    try:
+        import bitsandbytes
+    except ImportError as exc:
+        raise GuardError(
+            f"quantization {mode} needs bitsandbytes, which cannot be imported here ({exc}): "
+            "pip install bitsandbytes, or set quantization.mode: none"
+        ) from None
+    from packaging.version import Version
+
+    version = bitsandbytes.__version__
+    if env.device == "cpu" and Version(version) < Version(MIN_BNB_CPU):
+        raise GuardError(
+            f"quantization {mode} on CPU needs bitsandbytes >= {MIN_BNB_CPU} (installed: {version}): "
+            "upgrade it, run on a GPU, or set quantization.mode: none"
+        )
+    return Decision("quantization-backend", f"bitsandbytes {version}", f"{mode} layers run on {env.device}")
+
 
 def verify_quantization_scope(model: nn.Module, family, mode: str, skip_parts: list[str]) -> Decision:
     """After a quantized load: no skipped part holds a quantized weight (a wrong skip list quantizes

@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
-EXTRA_TRAINABLE_FILE = "trainable_non_lora.safetensors"
+TRAINABLE_FILE = "trainable.safetensors"
 FAULT_ENV = "VLM_RECIPES_FAULT"  # testing: "stage<i>:step<n>", "stage<i>:checkpoint<n>", "between<i>"
 
 
@@ -46,26 +46,33 @@ def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]
     return complete, [p for p in found if p not in complete]
 
 
-def trainable_non_lora(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Fully trained weights inside a PEFT model: PEFT's checkpoints hold only the adapter."""
-    if not hasattr(model, "peft_config"):
-        return {}
-    return {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable tensor (LoRA adapters and fully trained weights) by module name."""
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def restore_trainable_non_lora(model: torch.nn.Module, checkpoint: Path) -> None:
-    path = checkpoint / EXTRA_TRAINABLE_FILE
+def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
+    """Put a checkpoint's trainable tensors back into the model, in place (optimizer state stays attached)."""
+    path = checkpoint / TRAINABLE_FILE
     if not path.is_file():
-        return
+        raise FileNotFoundError(f"{checkpoint} has no {TRAINABLE_FILE}: it was not written by vlm-recipes")
     saved = load_file(str(path))
     params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
+    if missing:
+        raise ValueError(
+            f"{path} lacks {len(missing)} trainable tensors (e.g. {missing[0]}): the recipe changed"
+        )
     with torch.no_grad():
         for name, value in saved.items():
             params[name].copy_(value.to(params[name].device, params[name].dtype))
+    return len(saved)
 
 
 class CheckpointCallback(TrainerCallback):
-    """After Trainer has written a checkpoint: add what PEFT leaves out, then mark it complete."""
+    """After Trainer has written a checkpoint: add the trainable tensors under their module names, then
+    mark it complete. Resuming reads that file, not Trainer's copy of the model: transformers 5.23 saves
+    Qwen2-VL under its hub key names and, on resume, silently fails to load them back."""
 
     def __init__(self, stage_index: int):
         self.stage_index = stage_index
@@ -74,12 +81,7 @@ class CheckpointCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        extra = trainable_non_lora(model) if model is not None else {}
-        if extra:
-            save_file(
-                {n: p.detach().cpu().contiguous() for n, p in extra.items()},
-                str(checkpoint / EXTRA_TRAINABLE_FILE),
-            )
+        save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
         maybe_fault(f"stage{self.stage_index}:checkpoint{state.global_step}")
         (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
 

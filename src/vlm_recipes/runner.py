@@ -145,6 +145,12 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
         manifest["started_at"] = read_json(run_dir / "run.json").get("started_at", manifest["started_at"])
     write_json(run_dir / "run.json", manifest)
     log.info("run %s: %d stage(s) on %s", run_dir, len(recipe.stages), env.describe())
+    if recipe.trust_remote_code:
+        log.warning(
+            "trust_remote_code: true (set in %s): Python code shipped with %s will run on this machine",
+            recipe.source_file or "the recipe",
+            recipe.model,
+        )
 
     retrained = False  # once a stage trains again, every later stage must too: its input changed
     for index, (stage, stage_dir) in enumerate(zip(recipe.stages, dirs, strict=True), start=1):

@@ -13,7 +13,7 @@ import torch
 import transformers
 from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.build import BuiltModel, build_stage_model, load_processor, model_for_final
+from vlm_recipes.build import BuiltModel, build_stage_model, detect_family, load_processor, model_for_final
 from vlm_recipes.checkpoint import (
     ADAPTER_DIR,
     mark_done,
@@ -31,6 +31,7 @@ from vlm_recipes.guards import (
     apply_trainable_dtype,
     cast_frozen_to_compute,
     check_precision_agrees,
+    check_quantization_backend,
     decide_parallelism,
     decide_precision,
     dtype_histogram,
@@ -47,7 +48,7 @@ from vlm_recipes.resilience import (
     StageInterrupted,
     TrainingDiverged,
     complete_checkpoints,
-    restore_trainable_non_lora,
+    restore_trainable,
 )
 from vlm_recipes.roles import count_params_by_role, params_by_role
 from vlm_recipes.schema import Recipe, Stage
@@ -150,6 +151,15 @@ def apply_guards(built: BuiltModel, stage: Stage, precision: str, env: Environme
     return decisions
 
 
+class RecipeTrainer(SFTTrainer):
+    """SFTTrainer whose resume restores the trainable tensors from the runner's own checkpoint file
+    (see resilience.CheckpointCallback); optimizer, scheduler, RNG and data position come from Trainer."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
+        log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
+
+
 def build_trainer(
     built: BuiltModel,
     stage: Stage,
@@ -160,7 +170,7 @@ def build_trainer(
 ) -> SFTTrainer:
     """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
     apply_parallelism(args)
-    trainer = SFTTrainer(
+    trainer = RecipeTrainer(
         model=built.model,
         args=args,
         train_dataset=data.train,
@@ -200,6 +210,11 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env)]
+    if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
+        ctx.decisions.append(backend)
+    detect_family(
+        ctx.source, ctx.recipe.trust_remote_code
+    )  # an unsupported model fails before anything loads
     processor = load_processor(ctx.source, stage.data, ctx.recipe.trust_remote_code)
     policy = stage.data.on_bad_sample
     data.train, lengths, skipped = check_lengths(
@@ -260,7 +275,6 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     trainer = build_trainer(built, stage, args, data, ctx.decisions, callbacks)
     if resume_from is not None:
         log.info("stage %d `%s`: resuming from %s", ctx.index, stage.name, resume_from)
-        restore_trainable_non_lora(trainer.model, resume_from)
     reset_peak_memory(ctx.env)
     interrupt.install()
     try:

@@ -1,0 +1,238 @@
+"""Bad input: a clear error naming the file, key or row and the fix; exit code 2; no stage marked done.
+
+One table, input → expected message fragment. Everything here fails before any model trains."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import write_recipe
+from PIL import Image
+
+from vlm_recipes.cli import main
+from vlm_recipes.demo import ensure_demo_dataset, ensure_demo_model
+
+ROW = {
+    "id": "r",
+    "messages": [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+    ],
+    "images": ["a.png"],
+}
+
+
+def data_file(tmp: Path, rows: list, raw_lines: list[str] = ()) -> str:
+    Image.new("RGB", (56, 56), "red").save(tmp / "a.png")
+    path = tmp / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(line + "\n" for line in raw_lines))
+    return str(path)
+
+
+def recipe(tmp: Path, body: str) -> str:
+    return str(write_recipe(tmp, "bad", "model: demo:tiny-qwen2-vl\n" + body))
+
+
+LLM_LORA = "stages:\n  - name: s\n    train: {llm: lora}\n"
+
+
+def case_data(tmp: Path, rows=(), raw=(), extra=()) -> list[str]:
+    return [
+        "--recipe",
+        "r1-llm-only",
+        f"data.train={data_file(tmp, list(rows), list(raw))}",
+        "data.eval=null",
+        *extra,
+    ]
+
+
+def corrupt_image(tmp: Path) -> list[str]:
+    args = case_data(tmp, [ROW])
+    (tmp / "a.png").write_bytes(b"not a png at all")
+    return args
+
+
+def truncated_image(tmp: Path) -> list[str]:
+    args = case_data(tmp, [ROW])
+    data = (tmp / "a.png").read_bytes()
+    (tmp / "a.png").write_bytes(data[: len(data) // 2])
+    return args
+
+
+def no_processor(tmp: Path) -> list[str]:
+    model = tmp / "model"
+    shutil.copytree(ensure_demo_model(), model)
+    for name in ("processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink()
+    return ["--recipe", "r1-llm-only", f"model={model}"]
+
+
+def other_family(tmp: Path) -> list[str]:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp / "gpt2")
+    return ["--recipe", "r1-llm-only", f"model={tmp / 'gpt2'}"]
+
+
+CASES = {
+    # command line
+    "unknown recipe": (lambda t: ["--recipe", "r1-llm-onyl"], "unknown recipe; did you mean `r1-llm-only`?"),
+    "gpu that does not exist": (lambda t: ["--gpu", "6,7"], "this machine has no usable CUDA GPU"),
+    "gpu not an id": (lambda t: ["--gpu", "first"], "give GPU ids separated by commas"),
+    "override unknown key": (
+        lambda t: ["stages.llm-lora.lora.rnak=4"],
+        "unknown key `rnak`; did you mean `rank`?",
+    ),
+    "override wrong type": (
+        lambda t: ["training.epochs=two"],
+        "training.epochs: expected a number, got 'two'",
+    ),
+    # recipe files
+    "yaml syntax": (lambda t: ["--recipe", recipe(t, "stages: [\n")], "bad.yaml:3: YAML syntax error"),
+    "unknown key": (
+        lambda t: ["--recipe", recipe(t, LLM_LORA + "    lora: {rnak: 4}\n")],
+        "stages[0].lora.rnak: unknown key; did you mean `rank`?",
+    ),
+    "wrong type": (
+        lambda t: ["--recipe", recipe(t, LLM_LORA + "    training: {epochs: [1]}\n")],
+        "stages[0].training.epochs: expected a number",
+    ),
+    "missing stage name": (
+        lambda t: ["--recipe", recipe(t, "stages:\n  - train: {llm: lora}\n")],
+        "stages[0].name: a stage needs a name",
+    ),
+    "missing model": (lambda t: ["--recipe", str(write_recipe(t, "bad", LLM_LORA))], "model: no model given"),
+    "empty stages": (
+        lambda t: ["--recipe", recipe(t, "stages: []\n")],
+        "a recipe needs a non-empty list of stages",
+    ),
+    "used stage missing": (
+        lambda t: ["--recipe", recipe(t, "stages:\n  - use: r1-llm-only:vision\n")],
+        "recipe `r1-llm-only` has no stage `vision`",
+    ),
+    "used recipe missing": (
+        lambda t: ["--recipe", recipe(t, "stages:\n  - use: r7-nothing\n")],
+        "unknown recipe",
+    ),
+    "reuse cycle": (
+        lambda t: ["--recipe", recipe(t, f"extends: {t / 'bad.yaml'}\n" + LLM_LORA)],
+        "cycle: bad → bad",
+    ),
+    "init_from a later stage": (
+        lambda t: [
+            "--recipe",
+            recipe(t, LLM_LORA + "    init_from: stage:t\n  - name: t\n    train: {llm: lora}\n"),
+        ],
+        "stage `t` comes later",
+    ),
+    # impossible combinations
+    "full training of a quantized role": (
+        lambda t: ["stages.llm-lora.train.llm=full"],
+        "`full` training of a 4bit quantized role is impossible",
+    ),
+    "all roles frozen": (lambda t: ["stages.llm-lora.train.llm=frozen"], "every role is frozen"),
+    "lora target not in the model": (
+        lambda t: ["stages.llm-lora.lora.targets={llm: [qkv_proj]}"],
+        "lora.targets.llm: no module of `llm` matches qkv_proj",
+    ),
+    "fp16 without a GPU": (lambda t: ["precision=fp16"], "fp16 was requested but this machine has no GPU"),
+    # data
+    "data file missing": (lambda t: ["data.train=" + str(t / "none.jsonl")], "data file not found"),
+    "unreadable json line": (
+        lambda t: case_data(t, [ROW], ['{"messages": [']),
+        "train.jsonl:line 2: unreadable JSON",
+    ),
+    "row without messages": (
+        lambda t: case_data(t, [ROW, {"images": []}]),
+        "train.jsonl:line 2: no messages",
+    ),
+    "no assistant turn": (
+        lambda t: case_data(t, [{**ROW, "messages": ROW["messages"][:1]}]),
+        "train.jsonl:line 1: no assistant turn",
+    ),
+    "image path missing": (lambda t: case_data(t, [{**ROW, "images": ["gone.png"]}]), "image not found"),
+    "image corrupt": (corrupt_image, "train.jsonl:line 1: corrupt image"),
+    "image truncated": (truncated_image, "train.jsonl:line 1: corrupt image"),
+    "more image parts than images": (
+        lambda t: case_data(t, [{**ROW, "images": []}]),
+        "1 image parts in messages but 0 images",
+    ),
+    "more images than image parts": (
+        lambda t: case_data(t, [{**ROW, "images": ["a.png", "a.png"]}]),
+        "1 image parts in messages but 2 images",
+    ),
+    "remote image without permission": (
+        lambda t: case_data(t, [{**ROW, "images": ["https://x.org/a.png"]}]),
+        "set data.allow_remote_images: true",
+    ),
+    "empty after skipping": (
+        lambda t: case_data(t, [{"images": []}], extra=["data.on_bad_sample=skip"]),
+        "the dataset is empty after skipping 1 bad rows",
+    ),
+    "image tokens exceed max_length": (lambda t: ["data.max_length=8"], "longer than max_length"),
+    # models
+    "model dir missing": (lambda t: ["model=" + str(t / "nowhere")], "is not a model directory"),
+    "unsupported family": (other_family, "model type `gpt2` is not supported yet. Supported: qwen2_vl"),
+    "processor missing": (no_processor, "no usable processor in"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_a_clear_error(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    make_args, message = CASES[name]
+    args = make_args(tmp_path)
+    if "--recipe" not in args:
+        args = ["--recipe", "r1-llm-only", *args]
+    out = tmp_path / "runs"
+    code = main([*args, "--output-dir", str(out), "--run-name", "bad"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert not list(out.glob("**/DONE")), "no stage may look finished"
+
+
+def test_unknown_flag_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--recipe", "r1-llm-only", "--epoch", "2"])
+    assert exit_info.value.code == 2
+    assert (
+        "unrecognized arguments: --epoch" in capsys.readouterr().err or "ambiguous" in capsys.readouterr().err
+    )
+
+
+def test_4bit_without_bitsandbytes_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what a machine without bitsandbytes gives
+    code = main(["--recipe", "r1-llm-only", "--output-dir", str(tmp_path), "--run-name", "bad"])
+    assert code == 2
+    assert "quantization 4bit needs bitsandbytes" in capsys.readouterr().err
+
+
+def test_skip_policy_trains_without_bad_rows_and_counts_them(tmp_path, capsys):
+    good = dict(ROW)
+    args = case_data(
+        tmp_path,
+        [good, good, {"images": []}, {**ROW, "images": ["gone.png"]}],
+        ['{"broken'],
+        extra=["data.on_bad_sample=skip", "--max-steps", "1"],
+    )
+    assert main([*args, "--output-dir", str(tmp_path / "runs"), "--run-name", "ok"]) == 0
+    report = json.loads(next((tmp_path / "runs").glob("**/report.json")).read_text())
+    assert report["data"]["train_rows"] == 2
+    assert report["data"]["skipped_rows"]["train"] == {
+        "unreadable JSON": 1,
+        "no messages": 1,
+        "image not found": 1,
+    }
+
+
+def test_demo_dataset_is_clean(private_demo_cache):
+    assert (ensure_demo_dataset() / "train.jsonl").is_file()

@@ -1,0 +1,175 @@
+"""Nothing lost: SIGKILL at any point and resume, Ctrl-C, NaN. Real processes, killed for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from transformers import AutoModelForImageTextToText
+
+from vlm_recipes.checkpoint import read_json
+
+pytestmark = pytest.mark.e2e
+
+# Two stages, 6 steps each, a checkpoint every 2 steps; no generation (resume is about weights).
+RECIPE_ARGS = [
+    "--recipe",
+    "r3-two-stage",
+    "--max-steps",
+    "6",
+    "training.save_steps=2",
+    "training.per_device_batch_size=4",
+    "data.max_eval_samples=4",
+    "evaluation.generate=false",
+]
+
+
+def train(
+    out: Path, *extra: str, fault: str | None = None, run_name: str = "run"
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("VLM_RECIPES_FAULT", None)
+    if fault:
+        env["VLM_RECIPES_FAULT"] = fault
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "train_recipe.py"),
+        *RECIPE_ARGS,
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+        *extra,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForImageTextToText.from_pretrained(run_dir / "stage-2-llm-lora" / "final")
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, private_demo_cache) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("reference")
+    result = train(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_weights(out / "r3-two-stage" / "run")
+
+
+@pytest.mark.parametrize(
+    ("fault", "expect_resume"),
+    [
+        ("stage1:step3", "stage-1-vision-full/checkpoints/checkpoint-2"),  # during stage 1
+        (
+            "stage1:checkpoint4",
+            "stage-1-vision-full/checkpoints/checkpoint-2",
+        ),  # while checkpoint 4 is written
+        ("between1", None),  # stage 1 done, stage 2 not started
+        ("stage2:step5", "stage-2-llm-lora/checkpoints/checkpoint-4"),  # during stage 2
+    ],
+)
+def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, fault, expect_resume):
+    killed = train(tmp_path, fault=fault)
+    assert killed.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "r3-two-stage" / "run"
+    done_before = {p.parent.name: p.read_text() for p in run_dir.glob("stage-*/DONE")}
+    assert "stage-2-llm-lora" not in done_before
+
+    again = train(tmp_path)  # the same command again: refused, never overwritten
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+    resumed = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train_recipe.py"), "--resume", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for stage, marker in done_before.items():  # finished stages were not retrained
+        assert (run_dir / stage / "DONE").read_text() == marker
+        assert f"`{stage.split('-', 2)[2]}`: already done" in resumed.stderr
+    if expect_resume:
+        assert f"resuming from {run_dir / expect_resume}" in resumed.stderr
+    if fault == "stage1:checkpoint4":
+        assert "checkpoint-4 was interrupted while being written: ignored and removed" in resumed.stderr
+
+    assert read_json(run_dir / "run.json")["status"] == "finished"
+    weights = final_weights(run_dir)
+    for name, value in reference.items():
+        # CPU kernels are deterministic here: resumed training equals uninterrupted training exactly.
+        assert torch.equal(weights[name], value), name
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "train_recipe.py"),
+        "--recipe",
+        "r2-vision-only",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        "--max-steps",
+        "400",
+        "training.save_steps=0",
+        "training.per_device_batch_size=2",
+        "evaluation.generate=false",
+        "data.max_eval_samples=4",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage_dir = tmp_path / "r2-vision-only" / "run" / "stage-1-vision-full"
+    deadline = time.time() + 120
+    while not (stage_dir / "report.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # inside the training loop
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert f"--resume {tmp_path / 'r2-vision-only' / 'run'}" in stderr
+    checkpoints = list((stage_dir / "checkpoints").glob("checkpoint-*/COMPLETE"))
+    assert len(checkpoints) == 1 and not (stage_dir / "DONE").exists()
+    step = int(checkpoints[0].parent.name.rsplit("-", 1)[1])
+    assert 0 < step < 400
+
+
+def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train_recipe.py"),
+            "--recipe",
+            "r2-vision-only",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "run",
+            "--max-steps",
+            "6",
+            "training.save_steps=1",
+            "training.learning_rate=1e6",
+            "training.per_device_batch_size=4",
+            "evaluation.generate=false",
+            "data.max_eval_samples=4",
+        ],  # a poisoned learning rate: step 1 blows the weights up
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "stopped at step" in result.stderr and "NaN/inf" in result.stderr
+    assert "Traceback" not in result.stderr
+    stage_dir = tmp_path / "r2-vision-only" / "run" / "stage-1-vision-full"
+    assert not (stage_dir / "DONE").exists()
+    complete = sorted((stage_dir / "checkpoints").glob("checkpoint-*/COMPLETE"))
+    assert complete, "the checkpoint before the divergence is kept"
+    model = AutoModelForImageTextToText.from_pretrained(complete[-1].parent)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
