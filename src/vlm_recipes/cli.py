@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         "an interrupted one continues from its last complete checkpoint)",
     )
     parser.add_argument("--gpu", help="GPU ids to use, e.g. 6,7 (sets CUDA_VISIBLE_DEVICES)")
+    parser.add_argument(
+        "--parallel",
+        choices=["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"],
+        help="how several devices are used, for every stage (default: each stage's `parallel`, auto)",
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=int, help="processes per machine (default: one per visible GPU)"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="machines in a multi-node run")
+    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
+    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    parser.add_argument("--until-stage", type=int, help=argparse.SUPPRESS)  # the launcher's children
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
     return parser
 
@@ -63,8 +76,10 @@ def setup_logging() -> None:
     warnings.filterwarnings(
         "ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning
     )
+    # In a launched group only rank 0 narrates; the other ranks report problems only.
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -155,6 +170,8 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
         overrides.append(f"training.epochs={args.epochs}")
     if args.max_steps is not None:
         overrides.append(f"training.max_steps={args.max_steps}")
+    if args.parallel is not None:
+        overrides.append(f"parallel={args.parallel}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
     jobs = []
     for name in names:
@@ -165,8 +182,12 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
     return jobs
 
 
+def is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after options
     setup_logging()
     if args.list:
         print(list_recipes())
@@ -178,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_recipes.build import MissingProcessorError
     from vlm_recipes.data import DataError
     from vlm_recipes.guards import GuardError
+    from vlm_recipes.parallel import NodeSettings
     from vlm_recipes.recipe import RecipeError, available_recipes
     from vlm_recipes.resilience import StageInterrupted, TrainingDiverged
     from vlm_recipes.roles import LoraTargetError, UnsupportedModelError
-    from vlm_recipes.runner import RunExistsError, RunOptions, format_summary, run_recipe
+    from vlm_recipes.runner import LaunchFailed, RunExistsError, RunOptions, format_summary, run_recipe
 
     bad_input = (
         RecipeError,
@@ -209,12 +231,19 @@ def main(argv: list[str] | None = None) -> int:
             for recipe, run_name in jobs:
                 print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
             return 0
+        node = NodeSettings(args.nnodes, args.node_rank, args.master_addr, args.master_port)
         for recipe, run_name in jobs:
-            run_dirs.append(run_recipe(recipe, RunOptions(args.output_dir, run_name, bool(args.resume))))
-            print("\n" + format_summary(run_dirs[-1]))
+            options = RunOptions(
+                args.output_dir, run_name, bool(args.resume), args.until_stage, args.nproc_per_node, node
+            )
+            run_dirs.append(run_recipe(recipe, options))
+            if args.until_stage is None and is_main_process():
+                print("\n" + format_summary(run_dirs[-1]))
     except bad_input as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except LaunchFailed as exc:  # the launched processes printed their own error
+        return exc.code
     except TrainingDiverged as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
@@ -225,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    if len(run_dirs) > 1:
+    if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
         from vlm_recipes.report import format_comparison, write_comparison
 
         comparison, markdown, png = write_comparison(run_dirs, args.output_dir / "comparisons" / base_name)

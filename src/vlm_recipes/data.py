@@ -227,6 +227,16 @@ def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
     return f"{source}|{len(ds)} rows|{digest.hexdigest()[:12]}"
 
 
+def has_text_only_rows(ds: datasets.Dataset) -> bool:
+    """Whether some row has no image (read without decoding any image)."""
+    if "images" not in ds.column_names:
+        return True
+    undecoded = ds.select_columns(["images"]).cast_column(
+        "images", datasets.List(datasets.Image(decode=False))
+    )
+    return any(not images for images in undecoded["images"])
+
+
 def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:
     """Tokens per sample, image tokens included, computed from image sizes (no pixel processing)."""
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]

@@ -139,9 +139,15 @@ def check_precision_agrees(precision: str, model: nn.Module) -> Decision:
 # Parallelism
 
 
-def decide_parallelism(env: Environment) -> Decision:
+def decide_parallelism(env: Environment, world_size: int = 1) -> Decision:
     """Never torch.nn.DataParallel: its worker threads lose the autocast context, so bf16 and fp32
     tensors meet in one matmul (`expected mat1 and mat2 to have the same dtype`)."""
+    if world_size > 1:
+        return Decision(
+            "parallelism",
+            "DistributedDataParallel, one process per device",
+            f"{world_size} processes launched; Trainer wraps the model in DDP, never DataParallel",
+        )
     if env.device == "cuda" and env.gpu_count > 1:
         return Decision(
             "parallelism",

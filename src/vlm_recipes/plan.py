@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlm_recipes.demo import resolve_model_source
 from vlm_recipes.guards import Environment, GuardError, decide_precision
+from vlm_recipes.parallel import ModelFootprint
 from vlm_recipes.roles import adapter_for_model_type, count_params_by_role, lora_target_modules
 from vlm_recipes.runner import RunOptions, describe_source, run_dir_for, stage_dirs
 from vlm_recipes.schema import ROLES, Recipe
@@ -90,3 +91,23 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
             lines.append(f"    {key:<13} {p[key]}")
         lines.append("")
     return "\n".join(lines)
+
+
+def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
+    """GPU memory a stage needs for weights and optimizer state, from the model's config (no weights read)."""
+    config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
+    family = adapter_for_model_type(config.model_type)
+    quantized_params = 0
+    if stage.quantization.mode != "none":
+        skip = stage.quantization.skip_roles
+        for name, module in model.named_modules():
+            part = "lm_head" if family.is_lm_head(name) else family.role_of(name)
+            if isinstance(module, torch.nn.Linear) and part not in skip:
+                quantized_params += module.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    bits = {"4bit": 4, "8bit": 8}.get(stage.quantization.mode, 16)
+    weights = (total - quantized_params) * 2 + quantized_params * bits / 8
+    counts = count_params_by_role(model, family)
+    trainable = sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "full")
+    trainable += 0.02 * sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "lora")
+    return ModelFootprint(weights_gb=weights / 2**30, trainable_gb=trainable * 16 / 2**30)

@@ -5,19 +5,31 @@ Layout: <output_dir>/<recipe>/<run_name>/run.json and stage-<i>-<name>/ beside i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
+import os
 import platform
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from vlm_recipes.checkpoint import FINAL_DIR, is_done, read_json, stage_dir_name, write_json
 from vlm_recipes.demo import resolve_model_source
-from vlm_recipes.guards import Environment
+from vlm_recipes.guards import Decision, Environment
+from vlm_recipes.parallel import (
+    NodeSettings,
+    ParallelPlan,
+    ProcessGroup,
+    decide_parallel,
+    launch_command,
+    launched,
+)
 from vlm_recipes.recipe import recipe_to_dict
 from vlm_recipes.resilience import maybe_fault
 from vlm_recipes.schema import Recipe, Stage
@@ -38,6 +50,9 @@ LIBRARIES = (
 )
 
 
+PARALLEL_ENV = "VLM_RECIPES_PARALLEL"  # the launcher tells its children the plan, for their reports
+
+
 class RunExistsError(RuntimeError):
     pass
 
@@ -47,6 +62,9 @@ class RunOptions:
     output_dir: Path = Path("runs")
     run_name: str | None = None
     resume: bool = False
+    until_stage: int | None = None  # the launcher's children train up to this stage
+    nproc_per_node: int | None = None
+    node: NodeSettings = field(default_factory=NodeSettings)
 
 
 def run_dir_for(recipe: Recipe, options: RunOptions) -> Path:
@@ -120,13 +138,93 @@ def prepare_run_dir(recipe: Recipe, options: RunOptions) -> Path:
     return run_dir
 
 
-def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
-    """Run every stage of a recipe in order; returns the run directory."""
-    from vlm_recipes.stage import StageContext, prepare_resume, run_stage  # heavy imports only when training
+def plan_parallel(
+    recipe: Recipe, env: Environment, options: RunOptions
+) -> list[tuple[ParallelPlan, Decision]]:
+    """How each stage uses the devices (pure decisions; raises GuardError for impossible requests)."""
+    plans = []
+    for stage in recipe.stages:
+        footprint = gpu_memory = None
+        if env.device == "cuda" and env.gpu_count > 1 and stage.parallel == "auto":
+            from vlm_recipes.plan import estimate_footprint
 
+            footprint = estimate_footprint(recipe, stage)
+            gpu_memory = torch.cuda.get_device_properties(0).total_memory / 2**30
+        plans.append(
+            decide_parallel(
+                stage.parallel,
+                env,
+                footprint,
+                gpu_memory,
+                options.nproc_per_node,
+                options.node.nnodes,
+                stage.training.max_memory_per_gpu,
+            )
+        )
+    return plans
+
+
+def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
+    """Run every stage of a recipe in order; returns the run directory.
+
+    Stages that use one process run here; stages that need one process per device are run by child
+    processes this one launches (torchrun / accelerate), which continue the same run directory."""
+    if launched():  # a child of the launcher: train the stages it was given
+        return train_stages(recipe, options, ProcessGroup.from_env())
     env = Environment.detect()
-    run_dir = prepare_run_dir(recipe, options)
-    dirs = stage_dirs(recipe, run_dir)
+    plans = plan_parallel(recipe, env, options)
+    if not any(plan.launches_processes for plan, _ in plans):
+        return train_stages(recipe, options, ProcessGroup(), [d for _, d in plans])
+    return launch_stages(recipe, options, plans)
+
+
+def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[ParallelPlan, Decision]]) -> Path:
+    node = options.node
+    run_dir = run_dir_for(recipe, options)
+    if node.node_rank == 0:
+        run_dir = prepare_run_dir(recipe, options)
+        write_manifest(recipe, run_dir, options, Environment.detect())
+    else:  # other nodes continue the run node 0 creates (the output dir is on a shared filesystem)
+        wait_for(run_dir / "run.json", seconds=600)
+    groups: list[tuple[int, ParallelPlan, Decision]] = []  # (last stage index, plan, decision)
+    for index, (plan, decision) in enumerate(plans, start=1):
+        if groups and groups[-1][1] == plan:
+            groups[-1] = (index, plan, decision)
+        else:
+            groups.append((index, plan, decision))
+    for last, plan, decision in groups:
+        log.info("stages up to %d: %s", last, decision)
+        resumed = dataclasses.replace(options, resume=True, until_stage=last)
+        if not plan.launches_processes:
+            if node.node_rank == 0:
+                train_stages(recipe, resumed, ProcessGroup(), [decision])
+            continue
+        command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
+        log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
+        child_env = {**os.environ, PARALLEL_ENV: f"{plan.mode}:{decision.choice}"}
+        code = subprocess.run(command, env=child_env).returncode
+        if code != 0:
+            raise LaunchFailed(code)
+    return run_dir
+
+
+class LaunchFailed(RuntimeError):
+    """A launched process group failed; its processes printed why."""
+
+    def __init__(self, code: int):
+        super().__init__(f"the launched processes exited with code {code}")
+        self.code = code
+
+
+def wait_for(path: Path, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while not path.exists():
+        if time.time() > deadline:
+            raise RunExistsError(f"{path} did not appear within {seconds:.0f} s: is node 0 running this run?")
+        time.sleep(1.0)
+
+
+def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Environment) -> dict:
     manifest = {
         "recipe": recipe.name,
         "run_name": run_dir.name,
@@ -141,53 +239,107 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
         "status": "running",
         "stages": [],
     }
-    if options.resume:
-        manifest["started_at"] = read_json(run_dir / "run.json").get("started_at", manifest["started_at"])
-    write_json(run_dir / "run.json", manifest)
-    log.info("run %s: %d stage(s) on %s", run_dir, len(recipe.stages), env.describe())
-    if recipe.trust_remote_code:
-        log.warning(
-            "trust_remote_code: true (set in %s): Python code shipped with %s will run on this machine",
-            recipe.source_file or "the recipe",
-            recipe.model,
-        )
+    previous = run_dir / "run.json"
+    if options.resume and previous.exists():  # a continued run keeps its origin
+        earlier = read_json(previous)
+        manifest["started_at"] = earlier.get("started_at", manifest["started_at"])
+        manifest["command"] = earlier.get("command", manifest["command"])
+    write_json(previous, manifest)
+    return manifest
 
+
+def train_stages(
+    recipe: Recipe, options: RunOptions, group: ProcessGroup, decisions: list | None = None
+) -> Path:
+    """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group)."""
+    from vlm_recipes.stage import StageContext, prepare_resume, run_stage  # heavy imports only when training
+
+    env = Environment.detect()
+    run_dir = prepare_run_dir(recipe, options) if group.is_main else run_dir_for(recipe, options)
+    group.barrier()
+    dirs = stage_dirs(recipe, run_dir)
+    manifest = write_manifest(recipe, run_dir, options, env) if group.is_main else {"stages": []}
+    if group.is_main:
+        where = f"{group.world_size} processes" if group.distributed else "one process"
+        log.info("run %s: %d stage(s) on %s, %s", run_dir, len(recipe.stages), env.describe(), where)
+        if recipe.trust_remote_code:
+            log.warning(
+                "trust_remote_code: true (set in %s): Python code shipped with %s will run on this machine",
+                recipe.source_file or "the recipe",
+                recipe.model,
+            )
+    last = options.until_stage or len(recipe.stages)
+    launch = launch_decision(decisions, group)
     retrained = False  # once a stage trains again, every later stage must too: its input changed
-    for index, (stage, stage_dir) in enumerate(zip(recipe.stages, dirs, strict=True), start=1):
+    for index, (stage, stage_dir) in enumerate(zip(recipe.stages[:last], dirs, strict=False), start=1):
         source = resolve_source(recipe, stage, index, dirs)
-        if not retrained and is_done(stage_dir):
-            log.info("stage %d `%s`: already done (%s), skipped", index, stage.name, stage_dir / "DONE")
+        # Rank 0 looks at the disk and decides; every rank follows the same decision.
+        done, resume_from = group.broadcast(
+            _stage_start(index, stage, stage_dir, retrained, prepare_resume) if group.is_main else None
+        )
+        if done:
             metrics = read_json(stage_dir / "metrics.json")
         else:
-            resume_from = None
-            if stage_dir.exists() and not retrained:
-                resume_from = prepare_resume(stage_dir)
-                if resume_from is None:
-                    log.info(
-                        "stage %d `%s`: unfinished, no complete checkpoint: starting it again",
-                        index,
-                        stage.name,
-                    )
-            if resume_from is None:
-                shutil.rmtree(stage_dir, ignore_errors=True)
-            log.info(
-                "stage %d/%d `%s` from %s",
+            if group.is_main:
+                log.info(
+                    "stage %d/%d `%s` from %s",
+                    index,
+                    len(recipe.stages),
+                    stage.name,
+                    describe_source(recipe, stage, index),
+                )
+            group.barrier()
+            ctx = StageContext(
+                recipe,
+                stage,
                 index,
-                len(recipe.stages),
-                stage.name,
-                describe_source(recipe, stage, index),
+                stage_dir,
+                source,
+                env,
+                group=group,
+                decisions=[launch] if launch else [],
             )
-            metrics = run_stage(StageContext(recipe, stage, index, stage_dir, source, env), resume_from)
+            metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
-        manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
-        write_json(run_dir / "run.json", manifest)
+        if group.is_main:
+            manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
+            write_json(run_dir / "run.json", manifest)
         maybe_fault(f"between{index}")
+        group.barrier()
 
-    manifest["status"] = "finished"
-    manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    manifest["final_model"] = str(dirs[-1] / FINAL_DIR)
-    write_json(run_dir / "run.json", manifest)
+    if group.is_main and last == len(recipe.stages):
+        manifest["status"] = "finished"
+        manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        manifest["final_model"] = str(dirs[-1] / FINAL_DIR)
+        write_json(run_dir / "run.json", manifest)
+    group.barrier()
     return run_dir
+
+
+def launch_decision(decisions: list | None, group: ProcessGroup) -> Decision | None:
+    if decisions:
+        return decisions[0]
+    mode, _, choice = os.environ.get(PARALLEL_ENV, "").partition(":")
+    if group.distributed:
+        return Decision("launch", choice or f"{group.world_size} processes", f"launched as {mode or 'ddp'}")
+    return None
+
+
+def _stage_start(
+    index: int, stage: Stage, stage_dir: Path, retrained: bool, prepare_resume
+) -> tuple[bool, str | None]:
+    """(already done?, checkpoint to resume from), after clearing what cannot be resumed."""
+    if not retrained and is_done(stage_dir):
+        log.info("stage %d `%s`: already done (%s), skipped", index, stage.name, stage_dir / "DONE")
+        return True, None
+    resume_from = prepare_resume(stage_dir) if stage_dir.exists() and not retrained else None
+    if resume_from is None:
+        if stage_dir.exists():
+            log.info(
+                "stage %d `%s`: unfinished, no complete checkpoint: starting it again", index, stage.name
+            )
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    return False, str(resume_from) if resume_from else None
 
 
 def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:

@@ -12,6 +12,7 @@ from typing import Literal
 Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
+ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
 
 ROLES = ("vision", "projector", "llm")
 # Parts a quantized load can leave in full precision: the training roles plus the output head.
@@ -112,6 +113,10 @@ class TrainingSettings:
         "stop",
     )
     eval_batch_size: int = doc("samples per device when evaluating", 4)
+    max_memory_per_gpu: str | None = doc(
+        "model-parallel only: cap per GPU for device_map sharding, e.g. 20GiB (leaves room for activations)",
+        None,
+    )
     trainable_dtype: Literal["fp32", "compute"] = doc(
         "dtype of fully trained parameters: fp32 master weights, or the compute dtype (less memory)", "fp32"
     )
@@ -149,6 +154,11 @@ class Stage:
         "compute precision: auto picks bf16 where the hardware supports it natively, else fp16 on GPU, fp32 on CPU",
         "auto",
     )
+    parallel: ParallelMode = doc(
+        "how the devices are used: auto (several GPUs: DDP if the model fits one GPU, else model-parallel), "
+        "single, model-parallel (device_map sharding), ddp, fsdp, deepspeed (one process per GPU)",
+        "auto",
+    )
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
@@ -169,6 +179,6 @@ class Recipe:
 
 
 # Stage sections a recipe file may also set at its top level, as defaults for every stage.
-STAGE_DEFAULT_SECTIONS = ("data", "training", "evaluation", "precision", "quantization", "lora")
+STAGE_DEFAULT_SECTIONS = ("data", "training", "evaluation", "precision", "quantization", "lora", "parallel")
 # Every key a recipe file may hold at its top level.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

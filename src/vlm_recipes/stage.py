@@ -22,11 +22,12 @@ from vlm_recipes.checkpoint import (
     write_json,
     write_jsonl,
 )
-from vlm_recipes.data import StageData, check_lengths, dataset_signature, load_stage_data
+from vlm_recipes.data import StageData, check_lengths, dataset_signature, has_text_only_rows, load_stage_data
 from vlm_recipes.evaluate import evaluate_generation
 from vlm_recipes.guards import (
     Decision,
     Environment,
+    GuardError,
     apply_parallelism,
     apply_trainable_dtype,
     cast_frozen_to_compute,
@@ -40,6 +41,7 @@ from vlm_recipes.guards import (
     verify_quantization_scope,
 )
 from vlm_recipes.inspect import inspect_model
+from vlm_recipes.parallel import ParallelPlan, ProcessGroup, batch_decision
 from vlm_recipes.resilience import (
     CheckpointCallback,
     FaultInjectionCallback,
@@ -64,11 +66,18 @@ class StageContext:
     stage_dir: Path
     source: str  # resolved init_from: a model id or directory
     env: Environment
+    group: ProcessGroup = field(default_factory=ProcessGroup)  # this process's place in a launched group
     decisions: list[Decision] = field(default_factory=list)
 
 
 def build_sft_config(
-    stage: Stage, output_dir: Path, precision: str, env: Environment, has_eval: bool
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
 ) -> SFTConfig:
     t = stage.training
     return SFTConfig(
@@ -108,6 +117,10 @@ def build_sft_config(
         assistant_only_loss=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        ddp_backend="gloo" if distributed and env.device == "cpu" else None,
+        # Every trainable tensor gets a gradient in every step, unless the vision side trains and a batch
+        # has no image: only then must DDP search the graph for unused parameters (slower).
+        ddp_find_unused_parameters=distributed and unused_possible,
     )
 
 
@@ -209,7 +222,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     data: StageData = load_stage_data(stage.data)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
-    ctx.decisions += [precision, decide_parallelism(ctx.env)]
+    ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.group.world_size)]
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
     detect_family(
@@ -240,8 +253,25 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code, processor
     )
     ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env)
-    for decision in ctx.decisions:
-        log.info("  %s", decision)
+    ctx.decisions.append(check_same_start(built.model, ctx.group))
+    plan = ParallelPlan("ddp" if ctx.group.distributed else "single", ctx.group.world_size)
+    t = stage.training
+    ctx.decisions.append(
+        batch_decision(
+            plan,
+            t.per_device_batch_size,
+            t.gradient_accumulation_steps,
+            len(data.train),
+            t.epochs,
+            t.max_steps,
+            t.learning_rate,
+            t.lr_scheduler,
+            t.warmup_ratio,
+        )
+    )
+    if ctx.group.is_main:
+        for decision in ctx.decisions:
+            log.info("  %s", decision)
     counts = count_params_by_role(built.model, built.family)
     log.info("  %s", _trainable_summary(counts))
 
@@ -265,10 +295,20 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         },
         "resumed_from": str(resume_from) if resume_from else None,
     }
-    write_json(stage_dir / "report.json", report)
+    main = ctx.group.is_main  # only rank 0 writes the stage directory; the others wait at barriers
+    if main:
+        write_json(stage_dir / "report.json", report)
 
+    vision_trains = stage.train.vision != "frozen" or stage.train.projector != "frozen"
+    text_only_rows = has_text_only_rows(data.train)
     args = build_sft_config(
-        stage, stage_dir / "checkpoints", precision.choice, ctx.env, data.eval is not None
+        stage,
+        stage_dir / "checkpoints",
+        precision.choice,
+        ctx.env,
+        data.eval is not None,
+        ctx.group.distributed,
+        unused_possible=vision_trains and text_only_rows,
     )
     nonfinite, interrupt = NonFiniteCallback(stage.training.nan_policy), InterruptCallback()
     callbacks = [CheckpointCallback(ctx.index), nonfinite, interrupt, FaultInjectionCallback(ctx.index)]
@@ -291,16 +331,37 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     report["dtypes_after_training"] = dtype_histogram(built.model)
     if data.eval is not None:
         metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
-        if stage.evaluation.generate:
+        if stage.evaluation.generate and main:
             metrics["eval"] = evaluate_stage(trainer.model, built, stage, data, stage_dir)
 
-    log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
-    save_stage_outputs(ctx, built, trainer.model)
-    metrics["wall_time_s"] = round(time.time() - started, 2)
-    write_json(stage_dir / "metrics.json", metrics)
-    write_json(stage_dir / "report.json", report)
-    mark_done(stage_dir)
-    return metrics
+    if main:
+        log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
+        save_stage_outputs(ctx, built, trainer.model)
+        metrics["wall_time_s"] = round(time.time() - started, 2)
+        write_json(stage_dir / "metrics.json", metrics)
+        write_json(stage_dir / "report.json", report)
+        mark_done(stage_dir)
+    ctx.group.barrier()  # the next stage, on every rank, loads the final/ just written
+    return ctx.group.broadcast(metrics)
+
+
+def check_same_start(model: torch.nn.Module, group: ProcessGroup) -> Decision:
+    """Every rank must start a stage from the same weights (a stale final/ on one node would not show:
+    DDP would silently overwrite it with rank 0's). Compared by a cheap per-tensor fingerprint."""
+    with torch.no_grad():
+        fingerprint = [
+            round(float(p.detach().double().sum()), 6) if p.is_floating_point() else int(p.sum())
+            for p in model.parameters()
+        ]
+    fingerprints = group.gather(fingerprint)
+    if any(f != fingerprints[0] for f in fingerprints):
+        different = [rank for rank, f in enumerate(fingerprints) if f != fingerprints[0]]
+        raise GuardError(
+            f"ranks {different} loaded different weights than rank 0: is the output dir shared by "
+            "every node, and the same for all of them?"
+        )
+    where = f"identical on {group.world_size} ranks" if group.distributed else "one rank"
+    return Decision("same-start", where, f"fingerprint of {len(fingerprint)} tensors compared")
 
 
 def check_stopped_early(

@@ -1,0 +1,240 @@
+"""Several processes: DDP on CPU with gloo (two stages), two nodes on localhost, and the launch decisions."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from vlm_recipes.checkpoint import read_json
+from vlm_recipes.guards import Environment, GuardError, apply_parallelism
+from vlm_recipes.parallel import (
+    CONFIGS_DIR,
+    ModelFootprint,
+    NodeSettings,
+    ParallelPlan,
+    decide_parallel,
+    launch_command,
+)
+
+SCRIPT = [sys.executable, str(REPO / "scripts" / "train_recipe.py")]
+QUICK = [
+    "--max-steps",
+    "3",
+    "training.per_device_batch_size=4",
+    "data.max_eval_samples=4",
+    "evaluation.generate=false",
+]
+TWO_GPUS = Environment("cuda", 2, bf16_supported=True, gpu_name="H100")
+EIGHT_GPUS = Environment("cuda", 8, bf16_supported=True, gpu_name="H100")
+CPU = Environment("cpu", 0, bf16_supported=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
+    result = subprocess.run(
+        [
+            *SCRIPT,
+            "--recipe",
+            "r3-two-stage",
+            "--parallel",
+            "ddp",
+            "--nproc-per-node",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "ddp",
+            *QUICK,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / "r3-two-stage" / "ddp"
+    assert read_json(run_dir / "run.json")["status"] == "finished"
+    assert sorted(p.parent.name for p in run_dir.glob("*/DONE")) == [
+        "stage-1-vision-full",
+        "stage-2-llm-lora",
+    ]
+    assert len(list(run_dir.glob("*/final/config.json"))) == 2  # one final/ per stage, written once
+    for stage_dir in run_dir.glob("stage-*"):
+        decisions = {d["guard"]: d for d in read_json(stage_dir / "report.json")["decisions"]}
+        assert decisions["same-start"]["choice"] == "identical on 2 ranks"  # stage 2 included: same final/
+        assert decisions["parallelism"]["choice"].startswith("DistributedDataParallel")
+        assert (
+            "global batch 8 = 4 per device × 1 accumulation × 2 process(es)" in decisions["batch"]["choice"]
+        )
+        assert read_json(stage_dir / "metrics.json")["steps"] == 3
+
+
+@pytest.mark.e2e
+def test_two_nodes_on_localhost_complete_a_stage(tmp_path, private_demo_cache):
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                *SCRIPT,
+                "--recipe",
+                "r2-vision-only",
+                "--output-dir",
+                str(tmp_path),
+                "--run-name",
+                "mn",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                *QUICK,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-4000:]
+    run_dir = tmp_path / "r2-vision-only" / "mn"
+    assert read_json(run_dir / "run.json")["status"] == "finished"
+    assert len(list(run_dir.glob("*/DONE"))) == 1
+    report = read_json(run_dir / "stage-1-vision-full" / "report.json")
+    assert {d["guard"]: d["choice"] for d in report["decisions"]}["same-start"] == "identical on 2 ranks"
+
+
+# --- decisions (fake GPUs: this machine has none) -----------------------------------------------
+
+
+def test_auto_with_two_fake_gpus_chooses_ddp_when_the_model_fits_one():
+    plan, decision = decide_parallel("auto", TWO_GPUS, ModelFootprint(4.4, 10.0), gpu_memory_gb=80)
+    assert plan == ParallelPlan("ddp", 2) and "fits one 80 GB GPU" in decision.reason
+    plan, _ = decide_parallel(
+        "auto", EIGHT_GPUS, ModelFootprint(4.4, 10.0), gpu_memory_gb=80, nproc_per_node=4
+    )
+    assert plan == ParallelPlan("ddp", 4)
+
+
+def test_auto_with_two_fake_gpus_shards_a_model_too_big_for_one():
+    plan, decision = decide_parallel("auto", TWO_GPUS, ModelFootprint(15.0, 120.0), gpu_memory_gb=80)
+    assert plan.mode == "model-parallel" and plan.processes_per_node == 1
+    assert "does not fit one 80 GB GPU" in decision.reason
+
+
+def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path):
+    from vlm_recipes.recipe import load_recipe
+    from vlm_recipes.stage import build_sft_config
+
+    plan, _ = decide_parallel("model-parallel", TWO_GPUS)
+    assert plan == ParallelPlan("model-parallel", 1)
+    stage = load_recipe("r2-vision-only").stages[0]
+    args = build_sft_config(stage, tmp_path, "fp32", CPU, has_eval=False)
+    assert args.n_gpu == 0
+    args._n_gpu = 2  # what Trainer computes with two GPUs visible to one process (faked)
+    apply_parallelism(args)
+    assert args.n_gpu == 1
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "kwargs", "message"),
+    [
+        (
+            "ddp",
+            TWO_GPUS,
+            {"max_memory_per_gpu": "20GiB"},
+            "max_memory_per_gpu shards one model over several GPUs",
+        ),
+        ("ddp", CPU, {}, "needs at least 2 processes: add --nproc-per-node 2"),
+        ("fsdp", CPU, {"nproc_per_node": 2}, "--parallel fsdp needs GPUs"),
+        ("model-parallel", CPU, {}, "needs at least 2 visible GPUs"),
+        ("ddp", TWO_GPUS, {"nproc_per_node": 4}, "--nproc-per-node 4 but only 2 GPU(s) are visible"),
+    ],
+)
+def test_impossible_parallel_requests_fail_before_loading(requested, env, kwargs, message):
+    with pytest.raises(GuardError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        decide_parallel(requested, env, **kwargs)
+
+
+def test_launch_commands_for_one_and_several_nodes():
+    single = launch_command(ParallelPlan("ddp", 2), ["--resume", "runs/x/y"], NodeSettings())
+    assert (
+        single[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"] and "--standalone" in single
+    )
+    multi = launch_command(
+        ParallelPlan("ddp", 8, 2), ["--resume", "r"], NodeSettings(2, 1, "10.0.0.1", 29500)
+    )
+    assert multi[5:13] == [
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "10.0.0.1",
+        "--master_port",
+        "29500",
+    ]
+    fsdp = launch_command(ParallelPlan("fsdp", 8), [], NodeSettings())
+    assert fsdp[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS_DIR / "fsdp.yaml")]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3"])
+def test_shipped_accelerate_configs_are_valid(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(CONFIGS_DIR / f"{name}.yaml"))
+    expected = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[name]
+    assert config.distributed_type.value == expected
+    if name == "fsdp":
+        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # final/ is a plain model dir
+    assert Path(CONFIGS_DIR / f"{name}.yaml").read_text().startswith("#")
+
+
+@pytest.mark.e2e
+def test_stages_can_use_devices_differently(tmp_path, private_demo_cache):
+    """Stage 1 in this process, stage 2 relaunched as two DDP processes that continue the same run."""
+    result = subprocess.run(
+        [
+            *SCRIPT,
+            "--recipe",
+            "r3-two-stage",
+            "--nproc-per-node",
+            "2",
+            "stages.1.parallel=single",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "mixed",
+            *QUICK,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / "r3-two-stage" / "mixed"
+    launches = {
+        p.parent.name: {d["guard"]: d["choice"] for d in read_json(p)["decisions"]}
+        for p in run_dir.glob("*/report.json")
+    }
+    assert launches["stage-1-vision-full"]["parallelism"] == "single device"
+    assert launches["stage-2-llm-lora"]["same-start"] == "identical on 2 ranks"
+    manifest = read_json(run_dir / "run.json")
+    assert manifest["status"] == "finished" and len(manifest["stages"]) == 2
+    assert "--nproc-per-node 2" in manifest["command"]  # the user's command, not the launcher's
