@@ -96,13 +96,22 @@ def load_model(
     compute_dtype: torch.dtype,
     device: str,
     trust_remote_code: bool = False,
+    sharded: bool = False,
+    max_memory_per_gpu: str | None = None,
 ) -> nn.Module:
-    """Load weights in the compute dtype (frozen weights need nothing more), quantized if asked."""
+    """Load weights in the compute dtype (frozen weights need nothing more), quantized if asked.
+
+    On GPU the whole model goes to this process's GPU, or, `sharded` (model-parallel), is balanced over
+    every visible GPU, each holding at most `max_memory_per_gpu`."""
     kwargs = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
     qconfig = quantization_config(quantization, family, compute_dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
-    if device == "cuda":
+    if device == "cuda" and sharded:
+        kwargs["device_map"] = "balanced"
+        if max_memory_per_gpu:
+            kwargs["max_memory"] = dict.fromkeys(range(torch.cuda.device_count()), max_memory_per_gpu)
+    elif device == "cuda":
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
 
@@ -146,12 +155,22 @@ def build_stage_model(
     device: str,
     trust_remote_code: bool = False,
     processor=None,
+    sharded: bool = False,
 ) -> BuiltModel:
     """Processor (unless given), model loaded and quantized as the stage says, training modes applied."""
     family, config = detect_family(source, trust_remote_code)
     compute_dtype = DTYPES[compute_precision]
     processor = processor or load_processor(source, stage.data, trust_remote_code)
-    model = load_model(source, stage.quantization, family, compute_dtype, device, trust_remote_code)
+    model = load_model(
+        source,
+        stage.quantization,
+        family,
+        compute_dtype,
+        device,
+        trust_remote_code,
+        sharded,
+        stage.training.max_memory_per_gpu,
+    )
     model, targets = apply_training_modes(model, stage, family)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
     if isinstance(source_dtype, str):

@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.gpu is not None:
             select_gpus(args.gpu)
+        if args.nnodes > 1 and not (args.run_name or args.resume):
+            raise GuardError(
+                "a multi-node run needs the same --run-name on every node (a timestamp would differ)"
+            )
         jobs = build_jobs(args, names, base_name)
         if args.dry_run:
             from vlm_recipes.plan import format_plan, plan_recipe

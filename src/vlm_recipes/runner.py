@@ -174,7 +174,7 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     env = Environment.detect()
     plans = plan_parallel(recipe, env, options)
     if not any(plan.launches_processes for plan, _ in plans):
-        return train_stages(recipe, options, ProcessGroup(), [d for _, d in plans])
+        return train_stages(recipe, options, ProcessGroup(), plans)
     return launch_stages(recipe, options, plans)
 
 
@@ -197,7 +197,7 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
         resumed = dataclasses.replace(options, resume=True, until_stage=last)
         if not plan.launches_processes:
             if node.node_rank == 0:
-                train_stages(recipe, resumed, ProcessGroup(), [decision])
+                train_stages(recipe, resumed, ProcessGroup(), plans)
             continue
         command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
         log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
@@ -249,7 +249,10 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
 
 
 def train_stages(
-    recipe: Recipe, options: RunOptions, group: ProcessGroup, decisions: list | None = None
+    recipe: Recipe,
+    options: RunOptions,
+    group: ProcessGroup,
+    plans: list[tuple[ParallelPlan, Decision]] | None = None,
 ) -> Path:
     """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group)."""
     from vlm_recipes.stage import StageContext, prepare_resume, run_stage  # heavy imports only when training
@@ -269,7 +272,6 @@ def train_stages(
                 recipe.model,
             )
     last = options.until_stage or len(recipe.stages)
-    launch = launch_decision(decisions, group)
     retrained = False  # once a stage trains again, every later stage must too: its input changed
     for index, (stage, stage_dir) in enumerate(zip(recipe.stages[:last], dirs, strict=False), start=1):
         source = resolve_source(recipe, stage, index, dirs)
@@ -289,6 +291,7 @@ def train_stages(
                     describe_source(recipe, stage, index),
                 )
             group.barrier()
+            plan, decision = plans[index - 1] if plans else launched_plan(group)
             ctx = StageContext(
                 recipe,
                 stage,
@@ -297,7 +300,8 @@ def train_stages(
                 source,
                 env,
                 group=group,
-                decisions=[launch] if launch else [],
+                parallel=plan,
+                decisions=[decision],
             )
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
@@ -316,13 +320,15 @@ def train_stages(
     return run_dir
 
 
-def launch_decision(decisions: list | None, group: ProcessGroup) -> Decision | None:
-    if decisions:
-        return decisions[0]
-    mode, _, choice = os.environ.get(PARALLEL_ENV, "").partition(":")
-    if group.distributed:
-        return Decision("launch", choice or f"{group.world_size} processes", f"launched as {mode or 'ddp'}")
-    return None
+def launched_plan(group: ProcessGroup) -> tuple[ParallelPlan, Decision]:
+    """In a launched child: the plan its launcher chose (passed in the environment)."""
+    mode, _, choice = os.environ.get(PARALLEL_ENV, "ddp:").partition(":")
+    plan = ParallelPlan(
+        mode,
+        int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size)),
+        max(1, group.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))),
+    )
+    return plan, Decision("launch", choice or f"{group.world_size} processes", f"launched as {mode}")
 
 
 def _stage_start(

@@ -67,6 +67,7 @@ class StageContext:
     source: str  # resolved init_from: a model id or directory
     env: Environment
     group: ProcessGroup = field(default_factory=ProcessGroup)  # this process's place in a launched group
+    parallel: ParallelPlan = field(default_factory=lambda: ParallelPlan("single", 1))
     decisions: list[Decision] = field(default_factory=list)
 
 
@@ -145,11 +146,14 @@ def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
     return "trainable/total per role: " + ", ".join(parts)
 
 
-def apply_guards(built: BuiltModel, stage: Stage, precision: str, env: Environment) -> list[Decision]:
+def apply_guards(
+    built: BuiltModel, stage: Stage, precision: str, env: Environment, sharded: bool = False
+) -> list[Decision]:
     """The after-loading guards, in order; each returns its decision or raises GuardError."""
     device = (
         torch.device(f"cuda:{torch.cuda.current_device()}") if env.device == "cuda" else torch.device("cpu")
     )
+    device = None if sharded else device  # model-parallel: every module stays on the GPU it was placed on
     quant = stage.quantization
     trainable_dtype = stage.training.trainable_dtype
     decisions = [
@@ -249,16 +253,22 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         ctx.source,
         f" ({stage.quantization.mode})" if quantized else "",
     )
+    sharded = ctx.parallel.mode == "model-parallel"
     built = build_stage_model(
-        ctx.source, stage, precision.choice, ctx.env.device, ctx.recipe.trust_remote_code, processor
+        ctx.source,
+        stage,
+        precision.choice,
+        ctx.env.device,
+        ctx.recipe.trust_remote_code,
+        processor,
+        sharded=sharded,
     )
-    ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env)
+    ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env, sharded)
     ctx.decisions.append(check_same_start(built.model, ctx.group))
-    plan = ParallelPlan("ddp" if ctx.group.distributed else "single", ctx.group.world_size)
     t = stage.training
     ctx.decisions.append(
         batch_decision(
-            plan,
+            ctx.parallel,
             t.per_device_batch_size,
             t.gradient_accumulation_steps,
             len(data.train),
