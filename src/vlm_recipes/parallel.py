@@ -17,7 +17,7 @@ import torch
 from vlm_recipes.guards import Decision, Environment, GuardError
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
-ACCELERATE_CONFIGS = {"fsdp": "fsdp.yaml", "deepspeed": "zero2.yaml"}
+DEFAULT_ACCELERATE_CONFIG = {"fsdp": "fsdp", "deepspeed": "zero2"}  # names of files in configs/accelerate/
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 
 
@@ -157,6 +157,24 @@ class NodeSettings:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    accelerate_config: str | None = None  # a name in configs/accelerate/ (zero3) or a path
+
+
+def accelerate_config_path(mode: str, choice: str | None) -> Path:
+    """`--accelerate-config zero3` or a path; by default fsdp.yaml for fsdp, zero2.yaml for deepspeed."""
+    choice = choice or DEFAULT_ACCELERATE_CONFIG[mode]
+    path = Path(choice)
+    if path.suffix in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise GuardError(f"--accelerate-config {choice}: no such file")
+        return path
+    named = CONFIGS_DIR / f"{choice}.yaml"
+    if not named.is_file():
+        names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+        raise GuardError(
+            f"--accelerate-config {choice}: not one of {names} (or give a path to a config file)"
+        )
+    return named
 
 
 def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSettings) -> list[str]:
@@ -188,7 +206,7 @@ def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSetting
             *target,
             *script_args,
         ]
-    config = CONFIGS_DIR / ACCELERATE_CONFIGS[plan.mode]
+    config = accelerate_config_path(plan.mode, node.accelerate_config)
     return [
         sys.executable,
         "-m",
