@@ -192,6 +192,10 @@ def test_launch_commands_for_one_and_several_nodes():
     ]
     fsdp = launch_command(ParallelPlan("fsdp", 8), [], NodeSettings())
     assert fsdp[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS_DIR / "fsdp.yaml")]
+    zero3 = launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero3"))
+    assert zero3[4] == str(CONFIGS_DIR / "zero3.yaml")
+    with pytest.raises(GuardError, match="not one of ddp, fsdp, zero2, zero3"):
+        launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero4"))
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3"])

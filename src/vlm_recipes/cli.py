@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc-per-node", type=int, help="processes per machine (default: one per visible GPU)"
     )
+    parser.add_argument(
+        "--accelerate-config",
+        help="fsdp/deepspeed: a config in configs/accelerate/ (fsdp, zero2, zero3) or a path",
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="machines in a multi-node run")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run")
     parser.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
@@ -235,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             for recipe, run_name in jobs:
                 print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
             return 0
-        node = NodeSettings(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        node = NodeSettings(
+            args.nnodes, args.node_rank, args.master_addr, args.master_port, args.accelerate_config
+        )
         for recipe, run_name in jobs:
             options = RunOptions(
                 args.output_dir, run_name, bool(args.resume), args.until_stage, args.nproc_per_node, node
