@@ -231,17 +231,15 @@ def has_text_only_rows(ds: datasets.Dataset) -> bool:
     """Whether some row has no image (read without decoding any image)."""
     if "images" not in ds.column_names:
         return True
-    undecoded = ds.select_columns(["images"]).cast_column(
-        "images", datasets.List(datasets.Image(decode=False))
-    )
-    return any(not images for images in undecoded["images"])
+    return any(not images for images in undecoded(ds.select_columns(["images"]))["images"])
 
 
-def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:
-    """Tokens per sample, image tokens included, computed from image sizes (no pixel processing)."""
+def sample_token_counts(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:
+    """(text tokens, image tokens) per sample, computed from image sizes without processing pixels.
+    Pass images undecoded (`Image(decode=False)`) and only the headers are read."""
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
     text_lengths = [len(ids) for ids in processor.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    lengths = []
+    counts = []
     images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
     for text_length, images in zip(text_lengths, images_column, strict=True):
         sizes = [_image_size(image) for image in images or []]
@@ -249,8 +247,20 @@ def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:
         if sizes:
             image_tokens = sum(processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"])
         # Each image is one <|image_pad|> in the text, expanded to its token count by the processor.
-        lengths.append(text_length - len(sizes) + image_tokens)
-    return lengths
+        counts.append((text_length - len(sizes), image_tokens))
+    return counts
+
+
+def undecoded(ds: datasets.Dataset) -> datasets.Dataset:
+    """The same rows with image columns left as file references (no pixel decoding)."""
+    if "images" not in ds.column_names:
+        return ds
+    return ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
+
+
+def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:
+    """Tokens per sample, image tokens included."""
+    return [text + image for text, image in sample_token_counts(ds, processor)]
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -269,12 +279,7 @@ def check_lengths(
     ("image features and image tokens do not match"), and cutting the answer trains on nothing.
 
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    undecoded = (
-        ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
-        if "images" in ds.column_names
-        else ds
-    )
-    lengths = sample_lengths(undecoded, processor)
+    lengths = sample_lengths(undecoded(ds), processor)
     if max_length is None:
         return ds, lengths, {}
     ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))

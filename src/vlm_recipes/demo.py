@@ -27,6 +27,7 @@ logger = logging.getLogger("vlm_recipes.demo")
 
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"
 DEMO_DATA_PREFIX = "demo:"
+DEMO_BENCH_MODEL_ID = "demo:bench-qwen2-vl"  # a bigger random model for scripts/benchmark.py
 
 _VERSION = "demo-v1"
 _MODEL_DIRNAME = "tiny-qwen2-vl"
@@ -100,9 +101,34 @@ def ensure_demo_dataset() -> Path:
     return _ensure(cache_dir() / _VERSION / _DATA_DIRNAME, _DATA_FILES, _build_dataset, "dataset")
 
 
+def ensure_bench_model() -> Path:
+    """A bigger random Qwen2-VL (~16M parameters) for benchmarks: same tokenizer and processor family,
+    more layers and width, images up to 64 visual tokens."""
+    return _ensure(
+        cache_dir() / _VERSION / "bench-qwen2-vl",
+        _MODEL_FILES,
+        lambda out: _build_model(out, _BENCH),
+        "bench model",
+    )
+
+
+def ensure_bench_dataset() -> Path:
+    """256 rows with widely varying image sizes (56-448 px a side) and answer lengths (1 to ~60 tokens)."""
+    return _ensure(
+        cache_dir() / _VERSION / "bench-data",
+        ("bench.jsonl", "dataset_info.json"),
+        _build_bench_dataset,
+        "bench dataset",
+    )
+
+
 def resolve_model_source(source: str) -> str:
-    """Map :data:`DEMO_MODEL_ID` to the local demo model directory; return anything else unchanged."""
-    return str(ensure_demo_model()) if source == DEMO_MODEL_ID else source
+    """Map the demo model ids to their local directories; return anything else unchanged."""
+    if source == DEMO_MODEL_ID:
+        return str(ensure_demo_model())
+    if source == DEMO_BENCH_MODEL_ID:
+        return str(ensure_bench_model())
+    return source
 
 
 def resolve_data_source(source: str) -> str:
@@ -114,6 +140,8 @@ def resolve_data_source(source: str) -> str:
     if not source.startswith(DEMO_DATA_PREFIX):
         return source
     split = source[len(DEMO_DATA_PREFIX) :]
+    if split == "bench":
+        return str(ensure_bench_dataset() / "bench.jsonl")
     if split not in _SPLITS:
         valid = ", ".join(DEMO_DATA_PREFIX + s for s in _SPLITS)
         raise ValueError(f"Unknown demo data source {source!r}; valid demo sources are: {valid}")
@@ -262,6 +290,48 @@ def _generate_split(split: str) -> list[tuple[dict[str, Any], Image.Image]]:
     return samples
 
 
+_POSITIONS = {(0, 0): "top left", (1, 0): "top right", (0, 1): "bottom left", (1, 1): "bottom right"}
+
+
+def _describe_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """1-4 shapes in the cells of a 2x2 grid; the answer names each one: answers of 6 to ~40 tokens."""
+    w, h = 112, 112
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    parts = []
+    for cx, cy in sorted(rng.sample(list(_POSITIONS), rng.randint(1, 4)), key=lambda c: (c[1], c[0])):
+        colour, shape = rng.choice(list(_COLOURS)), rng.choice(["circle", "square", "triangle"])
+        x0, y0 = cx * 56 + rng.randint(4, 20), cy * 56 + rng.randint(4, 20)
+        _draw_shape(draw, shape, (x0, y0, x0 + 30, y0 + 30), _COLOURS[colour])
+        parts.append(f"a {colour} {shape} at the {_POSITIONS[(cx, cy)]}")
+    return img, "Describe every shape and where it is.", "There is " + ", ".join(parts) + "."
+
+
+def _build_bench_dataset(out: Path) -> None:
+    """Benchmark rows: the demo tasks plus descriptions, images resized to 56-448 px a side."""
+    rng = random.Random(4321)
+    (out / "images").mkdir()
+    makers = {"shapes": _shapes_sample, "nutrition": _nutrition_sample, "describe": _describe_sample}
+    with open(out / "bench.jsonl", "w", encoding="utf-8", newline="\n") as f:
+        for i in range(256):
+            task = rng.choice(list(makers))
+            img, question, answer = makers[task](rng)
+            img = img.resize((rng.randint(56, 448), rng.randint(56, 448)))
+            row_id = f"bench-{i:05d}"
+            img.save(out / "images" / f"{row_id}.png", format="PNG")
+            row = {
+                "id": row_id,
+                "task": task,
+                "images": [f"images/{row_id}.png"],
+                "messages": [
+                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                ],
+            }
+            f.write(json.dumps(row) + "\n")
+    (out / "dataset_info.json").write_text(json.dumps({"rows": 256, "seed": 4321}) + "\n")
+
+
 def _build_dataset(out: Path) -> None:
     (out / "images").mkdir()
     info: dict[str, Any] = {"version": _VERSION, "seeds": _SPLIT_SEEDS, "splits": {}}
@@ -354,7 +424,33 @@ def _build_tokenizer():
     )
 
 
-def _build_model(out: Path) -> None:
+_TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "mrope": [2, 3, 3],
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_heads": 2,
+    "max_pixels": _MAX_PIXELS,
+}
+_BENCH = {
+    "hidden": 512,
+    "intermediate": 1376,
+    "layers": 4,
+    "heads": 8,
+    "kv_heads": 4,
+    "mrope": [8, 12, 12],
+    "vision_depth": 4,
+    "vision_dim": 256,
+    "vision_heads": 4,
+    "max_pixels": 28 * 28 * 64,
+}
+
+
+def _build_model(out: Path, dims: dict = _TINY) -> None:
     import torch
     from transformers import (
         GenerationConfig,
@@ -370,7 +466,7 @@ def _build_model(out: Path) -> None:
     # TRL matches this template byte for byte (it is Qwen2-VL-2B-Instruct's) and swaps in its
     # training variant with {% generation %} markers for assistant-only loss.
     tok.chat_template = qwen2_5_vl_chat_template
-    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS}
+    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": dims["max_pixels"]}
     processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
         tokenizer=tok,
@@ -381,25 +477,25 @@ def _build_model(out: Path) -> None:
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": -(-len(tok) // 64) * 64,  # round up; the extra rows are never produced by tok
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "max_window_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "max_window_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
             "max_position_embeddings": 4096,
-            # head_dim 16 -> 8 rotary frequencies, split over (temporal, height, width)
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
             "bos_token_id": None,
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
         vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "num_heads": 2,
+            "depth": dims["vision_depth"],
+            "embed_dim": dims["vision_dim"],
+            "num_heads": dims["vision_heads"],
             "mlp_ratio": 2,
-            "hidden_size": 64,  # merger output = text hidden size
+            "hidden_size": dims["hidden"],  # merger output = text hidden size
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,

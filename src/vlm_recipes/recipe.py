@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from vlm_recipes.demo import DEMO_MODEL_ID
+from vlm_recipes.demo import DEMO_BENCH_MODEL_ID, DEMO_MODEL_ID
 from vlm_recipes.schema import (
     QUANT_SKIPPABLE,
     RECIPE_FILE_KEYS,
@@ -452,7 +452,7 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
 
 def _model_source_problem(source: str) -> str | None:
     """Why a model source cannot be found, judged without touching the network."""
-    if source.startswith("demo:") and source != DEMO_MODEL_ID:
+    if source.startswith("demo:") and source not in (DEMO_MODEL_ID, DEMO_BENCH_MODEL_ID):
         return f"unknown demo model `{source}`: the embedded default is {DEMO_MODEL_ID}"
     looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
     if looks_local and not (Path(source).expanduser() / "config.json").is_file():
@@ -498,7 +498,11 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
             problems.append(Problem(f"{at}.init_from", problem))
         for key in ("train", "eval"):
             source = getattr(stage.data, key)
-            if source and source.startswith("demo:") and source not in ("demo:train", "demo:eval"):
+            if (
+                source
+                and source.startswith("demo:")
+                and source not in ("demo:train", "demo:eval", "demo:bench")
+            ):
                 problems.append(
                     Problem(f"{at}.data.{key}", f"unknown demo data `{source}`: use demo:train or demo:eval")
                 )

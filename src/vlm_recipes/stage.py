@@ -54,6 +54,7 @@ from vlm_recipes.resilience import (
 )
 from vlm_recipes.roles import count_params_by_role, params_by_role
 from vlm_recipes.schema import Recipe, Stage
+from vlm_recipes.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,14 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         unused_possible=vision_trains and text_only_rows,
     )
     nonfinite, interrupt = NonFiniteCallback(stage.training.nan_policy), InterruptCallback()
-    callbacks = [CheckpointCallback(ctx.index), nonfinite, interrupt, FaultInjectionCallback(ctx.index)]
+    timer = StepTimer()
+    callbacks = [
+        CheckpointCallback(ctx.index),
+        nonfinite,
+        interrupt,
+        FaultInjectionCallback(ctx.index),
+        timer,
+    ]
     trainer = build_trainer(built, stage, args, data, ctx.decisions, callbacks)
     if resume_from is not None:
         log.info("stage %d `%s`: resuming from %s", ctx.index, stage.name, resume_from)
@@ -338,6 +346,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     metrics["peak_memory"] = peak_memory(ctx.env)
     metrics["params_by_role"] = counts
     metrics["skipped_steps"] = nonfinite.skipped_steps
+    metrics.update(timer.summary())
     report["dtypes_after_training"] = dtype_histogram(built.model)
     if data.eval is not None:
         metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)

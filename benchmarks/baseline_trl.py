@@ -1,0 +1,121 @@
+"""The script a user would write by hand, the way TRL's own VLM SFT example does it: load the model and
+processor, freeze, SFTTrainer with a peft_config, train. The benchmark's baseline.
+
+    python benchmarks/baseline_trl.py --stage llm-lora --model DIR --data FILE.jsonl --steps 30 --out r.json
+
+Same model, data, seed and SFTConfig numbers as the vlm-recipes stage it is compared with. Only the
+step timer (a TrainerCallback that reads the clock) is shared with vlm-recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+
+import datasets
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
+from trl import SFTConfig, SFTTrainer
+
+from vlm_recipes.timing import StepTimer
+
+
+def load_data(path: str) -> datasets.Dataset:
+    from pathlib import Path
+
+    root = Path(path).parent
+    ds = datasets.load_dataset("json", data_files=path, split="train")
+    ds = ds.map(lambda row: {"images": [str(root / p) for p in row["images"]]})
+    return ds.cast_column("images", datasets.List(datasets.Image())).select_columns(["messages", "images"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", choices=["llm-lora", "vision-full"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    peft_config = None
+    if args.stage == "llm-lora":  # r1: 4-bit language model, LoRA on its linear layers
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            llm_int8_skip_modules=["model.visual", "lm_head"],
+        )
+        model = AutoModelForImageTextToText.from_pretrained(
+            args.model, dtype=dtype, quantization_config=quantization
+        )
+        peft_config = LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.05,
+            task_type="CAUSAL_LM",
+            target_modules=r"model\.language_model\..*\.(q|k|v|o|gate|up|down)_proj",
+        )
+        learning_rate = 2e-4
+    else:  # r2: vision tower and merger fully trained, language model frozen
+        model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=dtype)
+        for name, param in model.named_parameters():
+            param.requires_grad = name.startswith("model.visual")
+            if param.requires_grad:
+                param.data = param.data.float()
+        learning_rate = 2e-5
+    processor = AutoProcessor.from_pretrained(args.model)
+    processor.image_processor.size = {"shortest_edge": 3136, "longest_edge": 200704}
+
+    config = SFTConfig(
+        output_dir="/tmp/vlm-recipes-baseline",
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        logging_steps=5,
+        save_strategy="no",
+        report_to="none",
+        bf16=args.bf16,
+        use_cpu=not torch.cuda.is_available(),
+        seed=0,
+        data_seed=0,
+        max_length=None,
+        assistant_only_loss=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        logging_nan_inf_filter=False,
+    )
+    timer = StepTimer()
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=load_data(args.data),
+        processing_class=processor,
+        peft_config=peft_config,
+        callbacks=[timer],
+    )
+    output = trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    result = {
+        "way": "baseline",
+        "steps": trainer.state.global_step,
+        "train_runtime_s": output.metrics["train_runtime"],
+        "final_loss": losses[-1] if losses else None,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        **timer.summary(),
+    }
+    if torch.cuda.is_available():
+        result["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

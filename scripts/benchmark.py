@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Benchmark vlm-recipes against a plain TRL script: same stage, model, data, seed and SFTConfig.
+
+    python scripts/benchmark.py [--stages llm-lora,vision-full] [--steps 30] [--repeats 3] [--threads 2]
+
+Each run is a fresh process (imports and model loading count, peak memory is per run). Runs alternate
+between the two ways after a warm-up pair, and the medians are compared as ours / baseline. The model is
+the bench model (demo:bench-qwen2-vl, ~16M parameters, random weights) and the data has widely varying
+image sizes and answer lengths (demo:bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"llm-lora": "bench-llm-lora.yaml", "vision-full": "bench-vision-full.yaml"}
+ROWS = [  # (label, key, higher is better)
+    ("samples/s", "samples_per_s", True),
+    ("text tokens/s", "text_tokens_per_s", True),
+    ("image tokens/s", "image_tokens_per_s", True),
+    ("step time median s", "step_time_median_s", False),
+    ("step time p90 s", "step_time_p90_s", False),
+    ("time to first step s", "time_to_first_step_s", False),
+    ("total wall time s", "wall_s", False),
+    ("peak RSS GB", "peak_rss_gb", False),
+    ("loss after N steps", "final_loss", None),
+]
+
+
+def run_ours(stage: str, steps: int, batch: int, precision: str, out: Path, env: dict) -> dict:
+    run_name = f"run-{time.time_ns()}"
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "train_recipe.py"),
+        "--recipe",
+        str(REPO / "benchmarks" / "recipes" / RECIPES[stage]),
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+        "--max-steps",
+        str(steps),
+        f"training.per_device_batch_size={batch}",
+        f"precision={precision}",
+    ]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, env=env, capture_output=True)
+    wall = time.perf_counter() - started
+    stage_dir = next((out / Path(RECIPES[stage]).stem / run_name).glob("stage-1-*"))
+    metrics = json.loads((stage_dir / "metrics.json").read_text())
+    return {
+        "way": "ours",
+        "wall_s": wall,
+        "steps": metrics["steps"],
+        "train_runtime_s": metrics["train_runtime_s"],
+        "final_loss": metrics["final_train_loss"],
+        "peak_rss_gb": metrics["peak_memory"].get("rss_gb"),
+        **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
+    }
+
+
+def run_baseline(
+    stage: str, steps: int, batch: int, precision: str, model: Path, data: Path, env: dict
+) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        command = [
+            sys.executable,
+            str(REPO / "benchmarks" / "baseline_trl.py"),
+            "--stage",
+            stage,
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--out",
+            result.name,
+            *(["--bf16"] if precision == "bf16" else []),
+        ]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, env=env, capture_output=True)
+        wall = time.perf_counter() - started
+        return {**json.loads(Path(result.name).read_text()), "wall_s": wall}
+
+
+def tokens_per_sample(model: Path, data: Path) -> tuple[float, float]:
+    """Mean text and image tokens per sample, padding excluded (both ways see the same samples)."""
+    from transformers import AutoProcessor
+
+    from vlm_recipes.data import load_split, sample_token_counts, undecoded
+
+    processor = AutoProcessor.from_pretrained(model)
+    processor.image_processor.size = {
+        "shortest_edge": 3136,
+        "longest_edge": 200704,
+    }  # the recipes' max_pixels
+    ds, _ = load_split(str(data), "train", None)
+    counts = sample_token_counts(undecoded(ds), processor)
+    return statistics.mean(c[0] for c in counts), statistics.mean(c[1] for c in counts)
+
+
+def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sample: float) -> dict:
+    summary = {}
+    for key in (
+        "wall_s",
+        "train_runtime_s",
+        "final_loss",
+        "peak_rss_gb",
+        "time_to_first_step_s",
+        "step_time_median_s",
+        "step_time_p90_s",
+    ):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        summary[key] = statistics.median(values) if values else None
+    samples_per_s = runs[0]["steps"] * batch / summary["train_runtime_s"]
+    summary["samples_per_s"] = samples_per_s
+    summary["text_tokens_per_s"] = samples_per_s * text_per_sample
+    summary["image_tokens_per_s"] = samples_per_s * image_per_sample
+    return summary
+
+
+def format_table(stage: str, ours: dict, base: dict) -> str:
+    lines = [f"stage {stage}", f"{'metric':<22} {'vlm-recipes':>12} {'plain TRL':>12} {'ours/baseline':>14}"]
+    for label, key, _ in ROWS:
+        a, b = ours.get(key), base.get(key)
+        ratio = f"{a / b:.3f}" if a is not None and b else "-"
+        lines.append(
+            f"{label:<22} {a if a is None else round(a, 4):>12} {b if b is None else round(b, 4):>12} {ratio:>14}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stages", default="llm-lora,vision-full")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="measured runs per way, after one warm-up pair"
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
+    args = parser.parse_args()
+
+    from vlm_recipes.demo import ensure_bench_dataset, ensure_bench_model
+    from vlm_recipes.guards import Environment
+
+    model, data = ensure_bench_model(), ensure_bench_dataset() / "bench.jsonl"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    text_per_sample, image_per_sample = tokens_per_sample(model, data)
+    report = {
+        "machine": Environment.detect().describe(),
+        "threads": args.threads,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "precision": args.precision,
+        "repeats": args.repeats,
+        "tokens_per_sample": {"text": text_per_sample, "image": image_per_sample},
+        "stages": {},
+    }
+    print(
+        f"bench model {model}\nbench data {data}: {text_per_sample:.1f} text + {image_per_sample:.1f} image "
+        f"tokens per sample on average\n{report['machine']}, {args.threads} threads, {args.steps} steps, "
+        f"batch {args.batch_size}, {args.precision}, {args.repeats} repeats after a warm-up pair\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for stage in args.stages.split(","):
+            runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+            for repeat in range(args.repeats + 1):
+                order = ("ours", "baseline") if repeat % 2 == 0 else ("baseline", "ours")
+                for way in order:
+                    if way == "ours":
+                        result = run_ours(stage, args.steps, args.batch_size, args.precision, Path(tmp), env)
+                    else:
+                        result = run_baseline(
+                            stage, args.steps, args.batch_size, args.precision, model, data, env
+                        )
+                    print(
+                        f"  {stage} {way:<8} {'warm-up' if repeat == 0 else f'run {repeat}'}: "
+                        f"{result['wall_s']:.1f} s, loss {result['final_loss']:.4f}",
+                        flush=True,
+                    )
+                    if repeat > 0:
+                        runs[way].append(result)
+            ours = summarize(runs["ours"], args.batch_size, text_per_sample, image_per_sample)
+            base = summarize(runs["baseline"], args.batch_size, text_per_sample, image_per_sample)
+            report["stages"][stage] = {"ours": ours, "baseline": base, "runs": runs}
+            print("\n" + format_table(stage, ours, base) + "\n")
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
