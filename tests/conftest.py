@@ -42,3 +42,18 @@ def write_recipe(directory: Path, name: str, text: str) -> Path:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false")
+
+
+def model_inputs(processor, rows, **kwargs):
+    """A padded batch of model inputs for dataset rows (their images attached to the image parts)."""
+    from vlm_recipes.evaluate import attach_images
+
+    messages = [attach_images(row["messages"], row["images"]) for row in rows]
+    return processor.apply_chat_template(
+        messages,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs={"padding": True},
+        **kwargs,
+    )

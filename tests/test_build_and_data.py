@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import model_inputs
 
 from vlm_recipes.build import build_stage_model, load_processor
 from vlm_recipes.data import DataError, check_lengths, load_split, sample_lengths
@@ -74,16 +75,7 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
     ds, _ = load_split("demo:eval", "test", 6)
     predicted = sample_lengths(ds, processor)
     for row, expected in zip(ds, predicted, strict=True):
-        messages = [
-            {
-                "role": m["role"],
-                "content": [
-                    dict(c, image=row["images"][0]) if c["type"] == "image" else c for c in m["content"]
-                ],
-            }
-            for m in row["messages"]
-        ]
-        out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+        out = model_inputs(processor, [row])
         assert out["input_ids"].shape[1] == expected
         assert (out["image_grid_thw"].prod(-1) // 4).item() <= 9
 

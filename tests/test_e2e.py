@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, write_recipe
+from conftest import REPO, model_inputs, write_recipe
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.checkpoint import read_json
@@ -141,24 +141,8 @@ def test_final_model_loads_alone_and_generates(seed_runs):
     model = AutoModelForImageTextToText.from_pretrained(final)
     processor = AutoProcessor.from_pretrained(final)
     row = load_split("demo:eval", "test", 1)[0][0]
-    prompt = [m for m in row["messages"] if m["role"] != "assistant"]
-    inputs = processor.apply_chat_template(
-        [
-            {
-                "role": m["role"],
-                "content": [
-                    dict(c, image=row["images"][0]) if c["type"] == "image" else c
-                    for c in m["content"]
-                    if c.get("type")
-                ],
-            }
-            for m in prompt
-        ],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        return_tensors="pt",
-    )
+    prompt = {"messages": [m for m in row["messages"] if m["role"] != "assistant"], "images": row["images"]}
+    inputs = model_inputs(processor, [prompt], add_generation_prompt=True)
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
 

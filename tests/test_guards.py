@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, model_inputs
 from torch import nn
 from transformers import (
     AutoModelForImageTextToText,
@@ -163,21 +163,7 @@ def test_parallelism_decision_names_the_risk():
 
 def _forward_in_worker_thread(model, processor, rows) -> dict:
     """A forward pass in a fresh thread without autocast: what DataParallel's replicas run."""
-    messages = [
-        [
-            {
-                "role": m["role"],
-                "content": [
-                    dict(c, image=r["images"][0]) if c["type"] == "image" else c for c in m["content"]
-                ],
-            }
-            for m in r["messages"]
-        ]
-        for r in rows
-    ]
-    inputs = processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs={"padding": True}
-    )
+    inputs = model_inputs(processor, rows)
     result = {}
 
     def forward():
@@ -343,21 +329,7 @@ def test_frozen_buffers_follow_their_module_and_rotary_frequencies_stay_fp32(dem
 
 
 def _train_step_after_eval_pass(model, processor, rows):
-    messages = [
-        [
-            {
-                "role": m["role"],
-                "content": [
-                    dict(c, image=r["images"][0]) if c["type"] == "image" else c for c in m["content"]
-                ],
-            }
-            for m in r["messages"]
-        ]
-        for r in rows
-    ]
-    inputs = processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs={"padding": True}
-    )
+    inputs = model_inputs(processor, rows)
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(**inputs)  # an eval pass

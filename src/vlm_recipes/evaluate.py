@@ -166,7 +166,7 @@ class Prompt:
     text: str = field(default="")  # the user's words, for predictions.jsonl
 
 
-def _attach_images(messages: list[dict], images: list) -> list[dict]:
+def attach_images(messages: list[dict], images: list) -> list[dict]:
     """Content parts `{"type": "image"}` receive the row's images in order, as processors expect."""
     images = list(images or [])
     attached = []
@@ -197,7 +197,7 @@ def prompts_from_rows(rows: Iterable[dict]) -> list[Prompt]:
     for index, row in enumerate(rows):
         messages = row["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        context = _attach_images(messages[:last], row.get("images"))
+        context = attach_images(messages[:last], row.get("images"))
         user_text = " ".join(_text_of(m["content"]) for m in messages[:last] if m["role"] == "user")
         prompts.append(
             Prompt(
