@@ -91,6 +91,7 @@ def main() -> None:
         remove_unused_columns=False,
         dataloader_num_workers=0,
         logging_nan_inf_filter=False,
+        gradient_checkpointing=False,  # TRL's default is True; the recipes' stages train without it
     )
     timer = StepTimer()
     trainer = SFTTrainer(

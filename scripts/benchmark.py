@@ -153,13 +153,16 @@ def main() -> int:
         "--repeats", type=int, default=3, help="measured runs per way, after one warm-up pair"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument(
+        "--precision", choices=["bf16", "fp32"], help="default: what a stage picks on this machine"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     args = parser.parse_args()
 
     from vlm_recipes.demo import ensure_bench_dataset, ensure_bench_model
-    from vlm_recipes.guards import Environment
+    from vlm_recipes.guards import Environment, decide_precision
 
+    args.precision = args.precision or decide_precision("auto", Environment.detect(), quantized=False).choice
     model, data = ensure_bench_model(), ensure_bench_dataset() / "bench.jsonl"
     env = {
         **os.environ,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,6 @@ def model_inputs(processor, rows, **kwargs):
         processor_kwargs={"padding": True},
         **kwargs,
     )
+
+
+TRAIN = [sys.executable, str(REPO / "scripts" / "train_recipe.py")]  # the user's command, as a subprocess

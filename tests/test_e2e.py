@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, model_inputs, write_recipe
+from conftest import TRAIN, model_inputs, write_recipe
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.checkpoint import read_json
@@ -206,8 +205,7 @@ def test_list_shows_every_seed_recipe(capsys):
 def test_bad_input_exits_2_without_traceback(tmp_path):
     result = subprocess.run(
         [
-            sys.executable,
-            str(REPO / "scripts" / "train_recipe.py"),
+            *TRAIN,
             "--recipe",
             "r3-two-stag",
             "--output-dir",

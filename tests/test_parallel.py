@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import TRAIN
 
 from vlm_recipes.checkpoint import read_json
 from vlm_recipes.guards import Environment, GuardError, apply_parallelism
@@ -21,7 +20,7 @@ from vlm_recipes.parallel import (
     launch_command,
 )
 
-SCRIPT = [sys.executable, str(REPO / "scripts" / "train_recipe.py")]
+SCRIPT = [*TRAIN]
 QUICK = [
     "--max-steps",
     "3",

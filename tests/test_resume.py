@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import TRAIN
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.checkpoint import read_json
@@ -39,8 +38,7 @@ def train(
     if fault:
         env["VLM_RECIPES_FAULT"] = fault
     command = [
-        sys.executable,
-        str(REPO / "scripts" / "train_recipe.py"),
+        *TRAIN,
         *RECIPE_ARGS,
         "--output-dir",
         str(out),
@@ -87,7 +85,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, f
     assert again.returncode == 2 and "--resume" in again.stderr
 
     resumed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train_recipe.py"), "--resume", str(run_dir)],
+        [*TRAIN, "--resume", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -110,8 +108,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, f
 
 def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     command = [
-        sys.executable,
-        str(REPO / "scripts" / "train_recipe.py"),
+        *TRAIN,
         "--recipe",
         "r2-vision-only",
         "--output-dir",
@@ -144,8 +141,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
 def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
     result = subprocess.run(
         [
-            sys.executable,
-            str(REPO / "scripts" / "train_recipe.py"),
+            *TRAIN,
             "--recipe",
             "r2-vision-only",
             "--output-dir",
