@@ -112,8 +112,8 @@ def describe_schema() -> str:
     def walk(cls, indent: str) -> list[str]:
         out = []
         for f in dataclasses.fields(cls):
-            if f.name == "source_file" or f.name == "stages":
-                continue
+            if f.name in ("source_file", "stages") or (cls is Recipe and f.name == "name"):
+                continue  # not keys of a file: the name is the file's, stages are listed below
             hint = typing.get_type_hints(cls)[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if dataclasses.is_dataclass(hint):
