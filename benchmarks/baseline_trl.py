@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument(
+        "--eval-rows", type=int, default=32, help="eval loss on the first N rows (the loss check)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -94,21 +97,25 @@ def main() -> None:
         gradient_checkpointing=False,  # TRL's default is True; the recipes' stages train without it
     )
     timer = StepTimer()
+    data = load_data(args.data)
     trainer = SFTTrainer(
         model=model,
         args=config,
-        train_dataset=load_data(args.data),
+        train_dataset=data,
+        eval_dataset=data.select(range(args.eval_rows)),
         processing_class=processor,
         peft_config=peft_config,
         callbacks=[timer],
     )
     output = trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = {
         "way": "baseline",
         "steps": trainer.state.global_step,
         "train_runtime_s": output.metrics["train_runtime"],
         "final_loss": losses[-1] if losses else None,
+        "eval_loss": eval_loss,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         **timer.summary(),
     }

@@ -33,10 +33,14 @@ ROWS = [  # (label, key, higher is better)
     ("total wall time s", "wall_s", False),
     ("peak RSS GB", "peak_rss_gb", False),
     ("loss after N steps", "final_loss", None),
+    ("eval loss (32 rows)", "eval_loss", None),
 ]
+SPEEDUPS = ["training.group_by_length=true"]  # each one switchable, all measured together by --speedups
 
 
-def run_ours(stage: str, steps: int, batch: int, precision: str, out: Path, env: dict) -> dict:
+def run_ours(
+    stage: str, steps: int, batch: int, precision: str, out: Path, env: dict, extra: list[str]
+) -> dict:
     run_name = f"run-{time.time_ns()}"
     command = [
         sys.executable,
@@ -51,6 +55,7 @@ def run_ours(stage: str, steps: int, batch: int, precision: str, out: Path, env:
         str(steps),
         f"training.per_device_batch_size={batch}",
         f"precision={precision}",
+        *extra,
     ]
     started = time.perf_counter()
     subprocess.run(command, check=True, env=env, capture_output=True)
@@ -63,6 +68,7 @@ def run_ours(stage: str, steps: int, batch: int, precision: str, out: Path, env:
         "steps": metrics["steps"],
         "train_runtime_s": metrics["train_runtime_s"],
         "final_loss": metrics["final_train_loss"],
+        "eval_loss": metrics.get("eval_loss"),
         "peak_rss_gb": metrics["peak_memory"].get("rss_gb"),
         **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
     }
@@ -117,6 +123,7 @@ def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sa
         "wall_s",
         "train_runtime_s",
         "final_loss",
+        "eval_loss",
         "peak_rss_gb",
         "time_to_first_step_s",
         "step_time_median_s",
@@ -131,14 +138,20 @@ def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sa
     return summary
 
 
-def format_table(stage: str, ours: dict, base: dict) -> str:
-    lines = [f"stage {stage}", f"{'metric':<22} {'vlm-recipes':>12} {'plain TRL':>12} {'ours/baseline':>14}"]
+def format_table(stage: str, summaries: dict[str, dict]) -> str:
+    ways = [w for w in summaries if w != "baseline"]
+    base = summaries["baseline"]
+    header = f"{'metric':<22}" + "".join(f" {w:>14} {'/baseline':>9}" for w in ways) + f" {'plain TRL':>10}"
+    lines = [f"stage {stage}", header]
     for label, key, _ in ROWS:
-        a, b = ours.get(key), base.get(key)
-        ratio = f"{a / b:.3f}" if a is not None and b else "-"
-        lines.append(
-            f"{label:<22} {a if a is None else round(a, 4):>12} {b if b is None else round(b, 4):>12} {ratio:>14}"
-        )
+        row = f"{label:<22}"
+        for way in ways:
+            a, b = summaries[way].get(key), base.get(key)
+            row += (
+                f" {'-' if a is None else f'{a:.4g}':>14} {f'{a / b:.3f}' if a is not None and b else '-':>9}"
+            )
+        b = base.get(key)
+        lines.append(row + f" {'-' if b is None else f'{b:.4g}':>10}")
     return "\n".join(lines)
 
 
@@ -156,6 +169,7 @@ def main() -> int:
     parser.add_argument(
         "--precision", choices=["bf16", "fp32"], help="default: what a stage picks on this machine"
     )
+    parser.add_argument("--speedups", action="store_true", help="also run vlm-recipes with its speed-ups on")
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     args = parser.parse_args()
 
@@ -188,27 +202,32 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for stage in args.stages.split(","):
-            runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+            ways = ["ours", "baseline"] + (["ours+speedups"] if args.speedups else [])
+            runs: dict[str, list[dict]] = {way: [] for way in ways}
             for repeat in range(args.repeats + 1):
-                order = ("ours", "baseline") if repeat % 2 == 0 else ("baseline", "ours")
+                order = ways if repeat % 2 == 0 else list(reversed(ways))
                 for way in order:
-                    if way == "ours":
-                        result = run_ours(stage, args.steps, args.batch_size, args.precision, Path(tmp), env)
-                    else:
+                    if way == "baseline":
                         result = run_baseline(
                             stage, args.steps, args.batch_size, args.precision, model, data, env
                         )
+                    else:
+                        extra = SPEEDUPS if way == "ours+speedups" else []
+                        result = run_ours(
+                            stage, args.steps, args.batch_size, args.precision, Path(tmp), env, extra
+                        )
                     print(
-                        f"  {stage} {way:<8} {'warm-up' if repeat == 0 else f'run {repeat}'}: "
-                        f"{result['wall_s']:.1f} s, loss {result['final_loss']:.4f}",
+                        f"  {stage} {way:<14} {'warm-up' if repeat == 0 else f'run {repeat}'}: "
+                        f"{result['wall_s']:.1f} s, loss {result['final_loss']:.4f}, eval {result['eval_loss']:.4f}",
                         flush=True,
                     )
                     if repeat > 0:
                         runs[way].append(result)
-            ours = summarize(runs["ours"], args.batch_size, text_per_sample, image_per_sample)
-            base = summarize(runs["baseline"], args.batch_size, text_per_sample, image_per_sample)
-            report["stages"][stage] = {"ours": ours, "baseline": base, "runs": runs}
-            print("\n" + format_table(stage, ours, base) + "\n")
+            summaries = {
+                w: summarize(runs[w], args.batch_size, text_per_sample, image_per_sample) for w in ways
+            }
+            report["stages"][stage] = {"summary": summaries, "runs": runs}
+            print("\n" + format_table(stage, summaries) + "\n")
     args.out.write_text(json.dumps(report, indent=2))
     print(f"written {args.out}")
     return 0

@@ -133,3 +133,30 @@ def test_user_jsonl_with_relative_images_loads(tmp_path):
 def test_missing_data_file_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="data file not found"):
         load_split(str(tmp_path / "nope.jsonl"), "train", None)
+
+
+def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir, tmp_path):
+    """The sampler groups by text + image tokens (Trainer cannot infer lengths of image samples)."""
+    from vlm_recipes.data import load_stage_data
+    from vlm_recipes.guards import Environment
+    from vlm_recipes.stage import build_sft_config, build_trainer
+
+    stage = load_recipe(
+        "r2-vision-only", ["training.group_by_length=true", "training.per_device_batch_size=8"]
+    ).stages[0]
+    data = load_stage_data(stage.data)
+    processor = load_processor(str(demo_model_dir), stage.data)
+    data.train, lengths, _ = check_lengths(data.train, processor, stage.data.max_length, "demo:train")
+    data.train = data.train.add_column("length", lengths)
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
+
+    def padding_tokens(strategy: str) -> int:
+        args = build_sft_config(
+            stage, tmp_path / strategy, "fp32", Environment("cpu", 0, False), has_eval=False
+        )
+        args.train_sampling_strategy = strategy
+        order = list(build_trainer(built, stage, args, data)._get_train_sampler())
+        batches = [order[i : i + 8] for i in range(0, len(order), 8)]
+        return sum(max(lengths[j] for j in b) * len(b) - sum(lengths[j] for j in b) for b in batches)
+
+    assert padding_tokens("group_by_length") < 0.5 * padding_tokens("random")

@@ -96,6 +96,10 @@ class TrainingSettings:
     )
     per_device_batch_size: int = doc("samples per device per step", 4)
     gradient_accumulation_steps: int = doc("steps summed before each optimizer step", 1)
+    group_by_length: bool = doc(
+        "batch samples of similar length (image tokens counted): less padding, faster steps; off: random order",
+        False,
+    )
     gradient_checkpointing: bool = doc("recompute activations in backward: less memory, ~30% slower", False)
     warmup_ratio: float = doc("fraction of steps with linear warm-up", 0.0)
     lr_scheduler: str = doc("transformers scheduler name: cosine, linear, constant, ...", "cosine")

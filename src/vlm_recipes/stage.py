@@ -119,6 +119,9 @@ def build_sft_config(
         assistant_only_loss=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for images.
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+        length_column_name="length",
         ddp_backend="gloo" if distributed and env.device == "cpu" else None,
         # Every trainable tensor gets a gradient in every step, unless the vision side trains and a batch
         # has no image: only then must DDP search the graph for unused parameters (slower).
@@ -285,6 +288,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
             log.info("  %s", decision)
     counts = count_params_by_role(built.model, built.family)
     log.info("  %s", _trainable_summary(counts))
+    if stage.training.group_by_length:
+        data.train = data.train.add_column("length", lengths)
 
     report = {
         "stage": stage.name,
