@@ -244,7 +244,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     if skipped:
         data.skipped.setdefault("train", {}).update(skipped)
     if data.eval is not None:
-        data.eval, _, skipped = check_lengths(
+        data.eval, eval_lengths, skipped = check_lengths(
             data.eval, processor, stage.data.max_length, data.eval_source or "", policy
         )
         if skipped:
@@ -288,8 +288,10 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
             log.info("  %s", decision)
     counts = count_params_by_role(built.model, built.family)
     log.info("  %s", _trainable_summary(counts))
-    if stage.training.group_by_length:
+    if stage.training.group_by_length:  # Trainer groups eval batches by length too
         data.train = data.train.add_column("length", lengths)
+        if data.eval is not None:
+            data.eval = data.eval.add_column("length", eval_lengths)
 
     report = {
         "stage": stage.name,
