@@ -168,7 +168,8 @@ stages:
 """,
     )
     # fp32 merges in place; bf16 rounds frozen weights while training, so final/ is rebuilt from the source
-    run_dir = run_cli(str(path), tmp_path / "runs", f"precision={precision}")
+    # group_by_length: batches by text + image tokens, eval included (a regression: eval lacked the lengths)
+    run_dir = run_cli(str(path), tmp_path / "runs", f"precision={precision}", "training.group_by_length=true")
     manifest = read_json(run_dir / "run.json")
     assert [s["name"] for s in manifest["stages"]] == ["projector", "vision-full", "llm-lora"]
     for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
