@@ -108,6 +108,11 @@ def main() -> None:
         callbacks=[timer],
     )
     output = trainer.train()
+    # bitsandbytes 0.50 repacks 4-bit weights for CPU inference on AVX512-BF16 CPUs and then fails on them
+    # (`shape '[512, 21]' is invalid`): without this line a plain QLoRA script crashes at evaluation here.
+    for module in trainer.model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
     eval_loss = trainer.evaluate()["eval_loss"]
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = {

@@ -38,6 +38,12 @@ ROWS = [  # (label, key, higher is better)
 SPEEDUPS = ["training.group_by_length=true"]  # each one switchable, all measured together by --speedups
 
 
+def run_child(command: list[str], env: dict) -> None:
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"benchmark run failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
+
+
 def run_ours(
     stage: str, steps: int, batch: int, precision: str, out: Path, env: dict, extra: list[str]
 ) -> dict:
@@ -58,7 +64,7 @@ def run_ours(
         *extra,
     ]
     started = time.perf_counter()
-    subprocess.run(command, check=True, env=env, capture_output=True)
+    run_child(command, env)
     wall = time.perf_counter() - started
     stage_dir = next((out / Path(RECIPES[stage]).stem / run_name).glob("stage-1-*"))
     metrics = json.loads((stage_dir / "metrics.json").read_text())
@@ -96,7 +102,7 @@ def run_baseline(
             *(["--bf16"] if precision == "bf16" else []),
         ]
         started = time.perf_counter()
-        subprocess.run(command, check=True, env=env, capture_output=True)
+        run_child(command, env)
         wall = time.perf_counter() - started
         return {**json.loads(Path(result.name).read_text()), "wall_s": wall}
 
