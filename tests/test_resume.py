@@ -106,22 +106,26 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, f
         assert torch.equal(weights[name], value), name
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
-    command = [
+def r2_command(out: Path, *extra: str) -> list[str]:
+    """r2's stage into `out`/r2-vision-only/run, without generation (these tests are about stopping)."""
+    return [
         *TRAIN,
         "--recipe",
         "r2-vision-only",
         "--output-dir",
-        str(tmp_path),
+        str(out),
         "--run-name",
         "run",
-        "--max-steps",
-        "400",
-        "training.save_steps=0",
-        "training.per_device_batch_size=2",
         "evaluation.generate=false",
         "data.max_eval_samples=4",
+        *extra,
     ]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+    command = r2_command(
+        tmp_path, "--max-steps", "400", "training.save_steps=0", "training.per_device_batch_size=2"
+    )
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stage_dir = tmp_path / "r2-vision-only" / "run" / "stage-1-vision-full"
     deadline = time.time() + 120
@@ -140,22 +144,15 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
 
 def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
     result = subprocess.run(
-        [
-            *TRAIN,
-            "--recipe",
-            "r2-vision-only",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            "run",
+        # a poisoned learning rate: step 1 blows the weights up
+        r2_command(
+            tmp_path,
             "--max-steps",
             "6",
             "training.save_steps=1",
             "training.learning_rate=1e6",
             "training.per_device_batch_size=4",
-            "evaluation.generate=false",
-            "data.max_eval_samples=4",
-        ],  # a poisoned learning rate: step 1 blows the weights up
+        ),
         capture_output=True,
         text=True,
         timeout=300,
