@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,8 @@ def model_inputs(processor, rows, **kwargs):
 
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train_recipe.py")]  # the user's command, as a subprocess
+
+
+def run_train(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`train_recipe.py ARGS` in a fresh process, as a user runs it; output captured as text."""
+    return subprocess.run([*TRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env)

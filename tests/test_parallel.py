@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN
+from conftest import TRAIN, run_train
 
 from vlm_recipes.checkpoint import read_json
 from vlm_recipes.guards import Environment, GuardError, apply_parallelism
@@ -20,7 +20,6 @@ from vlm_recipes.parallel import (
     launch_command,
 )
 
-SCRIPT = [*TRAIN]
 QUICK = [
     "--max-steps",
     "3",
@@ -41,23 +40,18 @@ def free_port() -> int:
 
 @pytest.mark.e2e
 def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
-    result = subprocess.run(
-        [
-            *SCRIPT,
-            "--recipe",
-            "r3-two-stage",
-            "--parallel",
-            "ddp",
-            "--nproc-per-node",
-            "2",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            "ddp",
-            *QUICK,
-        ],
-        capture_output=True,
-        text=True,
+    result = run_train(
+        "--recipe",
+        "r3-two-stage",
+        "--parallel",
+        "ddp",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "ddp",
+        *QUICK,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -84,7 +78,7 @@ def test_two_nodes_on_localhost_complete_a_stage(tmp_path, private_demo_cache):
     nodes = [
         subprocess.Popen(
             [
-                *SCRIPT,
+                *TRAIN,
                 "--recipe",
                 "r2-vision-only",
                 "--output-dir",
@@ -212,22 +206,17 @@ def test_shipped_accelerate_configs_are_valid(name):
 @pytest.mark.e2e
 def test_stages_can_use_devices_differently(tmp_path, private_demo_cache):
     """Stage 1 in this process, stage 2 relaunched as two DDP processes that continue the same run."""
-    result = subprocess.run(
-        [
-            *SCRIPT,
-            "--recipe",
-            "r3-two-stage",
-            "--nproc-per-node",
-            "2",
-            "stages.1.parallel=single",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            "mixed",
-            *QUICK,
-        ],
-        capture_output=True,
-        text=True,
+    result = run_train(
+        "--recipe",
+        "r3-two-stage",
+        "--nproc-per-node",
+        "2",
+        "stages.1.parallel=single",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "mixed",
+        *QUICK,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN
+from conftest import TRAIN, run_train
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.checkpoint import read_json
@@ -37,16 +37,9 @@ def train(
     env.pop("VLM_RECIPES_FAULT", None)
     if fault:
         env["VLM_RECIPES_FAULT"] = fault
-    command = [
-        *TRAIN,
-        *RECIPE_ARGS,
-        "--output-dir",
-        str(out),
-        "--run-name",
-        run_name,
-        *extra,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return run_train(
+        *RECIPE_ARGS, "--output-dir", str(out), "--run-name", run_name, *extra, env=env, timeout=300
+    )
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -84,12 +77,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, f
     again = train(tmp_path)  # the same command again: refused, never overwritten
     assert again.returncode == 2 and "--resume" in again.stderr
 
-    resumed = subprocess.run(
-        [*TRAIN, "--resume", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_train("--resume", str(run_dir), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for stage, marker in done_before.items():  # finished stages were not retrained
         assert (run_dir / stage / "DONE").read_text() == marker
@@ -107,9 +95,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, f
 
 
 def r2_command(out: Path, *extra: str) -> list[str]:
-    """r2's stage into `out`/r2-vision-only/run, without generation (these tests are about stopping)."""
+    """Arguments for r2's stage into `out`/r2-vision-only/run, without generation (these tests are about stopping)."""
     return [
-        *TRAIN,
         "--recipe",
         "r2-vision-only",
         "--output-dir",
@@ -123,9 +110,12 @@ def r2_command(out: Path, *extra: str) -> list[str]:
 
 
 def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
-    command = r2_command(
-        tmp_path, "--max-steps", "400", "training.save_steps=0", "training.per_device_batch_size=2"
-    )
+    command = [
+        *TRAIN,
+        *r2_command(
+            tmp_path, "--max-steps", "400", "training.save_steps=0", "training.per_device_batch_size=2"
+        ),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stage_dir = tmp_path / "r2-vision-only" / "run" / "stage-1-vision-full"
     deadline = time.time() + 120
@@ -143,9 +133,8 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
 
 
 def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
-    result = subprocess.run(
-        # a poisoned learning rate: step 1 blows the weights up
-        r2_command(
+    result = run_train(
+        *r2_command(
             tmp_path,
             "--max-steps",
             "6",
@@ -153,10 +142,8 @@ def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
             "training.learning_rate=1e6",
             "training.per_device_batch_size=4",
         ),
-        capture_output=True,
-        text=True,
         timeout=300,
-    )
+    )  # a poisoned learning rate: step 1 blows the weights up
     assert result.returncode == 3, result.stderr[-3000:]
     assert "stopped at step" in result.stderr and "NaN/inf" in result.stderr
     assert "Traceback" not in result.stderr
