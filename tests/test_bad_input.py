@@ -90,6 +90,10 @@ CASES = {
         lambda t: ["stages.llm-lora.lora.rnak=4"],
         "unknown key `rnak`; did you mean `rank`?",
     ),
+    "feature cache on a trained tower": (
+        lambda t: ["--recipe", "r2-vision-only", "training.vision_feature_cache=true"],
+        "vision_feature_cache: needs a frozen vision tower and projector, but this stage trains them",
+    ),
     "override wrong type": (
         lambda t: ["training.epochs=two"],
         "training.epochs: expected a number, got 'two'",

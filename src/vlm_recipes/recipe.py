@@ -550,6 +550,18 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
             )
         if stage.training.per_device_batch_size < 1:
             problems.append(Problem(f"{at}.training.per_device_batch_size", "must be at least 1"))
+        if stage.training.dataloader_workers < 0:
+            problems.append(Problem(f"{at}.training.dataloader_workers", "must be 0 or more"))
+        vision_side = {role: modes[role] for role in ("vision", "projector") if modes[role] != "frozen"}
+        if stage.training.vision_feature_cache and vision_side:
+            trained = ", ".join(f"{role}: {mode}" for role, mode in vision_side.items())
+            problems.append(
+                Problem(
+                    f"{at}.training.vision_feature_cache",
+                    f"needs a frozen vision tower and projector, but this stage trains them ({trained}): "
+                    "their features change every step. Set it to false for this stage",
+                )
+            )
         seen.append(stage.name)
     return problems
 

@@ -100,6 +100,19 @@ class TrainingSettings:
         "batch samples of similar length (image tokens counted): less padding, faster steps; off: random order",
         False,
     )
+    padding_free: bool = doc(
+        "pack each batch's samples into one row, no padding (multimodal RoPE positions kept per sample, no "
+        "attention across samples): the same loss for less work",
+        False,
+    )
+    vision_feature_cache: bool = doc(
+        "frozen vision tower and projector only: keep each image's features on disk and reuse them (next "
+        "epoch, next run, another seed), keyed by the tower's weights and the processed image",
+        False,
+    )
+    dataloader_workers: int = doc(
+        "processes preparing batches while the model trains; 0: in the main process", 0
+    )
     gradient_checkpointing: bool = doc("recompute activations in backward: less memory, ~30% slower", False)
     warmup_ratio: float = doc("fraction of steps with linear warm-up", 0.0)
     lr_scheduler: str = doc("transformers scheduler name: cosine, linear, constant, ...", "cosine")

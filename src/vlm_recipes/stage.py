@@ -23,7 +23,9 @@ from vlm_recipes.checkpoint import (
     write_jsonl,
 )
 from vlm_recipes.data import StageData, check_lengths, dataset_signature, has_text_only_rows, load_stage_data
+from vlm_recipes.demo import cache_dir
 from vlm_recipes.evaluate import evaluate_generation
+from vlm_recipes.frozen_vision import VisionFeatureCache, run_without_grad
 from vlm_recipes.guards import (
     Decision,
     Environment,
@@ -41,6 +43,7 @@ from vlm_recipes.guards import (
     verify_quantization_scope,
 )
 from vlm_recipes.inspect import inspect_model
+from vlm_recipes.packing import PaddingFreeVisionCollator, is_packed, rope_index_of
 from vlm_recipes.parallel import ParallelPlan, ProcessGroup, batch_decision
 from vlm_recipes.resilience import (
     CheckpointCallback,
@@ -117,7 +120,7 @@ def build_sft_config(
         # through image tokens.
         max_length=None,
         assistant_only_loss=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=t.dataloader_workers,
         remove_unused_columns=False,
         # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for images.
         train_sampling_strategy="group_by_length" if t.group_by_length else "random",
@@ -180,6 +183,18 @@ class RecipeTrainer(SFTTrainer):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
+        # multimodal position ids, i.e. 1. Count the packed row's length instead.
+        counted_before = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and is_packed(inputs):
+            length = torch.tensor(inputs["position_ids"].shape[-1], device=inputs["position_ids"].device)
+            tokens = self.accelerator.gather_for_metrics(length).sum().item()
+            self._total_train_tokens = counted_before + tokens
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
+
 
 def build_trainer(
     built: BuiltModel,
@@ -206,6 +221,8 @@ def build_trainer(
     log.info("  %s", decision)
     if decisions is not None:
         decisions.append(decision)
+    if stage.training.padding_free:
+        trainer.data_collator = PaddingFreeVisionCollator(trainer.data_collator, rope_index_of(built.model))
     return trainer
 
 
@@ -269,6 +286,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     )
     ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env, sharded)
     ctx.decisions.append(check_same_start(built.model, ctx.group))
+    vision_trains = stage.train.vision != "frozen" or stage.train.projector != "frozen"
+    feature_cache = speed_up_frozen_vision(built, stage, vision_trains, ctx.decisions)
     t = stage.training
     ctx.decisions.append(
         batch_decision(
@@ -317,7 +336,6 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     if main:
         write_json(stage_dir / "report.json", report)
 
-    vision_trains = stage.train.vision != "frozen" or stage.train.projector != "frozen"
     text_only_rows = has_text_only_rows(data.train)
     args = build_sft_config(
         stage,
@@ -353,6 +371,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     metrics["peak_memory"] = peak_memory(ctx.env)
     metrics["params_by_role"] = counts
     metrics["skipped_steps"] = nonfinite.skipped_steps
+    if feature_cache is not None:
+        metrics["vision_feature_cache"] = feature_cache.stats()
     metrics.update(timer.summary())
     report["dtypes_after_training"] = dtype_histogram(built.model)
     if data.eval is not None:
@@ -369,6 +389,35 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         mark_done(stage_dir)
     ctx.group.barrier()  # the next stage, on every rank, loads the final/ just written
     return ctx.group.broadcast(metrics)
+
+
+def speed_up_frozen_vision(
+    built: BuiltModel, stage: Stage, vision_trains: bool, decisions: list[Decision]
+) -> VisionFeatureCache | None:
+    """A frozen vision side computes its features without autograd, and from the feature cache if asked."""
+    if vision_trains:
+        return None
+    run_without_grad(built.model)
+    decisions.append(
+        Decision(
+            "frozen-vision",
+            "image features computed without autograd",
+            "vision tower and projector are frozen: no gradient can reach them, and with activation "
+            "checkpointing + LoRA transformers would otherwise run backward through the whole tower",
+        )
+    )
+    if not stage.training.vision_feature_cache:
+        return None
+    cache = VisionFeatureCache(cache_dir() / "vision-features", built.model).install()
+    decisions.append(
+        Decision(
+            "vision-feature-cache",
+            str(cache.directory),
+            "training.vision_feature_cache is on and the tower is frozen: each image's features are "
+            "computed once per tower weights and processed image, then read back",
+        )
+    )
+    return cache
 
 
 def check_same_start(model: torch.nn.Module, group: ProcessGroup) -> Decision:

@@ -1,0 +1,150 @@
+"""A frozen vision tower does no extra work: no autograd through it, and (opt-in) no forward either.
+
+Both hook the same place: the inner Qwen2-VL model's `get_image_features`, which the model's forward
+calls for the images of a batch.
+
+- No gradient: with the vision tower and projector frozen, nothing upstream of the image features
+  needs a gradient. transformers still asks for one when activation checkpointing meets PEFT
+  (`enable_input_require_grads` hooks every input embedding, the vision patch embedding included), and
+  then backward runs through the whole tower, recomputing its checkpointed blocks, for gradients nobody
+  uses. The features are computed under `torch.no_grad()` instead.
+- Feature cache: the features of an image cannot change while the tower is frozen, so they are kept on
+  disk and reused (next epoch, next run, another seed). The key is the tower's weights and the image
+  exactly as the tower receives it: its processed pixel values and grid (so processor settings and image
+  content are both in it) and the autocast dtype. A stale entry cannot be hit: any change changes the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+log = logging.getLogger(__name__)
+
+
+def image_encoder_owner(model: nn.Module) -> nn.Module:
+    """The inner module whose forward calls `self.get_image_features` (Qwen2VLModel)."""
+    for module in model.modules():
+        if callable(getattr(module, "get_image_features", None)) and hasattr(module, "visual"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
+
+
+def run_without_grad(model: nn.Module) -> None:
+    """Compute image features under no_grad (the caller has checked that vision and projector are frozen)."""
+    owner = image_encoder_owner(model)
+    compute = owner.get_image_features
+
+    def get_image_features(*args, **kwargs):
+        with torch.no_grad():
+            return compute(*args, **kwargs)
+
+    owner.get_image_features = get_image_features
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def weights_digest(module: nn.Module) -> str:
+    """A digest of every parameter and buffer of the module (names, dtypes, shapes and values)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{type(module).__name__} transformers {transformers.__version__}".encode())
+    for name, tensor in sorted(module.state_dict().items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(_tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+class VisionFeatureCache:
+    """Per-image vision features on disk, under `root/<tower weights digest>/`; installed on a model."""
+
+    def __init__(self, root: Path, model: nn.Module):
+        self.owner = image_encoder_owner(model)
+        self.directory = Path(root) / weights_digest(self.owner.visual)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        about = self.directory / "tower.json"
+        if not about.exists():
+            about.write_text(json.dumps({"tower": type(self.owner.visual).__name__}, indent=2))
+        self.hits = 0
+        self.misses = 0
+        self._compute = None
+
+    def install(self) -> VisionFeatureCache:
+        self._compute = self.owner.get_image_features
+        self.owner.get_image_features = self.get_image_features
+        return self
+
+    def stats(self) -> dict:
+        looked_up = self.hits + self.misses
+        return {
+            "directory": str(self.directory),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
+        }
+
+    def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+        patches = pixel_values.split(image_grid_thw.prod(-1).tolist())
+        autocast = self._autocast_dtype(pixel_values.device.type)
+        keys = [self._key(p, grid, autocast) for p, grid in zip(patches, image_grid_thw, strict=True)]
+        features = [self._load(key, pixel_values.device) for key in keys]
+        missing = [i for i, f in enumerate(features) if f is None]
+        self.hits += len(features) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            with torch.no_grad():
+                computed = self._compute(
+                    torch.cat([patches[i] for i in missing]),
+                    image_grid_thw[missing],
+                    **{**kwargs, "return_dict": True},
+                ).pooler_output
+            for i, feature in zip(missing, computed, strict=True):
+                features[i] = feature
+                self._store(keys[i], feature)
+        return BaseModelOutputWithPooling(pooler_output=tuple(features))
+
+    @staticmethod
+    def _autocast_dtype(device_type: str) -> str:
+        if torch.is_autocast_enabled(device_type):
+            return str(torch.get_autocast_dtype(device_type))
+        return "none"
+
+    @staticmethod
+    def _key(patches: torch.Tensor, grid: torch.Tensor, autocast: str) -> str:
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{tuple(grid.tolist())} {patches.dtype} autocast {autocast}".encode())
+        digest.update(_tensor_bytes(patches))
+        return digest.hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.directory / key[:2] / f"{key}.safetensors"
+
+    def _load(self, key: str, device: torch.device) -> torch.Tensor | None:
+        path = self._path(key)
+        if not path.exists():
+            return None
+        return load_file(str(path), device=str(device))["features"]
+
+    def _store(self, key: str, feature: torch.Tensor) -> None:
+        """Written to a temporary file and renamed: a crash never leaves a half-written entry."""
+        path = self._path(key)
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"features": feature.detach().contiguous().cpu()}, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

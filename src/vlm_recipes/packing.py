@@ -1,0 +1,85 @@
+"""Padding-free batches for VLMs: the samples of a batch packed end to end in one row, no pad tokens.
+
+TRL 1.x refuses `padding_free` for vision datasets, because a packed row breaks Qwen2-VL's multimodal
+RoPE: its 3-D (time, height, width) positions are computed per sample from the sample's own image grids.
+Here they are computed per sample first, by the model's own `get_rope_index` on the ordinary padded
+batch, and only then packed. The row carries the 4-row position ids transformers expects for packed
+Qwen2-VL input: row 0 the text positions, restarting at 0 with every sample, from which the attention
+mask is made block-diagonal (no token attends to another sample); rows 1-3 the mRoPE positions.
+
+The loss is unchanged: the same tokens are labelled (TRL's collator does the tokenizing), the first
+token of every sample is unlabelled so that no sample predicts the next one's start, and the loss is
+still the mean over the batch's labelled tokens. The optimizer sees the same batch of samples; only the
+padding work is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+
+def rope_index_of(model: nn.Module) -> Callable:
+    """The model's own multimodal RoPE index function (`get_rope_index` of the inner Qwen2-VL model)."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module.get_rope_index
+    raise ValueError(
+        f"{type(model).__name__} has no get_rope_index: padding_free needs a model with multimodal RoPE "
+        "(the Qwen2-VL family); set training.padding_free: false"
+    )
+
+
+def is_packed(inputs: dict) -> bool:
+    """A padding-free batch: one row, 4-row position ids, no attention mask."""
+    position_ids = inputs.get("position_ids")
+    return position_ids is not None and position_ids.ndim == 3 and "attention_mask" not in inputs
+
+
+class PaddingFreeVisionCollator:
+    """Wraps the padded collator SFTTrainer built (TRL's vision collator: tokenizing, images, labels,
+    pad token and training chat template all as without packing) and packs what it returns."""
+
+    def __init__(self, padded: DataCollatorForVisionLanguageModeling, rope_index: Callable):
+        self.padded = padded
+        self.rope_index = rope_index
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.padded(examples)
+        return pack_batch(batch, self.rope_index)
+
+
+def pack_batch(batch: dict[str, Any], rope_index: Callable) -> dict[str, Any]:
+    """A right-padded batch → one packed row with 4-row position ids (see the module docstring)."""
+    keep = batch.pop("attention_mask").bool()
+    rope_kwargs = {
+        k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch
+    }
+    with torch.no_grad():
+        mrope, _ = rope_index(
+            input_ids=batch["input_ids"],
+            mm_token_type_ids=batch["mm_token_type_ids"],
+            attention_mask=keep,
+            **rope_kwargs,
+        )
+    lengths = keep.sum(dim=1)
+    text_positions = torch.cat([torch.arange(int(n)) for n in lengths])
+    labels = batch["labels"].clone()
+    labels[:, 0] = -100  # the previous sample's last token must not learn to predict this sample's first
+    packed = {
+        "input_ids": batch["input_ids"][keep][None],
+        "labels": labels[keep][None],
+        "mm_token_type_ids": batch["mm_token_type_ids"][keep][None],
+        # [4, 1, total]: text positions (sample boundaries, for the attention mask), then t/h/w mRoPE
+        "position_ids": torch.cat(
+            [text_positions[None, None].to(mrope.dtype), mrope[:, keep][:, None]], dim=0
+        ),
+        # transformers builds the block-diagonal mask from the positions only when no KV cache is in play
+        "use_cache": False,
+    }
+    passthrough = {k: v for k, v in batch.items() if k not in packed and k != "attention_mask"}
+    return {**passthrough, **packed}

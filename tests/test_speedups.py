@@ -1,0 +1,214 @@
+"""The speed-ups of issue 7, each proven not to change what is learned: padding-free packing with
+multimodal RoPE, the frozen vision tower without autograd, and the vision feature cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_train
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from trl.chat_template_utils import get_training_chat_template
+from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+from vlm_recipes.build import build_stage_model
+from vlm_recipes.data import load_split
+from vlm_recipes.demo import cache_dir, ensure_demo_dataset
+from vlm_recipes.frozen_vision import VisionFeatureCache, image_encoder_owner, run_without_grad
+from vlm_recipes.packing import PaddingFreeVisionCollator, rope_index_of
+from vlm_recipes.recipe import load_recipe
+
+PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 (summation order)
+
+
+@pytest.fixture(scope="module")
+def tiny(demo_model_dir):
+    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(demo_model_dir)
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """Rows of different lengths, one of them a long answer, and one text-only row."""
+    ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
+    picked = [dict(ds[i]) for i in range(6)]
+    text_only = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Say left."}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "left"}]},
+        ],
+        "images": [],
+    }
+    return picked[:2] + [text_only] + picked[2:]
+
+
+def padded_collator(processor):
+    """TRL's vision collator as SFTTrainer builds it (assistant-only loss, training chat template)."""
+    return DataCollatorForVisionLanguageModeling(
+        processor, assistant_only_loss=True, chat_template=get_training_chat_template(processor)
+    )
+
+
+def token_losses(model, batch) -> torch.Tensor:
+    """The loss of every labelled token, in order (the causal shift applied)."""
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    labels = batch["labels"]
+    log_probs = F.log_softmax(logits[:, :-1].float(), -1)
+    target = labels[:, 1:]
+    mask = target != -100
+    return -log_probs[mask].gather(-1, target[mask][:, None])[:, 0]
+
+
+def test_packed_per_sample_losses_equal_unpacked(tiny, rows):
+    model, processor = tiny
+    padded = padded_collator(processor)
+    packed = PaddingFreeVisionCollator(padded, rope_index_of(model))([dict(r) for r in rows])
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+    one_by_one = torch.cat([token_losses(model, padded([dict(r)])) for r in rows])
+    together = token_losses(model, packed)
+    assert together.shape == one_by_one.shape
+    assert (together - one_by_one).abs().max() < PER_SAMPLE_LOSS_TOLERANCE
+
+
+def test_packed_batch_keeps_each_samples_own_positions(tiny, rows):
+    model, processor = tiny
+    padded = padded_collator(processor)
+    packed = PaddingFreeVisionCollator(padded, rope_index_of(model))([dict(r) for r in rows])
+    start = 0
+    for row in rows:
+        alone = padded([dict(row)])
+        length = alone["input_ids"].shape[1]
+        own, _ = model.model.get_rope_index(
+            input_ids=alone["input_ids"],
+            mm_token_type_ids=alone["mm_token_type_ids"],
+            image_grid_thw=alone.get("image_grid_thw"),
+            attention_mask=alone["attention_mask"],
+        )
+        positions = packed["position_ids"][:, 0, start : start + length]
+        assert positions[0].tolist() == list(range(length)), "text positions restart with every sample"
+        assert torch.equal(positions[1:], own[:, 0]), "the 3-D mRoPE positions are the sample's own"
+        assert packed["labels"][0, start] == -100, "no sample learns to predict the next one's start"
+        start += length
+    assert start == packed["input_ids"].shape[1], "no padding"
+
+
+def test_padding_free_stage_matches_padded_training(tmp_path):
+    """Same data, seed and steps: the losses agree (bf16 rounding aside) and the token count is exact."""
+    metrics = {}
+    for way, extra in (("padded", []), ("packed", ["training.padding_free=true"])):
+        result = run_train(
+            "--recipe",
+            "r1-llm-only",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            way,
+            "--max-steps",
+            "4",
+            "data.max_train_samples=16",
+            "data.max_eval_samples=8",
+            "evaluation.generate=false",
+            *extra,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        stage_dir = tmp_path / "r1-llm-only" / way / "stage-1-llm-lora"
+        metrics[way] = json.loads((stage_dir / "metrics.json").read_text())
+        assert (stage_dir / "DONE").exists()
+    padded, packed = metrics["padded"], metrics["packed"]
+    assert packed["final_train_loss"] == pytest.approx(padded["final_train_loss"], rel=0.01)
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=0.01)
+    tokens = {way: m["train_tokens_per_second"] * m["train_runtime_s"] for way, m in metrics.items()}
+    assert tokens["packed"] == pytest.approx(tokens["padded"], rel=1e-3), "TRL counts real tokens both ways"
+
+
+@pytest.fixture()
+def llm_lora_model(demo_model_dir):
+    stage = load_recipe("r1-llm-only", ["stages.llm-lora.quantization.mode=none"]).stages[0]
+    return build_stage_model(str(demo_model_dir), stage, "fp32", "cpu").model
+
+
+def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, tiny, rows):
+    """transformers' enable_input_require_grads hooks the vision patch embedding too: without the guard,
+    backward would run through the whole frozen tower."""
+    model = llm_lora_model
+    _, processor = tiny
+    batch = padded_collator(processor)([dict(r) for r in rows[:2]])
+    model.base_model.model.activation_checkpointing_enable()
+    model.enable_input_require_grads()
+    owner = image_encoder_owner(model)
+
+    def feature_requires_grad() -> bool:
+        out = owner.get_image_features(batch["pixel_values"], batch["image_grid_thw"], return_dict=True)
+        return out.pooler_output[0].requires_grad
+
+    assert feature_requires_grad(), "the waste this guard removes is real"
+    run_without_grad(model)
+    assert not feature_requires_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if "visual" in n)
+    assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_vision_feature_cache_hits_match_computed_features(demo_model_dir, rows, tmp_path):
+    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(demo_model_dir)
+    batch = padded_collator(processor)([dict(r) for r in rows])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    cache = VisionFeatureCache(tmp_path, model).install()
+    images = len(batch["image_grid_thw"])
+    with torch.no_grad():
+        first = model(**inputs).logits
+        assert (cache.hits, cache.misses) == (0, images)
+        second = model(**inputs).logits
+        assert (cache.hits, cache.misses) == (images, images)
+    assert torch.equal(first, second)
+    assert (first - expected).abs().max() < 1e-5
+
+    # other processor settings: other pixel values, so other keys (never a stale hit)
+    processor.image_processor.size = {"shortest_edge": 28 * 28 * 100, "longest_edge": 28 * 28 * 400}
+    smaller = padded_collator(processor)([dict(r) for r in rows])
+    with torch.no_grad():
+        model(**{k: v for k, v in smaller.items() if k != "labels"})
+    assert cache.misses == 2 * images
+
+    # other tower weights: another cache directory
+    with torch.no_grad():
+        model.model.visual.merger.mlp[0].weight.add_(1e-3)
+    assert VisionFeatureCache(tmp_path, model).directory != cache.directory
+
+
+def test_vision_feature_cache_second_run_reads_everything_and_learns_the_same(tmp_path):
+    shutil.rmtree(cache_dir() / "vision-features", ignore_errors=True)  # the session's cache: start cold
+    common = [
+        "--recipe",
+        "r1-llm-only",
+        "--output-dir",
+        str(tmp_path),
+        "--max-steps",
+        "3",
+        "data.max_train_samples=12",
+        "data.max_eval_samples=4",
+        "evaluation.generate=false",
+    ]
+    metrics = {}
+    for run in ("plain", "cold", "warm"):
+        extra = [] if run == "plain" else ["training.vision_feature_cache=true"]
+        result = run_train(*common, "--run-name", run, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        path = tmp_path / "r1-llm-only" / run / "stage-1-llm-lora" / "metrics.json"
+        metrics[run] = json.loads(path.read_text())
+    cold, warm = metrics["cold"]["vision_feature_cache"], metrics["warm"]["vision_feature_cache"]
+    # 3 steps of 8 over 12 rows: the second epoch already reads what the first one wrote
+    assert cold["misses"] > 0 and cold["hits"] > 0
+    assert warm["misses"] == 0 and warm["hits"] == cold["hits"] + cold["misses"]
+    curves = {run: [p["loss"] for p in m["loss_curve"]] for run, m in metrics.items()}
+    assert curves["warm"] == curves["cold"]
+    assert curves["cold"] == pytest.approx(curves["plain"], rel=1e-3)
