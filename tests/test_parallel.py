@@ -230,3 +230,38 @@ def test_stages_can_use_devices_differently(tmp_path, private_demo_cache):
     manifest = read_json(run_dir / "run.json")
     assert manifest["status"] == "finished" and len(manifest["stages"]) == 2
     assert "--nproc-per-node 2" in manifest["command"]  # the user's command, not the launcher's
+
+
+def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_dir, tmp_path):
+    """FSDP / DeepSpeed runs write final/ from the state dict accelerate gathers (every rank takes part).
+    Accelerate runs FSDP only on GPUs; on CPU the same path is driven with an unsharded model, whose
+    gathered state dict is the whole model: the result must equal final/ made from the live model."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.build import build_stage_model, model_for_final
+    from vlm_recipes.recipe import load_recipe
+
+    stage = load_recipe(
+        "r1-llm-only", ["stages.llm-lora.quantization.mode=none", "stages.llm-lora.train.projector=full"]
+    ).stages[0]
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():  # as if trained: adapters and the fully trained projector moved
+        for param in built.model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.01)
+    gathered = Accelerator(cpu=True).get_state_dict(built.model)
+    built.model.save_pretrained(tmp_path / "adapter-gathered", state_dict=gathered)
+    from_gathered = model_for_final(
+        built, built.model, tmp_path / "adapter-gathered", False, gathered_state=gathered
+    ).state_dict()
+    built.model.save_pretrained(tmp_path / "adapter-live")
+    from_live = model_for_final(built, built.model, tmp_path / "adapter-live", False).state_dict()
+    assert from_gathered.keys() == from_live.keys()
+    for name, value in from_live.items():
+        assert torch.allclose(from_gathered[name], value, atol=1e-6), name
+    projector = next(n for n in from_live if "merger" in n and n.endswith("weight"))
+    source = AutoModelForImageTextToText.from_pretrained(demo_model_dir).state_dict()[projector]
+    assert not torch.equal(from_live[projector], source), "the trained projector reached final/"

@@ -192,20 +192,24 @@ def model_for_final(
     adapter_dir: Path | None,
     quantized: bool,
     trust_remote_code: bool = False,
+    gathered_state: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """The stage's result as a plain model in the source checkpoint's dtype, LoRA merged.
 
-    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's),
-    the result is rebuilt on a fresh full-precision load of the source: frozen weights come back exactly
-    as they were, fully trained weights are copied in, and the adapter is merged into unrounded weights."""
-    if not quantized and built.compute_dtype == built.source_dtype:
+    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's), or
+    when the trained weights exist whole only as `gathered_state` (FSDP / DeepSpeed shard them across
+    ranks), the result is rebuilt on a fresh full-precision load of the source: frozen weights come back
+    exactly as they were, fully trained weights are copied in, and the adapter is merged into unrounded
+    weights."""
+    if gathered_state is None and not quantized and built.compute_dtype == built.source_dtype:
         model = trained.merge_and_unload() if isinstance(trained, PeftModel) else trained
         return cast_model(model, built.source_dtype)
     base = AutoModelForImageTextToText.from_pretrained(
         built.source, dtype=built.source_dtype, trust_remote_code=trust_remote_code
     )
+    values = gathered_state if gathered_state is not None else dict(trained.named_parameters())
     trained_state = {
-        name.removeprefix("base_model.model."): p
+        name.removeprefix("base_model.model."): values[name]
         for name, p in trained.named_parameters()
         if p.requires_grad and "lora_" not in name
     }

@@ -16,6 +16,7 @@ calls for the images of a batch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ def run_without_grad(model: nn.Module) -> None:
     owner = image_encoder_owner(model)
     compute = owner.get_image_features
 
+    @functools.wraps(compute)  # generate() reads its signature to pick the encoder's inputs
     def get_image_features(*args, **kwargs):
         with torch.no_grad():
             return compute(*args, **kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import shutil
 import time
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import AutoModelForImageTextToText
 from trl import SFTConfig, SFTTrainer
 
 from vlm_recipes.build import BuiltModel, build_stage_model, detect_family, load_processor, model_for_final
 from vlm_recipes.checkpoint import (
     ADAPTER_DIR,
+    FINAL_DIR,
     mark_done,
     read_provenance,
     save_final_model,
@@ -375,20 +378,33 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         metrics["vision_feature_cache"] = feature_cache.stats()
     metrics.update(timer.summary())
     report["dtypes_after_training"] = dtype_histogram(built.model)
+    # FSDP and DeepSpeed hold the weights in shards: gathering them is a collective, on every rank, and
+    # a sharded model generates only with every rank taking part, so its answers come from final/ instead.
+    sharded = ctx.parallel.mode in ("fsdp", "deepspeed")
+    generate = data.eval is not None and stage.evaluation.generate and main
     if data.eval is not None:
         metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
-        if stage.evaluation.generate and main:
-            metrics["eval"] = evaluate_stage(trainer.model, built, stage, data, stage_dir)
-
+    if generate and not sharded:
+        metrics["eval"] = evaluate_stage(trainer.model, built, stage, data, stage_dir)
+    gathered = gather_sharded_state(trainer) if sharded else None
     if main:
         log.info("stage %d `%s`: saving final model", ctx.index, stage.name)
-        save_stage_outputs(ctx, built, trainer.model)
+        save_stage_outputs(ctx, built, trainer.accelerator.unwrap_model(trainer.model), gathered)
+        if generate and sharded:
+            final_model = load_final_for_eval(stage_dir / FINAL_DIR, built, ctx)
+            metrics["eval"] = evaluate_stage(final_model, built, stage, data, stage_dir)
         metrics["wall_time_s"] = round(time.time() - started, 2)
         write_json(stage_dir / "metrics.json", metrics)
         write_json(stage_dir / "report.json", report)
         mark_done(stage_dir)
     ctx.group.barrier()  # the next stage, on every rank, loads the final/ just written
     return ctx.group.broadcast(metrics)
+
+
+def feature_cache_root() -> Path:
+    """`$VLM_RECIPES_FEATURE_CACHE`, or vision-features/ in the vlm-recipes cache."""
+    env = os.environ.get("VLM_RECIPES_FEATURE_CACHE")
+    return Path(env).expanduser() if env else cache_dir() / "vision-features"
 
 
 def speed_up_frozen_vision(
@@ -408,7 +424,7 @@ def speed_up_frozen_vision(
     )
     if not stage.training.vision_feature_cache:
         return None
-    cache = VisionFeatureCache(cache_dir() / "vision-features", built.model).install()
+    cache = VisionFeatureCache(feature_cache_root(), built.model).install()
     decisions.append(
         Decision(
             "vision-feature-cache",
@@ -457,7 +473,27 @@ def check_stopped_early(
         raise StageInterrupted(f"stage {ctx.index} `{ctx.stage.name}` interrupted; {last}")
 
 
-def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.Module) -> None:
+def load_final_for_eval(final_dir: Path, built: BuiltModel, ctx: StageContext) -> torch.nn.Module:
+    device = f"cuda:{torch.cuda.current_device()}" if ctx.env.device == "cuda" else "cpu"
+    model = AutoModelForImageTextToText.from_pretrained(
+        final_dir, dtype=built.compute_dtype, trust_remote_code=ctx.recipe.trust_remote_code
+    )
+    return model.to(device).eval()
+
+
+def gather_sharded_state(trainer: SFTTrainer) -> dict[str, torch.Tensor]:
+    """The whole state dict of a sharded model (accelerate gathers FSDP / ZeRO-3 shards to rank 0), keyed
+    like the unwrapped model's parameters."""
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    return {name: tensor.detach().cpu() for name, tensor in (state or {}).items()}
+
+
+def save_stage_outputs(
+    ctx: StageContext,
+    built: BuiltModel,
+    trained: torch.nn.Module,
+    gathered_state: dict[str, torch.Tensor] | None = None,
+) -> None:
     provenance = read_provenance(ctx.source) + [
         {
             "recipe": ctx.recipe.name,
@@ -474,9 +510,11 @@ def save_stage_outputs(ctx: StageContext, built: BuiltModel, trained: torch.nn.M
     if built.lora_targets:
         adapter_dir = ctx.stage_dir / ADAPTER_DIR
         shutil.rmtree(adapter_dir, ignore_errors=True)
-        trained.save_pretrained(str(adapter_dir))
+        trained.save_pretrained(str(adapter_dir), state_dict=gathered_state)
     quantized = ctx.stage.quantization.mode != "none"
-    model = model_for_final(built, trained, adapter_dir, quantized, ctx.recipe.trust_remote_code)
+    model = model_for_final(
+        built, trained, adapter_dir, quantized, ctx.recipe.trust_remote_code, gathered_state
+    )
     save_final_model(model, built.processor, ctx.stage_dir, provenance)
 
 
