@@ -1,5 +1,5 @@
 """The script a user would write by hand, the way TRL's own VLM SFT example does it: load the model and
-processor, freeze, SFTTrainer with a peft_config, train. The benchmark's baseline.
+processor, freeze, SFTTrainer with a peft_config, train, save. The benchmark's baseline.
 
     python benchmarks/baseline_trl.py --stage llm-lora --model DIR --data FILE.jsonl --steps 30 --out r.json
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
+import tempfile
 
 import datasets
 import torch
@@ -77,7 +79,7 @@ def main() -> None:
     processor.image_processor.size = {"shortest_edge": 3136, "longest_edge": 200704}
 
     config = SFTConfig(
-        output_dir="/tmp/vlm-recipes-baseline",
+        output_dir=tempfile.mkdtemp(prefix="vlm-recipes-baseline-"),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         learning_rate=learning_rate,
@@ -114,6 +116,7 @@ def main() -> None:
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
     eval_loss = trainer.evaluate()["eval_loss"]
+    trainer.save_model(config.output_dir)  # as TRL's examples/scripts/sft_vlm.py ends
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result = {
         "way": "baseline",
@@ -128,6 +131,7 @@ def main() -> None:
         result["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    shutil.rmtree(config.output_dir)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,35 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
         assert (out["image_grid_thw"].prod(-1) // 4).item() <= 9
 
 
+def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from PIL import Image
+
+    from vlm_recipes import data
+    from vlm_recipes.demo import ensure_demo_dataset
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ensure_demo_dataset(), copy)
+    counted = []
+    real_count = data._count_tokens
+    monkeypatch.setattr(data, "_count_tokens", lambda ds, p: counted.append(len(ds)) or real_count(ds, p))
+    processor = load_processor(str(demo_model_dir), DataSettings())
+
+    def counts():
+        ds, _ = load_split(str(copy / "train.jsonl"), "train", 6)
+        return data.sample_token_counts(data.undecoded(ds), processor)
+
+    first = counts()
+    assert counts() == first and counted == [6], "the second look reads what the first one counted"
+    # the same file name, another image
+    Image.new("RGB", (56, 56)).save(copy / "images" / "train-00000.png")
+    assert counts()[0] != first[0] and counted == [6, 6]
+    processor.image_processor.size = {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 9}
+    counts()
+    assert counted == [6, 6, 6]
+
+
 def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
     processor = load_processor(str(demo_model_dir), DataSettings())
     ds, _ = load_split("demo:train", "train", 8)

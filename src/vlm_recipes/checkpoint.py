@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,16 @@ def mark_done(stage_dir: Path) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write through a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    """Write through a temporary file of its own and rename, so a reader never sees half a file, even with
+    several processes writing the same path."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

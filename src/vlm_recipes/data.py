@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,8 @@ from pathlib import Path
 import datasets
 from PIL import Image
 
-from vlm_recipes.demo import resolve_data_source
+from vlm_recipes.checkpoint import write_json
+from vlm_recipes.demo import cache_dir, resolve_data_source
 from vlm_recipes.schema import DataSettings
 
 log = logging.getLogger(__name__)
@@ -236,7 +238,44 @@ def has_text_only_rows(ds: datasets.Dataset) -> bool:
 
 def sample_token_counts(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:
     """(text tokens, image tokens) per sample, computed from image sizes without processing pixels.
-    Pass images undecoded (`Image(decode=False)`) and only the headers are read."""
+    Pass images undecoded (`Image(decode=False)`) and only the headers are read.
+
+    Remembered on disk (the next stage on the same data, the next run, another seed): keyed by the rows'
+    messages, their images' files (path, size, modification time) or bytes, and the processor (image
+    settings, chat template, tokenizer), so any change to any of them counts afresh."""
+    path = cache_dir() / "token-counts" / f"{_token_counts_key(ds, processor)}.json"
+    if path.exists():
+        return [tuple(pair) for pair in json.loads(path.read_text())]
+    counts = _count_tokens(ds, processor)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, counts)
+    return counts
+
+
+def _token_counts_key(ds: datasets.Dataset, processor) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(processor.image_processor.to_json_string().encode())
+    digest.update(str(processor.chat_template).encode())
+    digest.update(processor.tokenizer.backend_tokenizer.to_str().encode())
+    columns = [c for c in ("messages", "images") if c in ds.column_names]
+    for row in ds.select_columns(columns):
+        digest.update(json.dumps(row["messages"], sort_keys=True, default=str).encode())
+        for image in row.get("images") or []:
+            digest.update(_image_identity(image))
+    return digest.hexdigest()
+
+
+def _image_identity(image) -> bytes:
+    if isinstance(image, dict) and image.get("bytes"):
+        return hashlib.blake2b(image["bytes"], digest_size=16).digest()
+    path = image["path"] if isinstance(image, dict) else image
+    if isinstance(path, str):
+        stat = os.stat(path)
+        return f"{path} {stat.st_size} {stat.st_mtime_ns}".encode()
+    return hashlib.blake2b(path.tobytes(), digest_size=16).digest()  # a decoded image
+
+
+def _count_tokens(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
     text_lengths = [len(ids) for ids in processor.tokenizer(texts, add_special_tokens=False)["input_ids"]]
     counts = []
