@@ -38,11 +38,15 @@ ROWS = [  # (label, key, higher is better)
 ]
 # Each one switchable; --speedups measures them together. The feature cache only exists for a frozen tower.
 SPEEDUPS = {
-    "llm-lora": ["training.padding_free=true", "training.vision_feature_cache=true"],
-    "vision-full": ["training.padding_free=true"],
+    "llm-lora": [
+        "training.padding_free=true",
+        "training.preprocessed_cache=true",
+        "training.vision_feature_cache=true",
+    ],
+    "vision-full": ["training.padding_free=true", "training.preprocessed_cache=true"],
 }
-COLD_CACHE = "ours+speedups cold"  # the feature cache emptied before every run: a first epoch
-WARM_CACHE = "ours+speedups"  # the cache the warm-up run filled: a later epoch, run or seed
+COLD_CACHE = "ours+speedups cold"  # the caches emptied before every run: a first epoch
+WARM_CACHE = "ours+speedups"  # the caches the warm-up run filled: a later epoch, run or seed
 
 
 def run_child(command: list[str], env: dict) -> None:
@@ -217,7 +221,7 @@ def main() -> int:
         for stage in args.stages.split(","):
             ways = ["ours", "baseline"]
             if args.speedups:
-                ways += [COLD_CACHE, WARM_CACHE] if stage == "llm-lora" else [WARM_CACHE]
+                ways += [COLD_CACHE, WARM_CACHE]
             runs: dict[str, list[dict]] = {way: [] for way in ways}
             for repeat in range(args.repeats + 1):
                 order = ways if repeat % 2 == 0 else list(reversed(ways))
@@ -228,10 +232,10 @@ def main() -> int:
                         )
                     else:
                         extra = SPEEDUPS[stage] if way != "ours" else []
-                        features = Path(tmp) / f"features-{stage}-{way.replace(' ', '-')}"
+                        caches = Path(tmp) / f"caches-{stage}-{way.replace(' ', '-')}"
                         if way == COLD_CACHE:
-                            shutil.rmtree(features, ignore_errors=True)
-                        run_env = {**env, "VLM_RECIPES_FEATURE_CACHE": str(features)}
+                            shutil.rmtree(caches, ignore_errors=True)
+                        run_env = {**env, "VLM_RECIPES_SPEEDUP_CACHE": str(caches)}
                         result = run_ours(
                             stage, args.steps, args.batch_size, args.precision, Path(tmp), run_env, extra
                         )

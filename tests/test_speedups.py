@@ -4,6 +4,7 @@ multimodal RoPE, the frozen vision tower without autograd, and the vision featur
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -15,11 +16,12 @@ from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.build import build_stage_model
-from vlm_recipes.data import load_split
+from vlm_recipes.data import load_split, undecoded
 from vlm_recipes.demo import cache_dir, ensure_demo_dataset
 from vlm_recipes.frozen_vision import VisionFeatureCache, image_encoder_owner, run_without_grad
 from vlm_recipes.packing import PaddingFreeVisionCollator, rope_index_of
 from vlm_recipes.recipe import load_recipe
+from vlm_recipes.sample_cache import PreprocessedSampleCollator
 
 PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 (summation order)
 
@@ -211,3 +213,43 @@ def test_vision_feature_cache_second_run_reads_everything_and_learns_the_same(tm
     curves = {run: [p["loss"] for p in m["loss_curve"]] for run, m in metrics.items()}
     assert curves["warm"] == curves["cold"]
     assert curves["cold"] == pytest.approx(curves["plain"], rel=1e-3)
+
+
+def test_preprocessed_samples_assemble_to_exactly_the_collators_batch(tiny, rows, tmp_path):
+    """Cold (images decoded from their files) and warm (read back), the batch is TRL's, tensor for tensor."""
+    _, processor = tiny
+    padded = padded_collator(processor)
+    expected = padded([dict(r) for r in rows])
+    ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
+    files = [dict(r) for r in undecoded(ds.select(range(6)))]
+    as_stored = files[:2] + [rows[2]] + files[2:]  # images as file references, the text-only row as is
+    cached = PreprocessedSampleCollator(padded, tmp_path)
+    for attempt in ("cold", "warm"):
+        batch = cached([dict(r) for r in as_stored])
+        assert batch.keys() == expected.keys(), attempt
+        for key, value in expected.items():
+            assert torch.equal(batch[key], value), (attempt, key)
+    assert (cached.misses, cached.hits) == (len(rows), len(rows))
+
+
+def test_second_stage_reads_the_samples_the_first_stage_preprocessed(tmp_path):
+    result = run_train(
+        "--recipe",
+        "r3-two-stage",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "cached",
+        "--max-steps",
+        "2",
+        "data.max_train_samples=8",
+        "data.max_eval_samples=4",
+        "evaluation.generate=false",
+        "training.preprocessed_cache=true",
+        env={**os.environ, "VLM_RECIPES_SPEEDUP_CACHE": str(tmp_path / "speedups")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stages = sorted((tmp_path / "r3-two-stage" / "cached").glob("stage-*"))
+    first, second = (json.loads((d / "metrics.json").read_text())["preprocessed_cache"] for d in stages)
+    assert first["misses"] > 0
+    assert second["misses"] == 0 and second["hits"] > 0, "same processor settings: every row was ready"

@@ -261,18 +261,19 @@ def _token_counts_key(ds: datasets.Dataset, processor) -> str:
     for row in ds.select_columns(columns):
         digest.update(json.dumps(row["messages"], sort_keys=True, default=str).encode())
         for image in row.get("images") or []:
-            digest.update(_image_identity(image))
+            digest.update(image_identity(image))
     return digest.hexdigest()
 
 
-def _image_identity(image) -> bytes:
+def image_identity(image) -> bytes:
+    """What identifies an image's content: file path + size + mtime, the encoded bytes, or the pixels."""
     if isinstance(image, dict) and image.get("bytes"):
         return hashlib.blake2b(image["bytes"], digest_size=16).digest()
     path = image["path"] if isinstance(image, dict) else image
     if isinstance(path, str):
         stat = os.stat(path)
         return f"{path} {stat.st_size} {stat.st_mtime_ns}".encode()
-    return hashlib.blake2b(path.tobytes(), digest_size=16).digest()  # a decoded image
+    return hashlib.blake2b(path.tobytes() + f"{path.mode} {path.size}".encode(), digest_size=16).digest()
 
 
 def _count_tokens(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:

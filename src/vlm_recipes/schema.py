@@ -110,6 +110,11 @@ class TrainingSettings:
         "epoch, next run, another seed), keyed by the tower's weights and the processed image",
         False,
     )
+    preprocessed_cache: bool = doc(
+        "keep each row's tokens, labels and processed pixels on disk and reuse them (next epoch, run, seed, "
+        "or stage with the same processor settings); images are decoded only on a miss",
+        False,
+    )
     dataloader_workers: int = doc(
         "processes preparing batches while the model trains; 0: in the main process", 0
     )

@@ -25,7 +25,14 @@ from vlm_recipes.checkpoint import (
     write_json,
     write_jsonl,
 )
-from vlm_recipes.data import StageData, check_lengths, dataset_signature, has_text_only_rows, load_stage_data
+from vlm_recipes.data import (
+    StageData,
+    check_lengths,
+    dataset_signature,
+    has_text_only_rows,
+    load_stage_data,
+    undecoded,
+)
 from vlm_recipes.demo import cache_dir
 from vlm_recipes.evaluate import evaluate_generation
 from vlm_recipes.frozen_vision import VisionFeatureCache, run_without_grad
@@ -59,6 +66,7 @@ from vlm_recipes.resilience import (
     restore_trainable,
 )
 from vlm_recipes.roles import count_params_by_role, params_by_role
+from vlm_recipes.sample_cache import PreprocessedSampleCollator
 from vlm_recipes.schema import Recipe, Stage
 from vlm_recipes.timing import StepTimer
 
@@ -182,6 +190,8 @@ class RecipeTrainer(SFTTrainer):
     """SFTTrainer whose resume restores the trainable tensors from the runner's own checkpoint file
     (see resilience.CheckpointCallback); optimizer, scheduler, RNG and data position come from Trainer."""
 
+    sample_cache: PreprocessedSampleCollator | None = None  # training.preprocessed_cache
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
@@ -224,9 +234,23 @@ def build_trainer(
     log.info("  %s", decision)
     if decisions is not None:
         decisions.append(decision)
+    wrap_collator(trainer, built, stage)
+    return trainer
+
+
+def wrap_collator(trainer: RecipeTrainer, built: BuiltModel, stage: Stage) -> None:
+    """The speed-ups that change how batches are made; TRL's collator still does all the processing."""
+    if stage.training.preprocessed_cache:
+        trainer.sample_cache = PreprocessedSampleCollator(
+            trainer.data_collator, speedup_cache("preprocessed")
+        )
+        trainer.data_collator = trainer.sample_cache
+        # images are decoded only for rows the cache does not have yet
+        trainer.train_dataset = undecoded(trainer.train_dataset)
+        if trainer.eval_dataset is not None:
+            trainer.eval_dataset = undecoded(trainer.eval_dataset)
     if stage.training.padding_free:
         trainer.data_collator = PaddingFreeVisionCollator(trainer.data_collator, rope_index_of(built.model))
-    return trainer
 
 
 def prepare_resume(stage_dir: Path) -> Path | None:
@@ -376,6 +400,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     metrics["skipped_steps"] = nonfinite.skipped_steps
     if feature_cache is not None:
         metrics["vision_feature_cache"] = feature_cache.stats()
+    if trainer.sample_cache is not None:
+        metrics["preprocessed_cache"] = trainer.sample_cache.stats()
     metrics.update(timer.summary())
     report["dtypes_after_training"] = dtype_histogram(built.model)
     # FSDP and DeepSpeed hold the weights in shards: gathering them is a collective, on every rank, and
@@ -401,10 +427,11 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     return ctx.group.broadcast(metrics)
 
 
-def feature_cache_root() -> Path:
-    """`$VLM_RECIPES_FEATURE_CACHE`, or vision-features/ in the vlm-recipes cache."""
-    env = os.environ.get("VLM_RECIPES_FEATURE_CACHE")
-    return Path(env).expanduser() if env else cache_dir() / "vision-features"
+def speedup_cache(kind: str) -> Path:
+    """Where a speed-up keeps its entries: `kind`/ under `$VLM_RECIPES_SPEEDUP_CACHE`, by default under the
+    vlm-recipes cache (~/.cache/vlm-recipes)."""
+    env = os.environ.get("VLM_RECIPES_SPEEDUP_CACHE")
+    return (Path(env).expanduser() if env else cache_dir()) / kind
 
 
 def speed_up_frozen_vision(
@@ -424,7 +451,7 @@ def speed_up_frozen_vision(
     )
     if not stage.training.vision_feature_cache:
         return None
-    cache = VisionFeatureCache(feature_cache_root(), built.model).install()
+    cache = VisionFeatureCache(speedup_cache("vision-features"), built.model).install()
     decisions.append(
         Decision(
             "vision-feature-cache",
