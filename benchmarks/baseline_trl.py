@@ -117,12 +117,14 @@ def main() -> None:
             module.support_avx512bf16_for_cpu = False
     eval_loss = trainer.evaluate()["eval_loss"]
     trainer.save_model(config.output_dir)  # as TRL's examples/scripts/sft_vlm.py ends
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    curve = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    losses = list(curve.values())
     result = {
         "way": "baseline",
         "steps": trainer.state.global_step,
         "train_runtime_s": output.metrics["train_runtime"],
         "final_loss": losses[-1] if losses else None,
+        "loss_curve": curve,
         "eval_loss": eval_loss,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         **timer.summary(),

@@ -17,10 +17,12 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 FINAL_DIR = "final"
 ADAPTER_DIR = "adapter"
@@ -57,17 +59,27 @@ def mark_done(stage_dir: Path) -> None:
     write_json(stage_dir / DONE_MARKER, {"finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write through a temporary file of its own and rename, so a reader never sees half a file, even with
-    several processes writing the same path."""
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """`write(temporary path)`, then rename onto `path`: a reader never sees half a file, even with several
+    processes writing the same path, and a crash leaves no partial entry behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2, default=str) + "\n")
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    write_atomically(path, lambda tmp: save_file(contiguous, tmp))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

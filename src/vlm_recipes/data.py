@@ -247,7 +247,6 @@ def sample_token_counts(ds: datasets.Dataset, processor) -> list[tuple[int, int]
     if path.exists():
         return [tuple(pair) for pair in json.loads(path.read_text())]
     counts = _count_tokens(ds, processor)
-    path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, counts)
     return counts
 

@@ -20,15 +20,15 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_recipes.checkpoint import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +139,4 @@ class VisionFeatureCache:
         return load_file(str(path), device=str(device))["features"]
 
     def _store(self, key: str, feature: torch.Tensor) -> None:
-        """Written to a temporary file and renamed: a crash never leaves a half-written entry."""
-        path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"features": feature.detach().contiguous().cpu()}, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_safetensors(self._path(key), {"features": feature})

@@ -18,15 +18,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from vlm_recipes.checkpoint import write_safetensors
 from vlm_recipes.data import image_identity
 
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
@@ -78,7 +77,7 @@ class PreprocessedSampleCollator:
         self.misses += 1
         row = {**example, "images": [decoded(image) for image in example.get("images") or []]}
         sample = {k: v for k, v in self.padded([row]).items() if isinstance(v, torch.Tensor)}
-        self._store(path, sample)
+        write_safetensors(path, sample)
         return sample
 
     @staticmethod
@@ -88,19 +87,6 @@ class PreprocessedSampleCollator:
         for image in example.get("images") or []:
             digest.update(image_identity(image))
         return digest.hexdigest()
-
-    @staticmethod
-    def _store(path: Path, sample: dict[str, torch.Tensor]) -> None:
-        """Written to a temporary file and renamed: a crash never leaves a half-written entry."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in sample.items()}, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
