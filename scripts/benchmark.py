@@ -76,6 +76,7 @@ def run_ours(
         "--max-steps",
         str(steps),
         f"training.per_device_batch_size={batch}",
+        f"training.eval_batch_size={batch}",
         f"precision={precision}",
         *extra,
     ]
