@@ -54,8 +54,9 @@ def run_without_grad(model: nn.Module) -> None:
     owner.get_image_features = get_image_features
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+def _raw_bytes(tensor: torch.Tensor):
+    """The tensor's bytes as a buffer for hashing (no copy for a contiguous CPU tensor)."""
+    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
 
 
 def weights_digest(module: nn.Module) -> str:
@@ -64,7 +65,7 @@ def weights_digest(module: nn.Module) -> str:
     digest.update(f"{type(module).__name__} transformers {transformers.__version__}".encode())
     for name, tensor in sorted(module.state_dict().items()):
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        digest.update(_tensor_bytes(tensor))
+        digest.update(_raw_bytes(tensor))
     return digest.hexdigest()
 
 
@@ -126,7 +127,7 @@ class VisionFeatureCache:
     def _key(patches: torch.Tensor, grid: torch.Tensor, autocast: str) -> str:
         digest = hashlib.blake2b(digest_size=16)
         digest.update(f"{tuple(grid.tolist())} {patches.dtype} autocast {autocast}".encode())
-        digest.update(_tensor_bytes(patches))
+        digest.update(_raw_bytes(patches))
         return digest.hexdigest()
 
     def _path(self, key: str) -> Path:
