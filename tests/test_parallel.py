@@ -32,6 +32,21 @@ EIGHT_GPUS = Environment("cuda", 8, bf16_supported=True, gpu_name="H100")
 CPU = Environment("cpu", 0, bf16_supported=True)
 
 
+def run_quick_r3(tmp_path, run_name: str, *flags: str):
+    """r3-two-stage, shortened, run as a user runs it with `flags`, into tmp_path/r3-two-stage/run_name."""
+    return run_train(
+        "--recipe",
+        "r3-two-stage",
+        *flags,
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        run_name,
+        *QUICK,
+        timeout=600,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -40,20 +55,7 @@ def free_port() -> int:
 
 @pytest.mark.e2e
 def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
-    result = run_train(
-        "--recipe",
-        "r3-two-stage",
-        "--parallel",
-        "ddp",
-        "--nproc-per-node",
-        "2",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "ddp",
-        *QUICK,
-        timeout=600,
-    )
+    result = run_quick_r3(tmp_path, "ddp", "--parallel", "ddp", "--nproc-per-node", "2")
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "r3-two-stage" / "ddp"
     assert read_json(run_dir / "run.json")["status"] == "finished"
@@ -206,19 +208,7 @@ def test_shipped_accelerate_configs_are_valid(name):
 @pytest.mark.e2e
 def test_stages_can_use_devices_differently(tmp_path, private_demo_cache):
     """Stage 1 in this process, stage 2 relaunched as two DDP processes that continue the same run."""
-    result = run_train(
-        "--recipe",
-        "r3-two-stage",
-        "--nproc-per-node",
-        "2",
-        "stages.1.parallel=single",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "mixed",
-        *QUICK,
-        timeout=600,
-    )
+    result = run_quick_r3(tmp_path, "mixed", "--nproc-per-node", "2", "stages.1.parallel=single")
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "r3-two-stage" / "mixed"
     launches = {

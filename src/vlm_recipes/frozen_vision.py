@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.checkpoint import write_safetensors
+from vlm_recipes.checkpoint import write_json, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +74,9 @@ class VisionFeatureCache:
     def __init__(self, root: Path, model: nn.Module):
         self.owner = image_encoder_owner(model)
         self.directory = Path(root) / weights_digest(self.owner.visual)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        about = self.directory / "tower.json"
+        about = self.directory / "tower.json"  # for a person looking in the directory
         if not about.exists():
-            about.write_text(json.dumps({"tower": type(self.owner.visual).__name__}, indent=2))
+            write_json(about, {"tower": type(self.owner.visual).__name__})
         self.hits = 0
         self.misses = 0
         self._compute = None
