@@ -43,6 +43,7 @@ SPEEDUPS = {
         "training.padding_free=true",
         "training.preprocessed_cache=true",
         "training.vision_feature_cache=true",
+        "training.sparse_lora_dropout=true",
     ],
     "vision-full": ["training.padding_free=true", "training.preprocessed_cache=true"],
 }

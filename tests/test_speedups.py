@@ -1,5 +1,6 @@
 """The speed-ups of issue 7, each proven not to change what is learned: padding-free packing with
-multimodal RoPE, the frozen vision tower without autograd, and the vision feature cache."""
+multimodal RoPE and per-sample attention, sparse LoRA dropout, the frozen vision tower without
+autograd, and the vision feature and preprocessed sample caches."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from vlm_recipes import packing
 from vlm_recipes.build import build_stage_model
 from vlm_recipes.data import load_split, undecoded
 from vlm_recipes.demo import cache_dir, ensure_demo_dataset
 from vlm_recipes.frozen_vision import VisionFeatureCache, image_encoder_owner, run_without_grad
-from vlm_recipes.packing import PaddingFreeVisionCollator, rope_index_of
+from vlm_recipes.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample, rope_index_of
 from vlm_recipes.recipe import load_recipe
 from vlm_recipes.sample_cache import PreprocessedSampleCollator
+from vlm_recipes.sparse_dropout import SparseDropout
 
 PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 (summation order)
 
@@ -66,15 +69,89 @@ def token_losses(model, batch) -> torch.Tensor:
     return -log_probs[mask].gather(-1, target[mask][:, None])[:, 0]
 
 
-def test_packed_per_sample_losses_equal_unpacked(tiny, rows):
-    model, processor = tiny
+@pytest.fixture(scope="module")
+def tiny_per_sample(demo_model_dir):
+    """The tiny model with its text attention switched to sdpa_per_sample, as padding_free does."""
+    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    assert attend_per_sample(model) == "sdpa"
+    assert model.config.text_config._attn_implementation == PER_SAMPLE_SDPA
+    assert model.config.vision_config._attn_implementation == "sdpa", "the vision tower is not packed"
+    return model, AutoProcessor.from_pretrained(demo_model_dir)
+
+
+@pytest.mark.parametrize("attention", ["sdpa with a block mask", PER_SAMPLE_SDPA])
+def test_packed_per_sample_losses_equal_unpacked(tiny, tiny_per_sample, rows, attention):
+    model, processor = tiny if attention != PER_SAMPLE_SDPA else tiny_per_sample
     padded = padded_collator(processor)
     packed = PaddingFreeVisionCollator(padded, rope_index_of(model))([dict(r) for r in rows])
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
-    one_by_one = torch.cat([token_losses(model, padded([dict(r)])) for r in rows])
+    one_by_one = [token_losses(model, padded([dict(r)])) for r in rows]
     together = token_losses(model, packed)
-    assert together.shape == one_by_one.shape
-    assert (together - one_by_one).abs().max() < PER_SAMPLE_LOSS_TOLERANCE
+    assert together.shape == torch.cat(one_by_one).shape
+    assert (together - torch.cat(one_by_one)).abs().max() < PER_SAMPLE_LOSS_TOLERANCE
+    if attention == PER_SAMPLE_SDPA:
+        lengths = [padded([dict(r)])["input_ids"].shape[1] for r in rows]
+        assert packing._last_lengths[1] == lengths, "each sample was attended on its own"
+
+
+def test_per_sample_attention_leaves_padded_batches_to_sdpa(tiny, tiny_per_sample, rows):
+    """Unpacked batches (eval with padding, generation) take exactly the sdpa path they took before."""
+    batch = padded_collator(tiny[1])([dict(r) for r in rows])
+    assert torch.equal(token_losses(tiny[0], batch), token_losses(tiny_per_sample[0], batch))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3])
+def test_sparse_dropout_drops_each_element_independently_with_probability_p(p):
+    torch.manual_seed(0)
+    n_blocks, block = 2000, 1000
+    x = torch.randn(n_blocks, block, requires_grad=True)
+    y = SparseDropout(p).train()(x)
+    dropped = y == 0
+    rate = dropped.float().mean().item()
+    assert abs(rate - p) < 5 * (p * (1 - p) / x.numel()) ** 0.5, "the drop rate is p"
+    per_block = dropped.float().sum(dim=1)
+    binomial_variance = block * p * (1 - p)
+    assert per_block.var().item() == pytest.approx(binomial_variance, rel=0.1), "drops are independent"
+    assert torch.allclose(y[~dropped], x[~dropped] / (1 - p)), "the rest is scaled by 1/(1-p)"
+    y.sum().backward()
+    assert torch.equal(x.grad == 0, dropped), "no gradient through a dropped element"
+    assert torch.allclose(x.grad[~dropped], torch.tensor(1 / (1 - p)))
+    eval_input = torch.randn(10, 10)
+    assert SparseDropout(p).eval()(eval_input) is eval_input, "eval mode is the identity"
+    torch.manual_seed(1)
+    first = SparseDropout(p).train()(torch.ones(100, 100))
+    torch.manual_seed(1)
+    assert torch.equal(first, SparseDropout(p).train()(torch.ones(100, 100))), "seeded like torch"
+
+
+def test_sparse_lora_dropout_stage_learns_like_torch_dropout(tmp_path):
+    """The same stage with either dropout: every LoRA dropout swapped, losses as close as two seeds of
+    the same dropout would be."""
+    results = {}
+    for way, extra in (("torch", []), ("sparse", ["training.sparse_lora_dropout=true"])):
+        result = run_train(
+            "--recipe",
+            "r1-llm-only",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            way,
+            "--max-steps",
+            "4",
+            "data.max_train_samples=16",
+            "data.max_eval_samples=8",
+            "evaluation.generate=false",
+            *extra,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        stage_dir = tmp_path / "r1-llm-only" / way / "stage-1-llm-lora"
+        report = json.loads((stage_dir / "report.json").read_text())
+        results[way] = (json.loads((stage_dir / "metrics.json").read_text()), report)
+    (torch_metrics, _), (sparse_metrics, report) = results["torch"], results["sparse"]
+    swapped = next(d for d in report["decisions"] if d["guard"] == "sparse-lora-dropout")
+    assert swapped["choice"].startswith(f"{len(report['lora_targets'])} LoRA dropouts"), "every one"
+    assert sparse_metrics["final_train_loss"] == pytest.approx(torch_metrics["final_train_loss"], rel=0.02)
+    assert sparse_metrics["eval_loss"] == pytest.approx(torch_metrics["eval_loss"], rel=0.01)
 
 
 def test_packed_batch_keeps_each_samples_own_positions(tiny, rows):

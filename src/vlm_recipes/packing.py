@@ -7,6 +7,12 @@ batch, and only then packed. The row carries the 4-row position ids transformers
 Qwen2-VL input: row 0 the text positions, restarting at 0 with every sample, from which the attention
 mask is made block-diagonal (no token attends to another sample); rows 1-3 the mRoPE positions.
 
+With sdpa attention (no flash-attention installed, or a CPU), that block-diagonal mask would make every
+layer attend densely over the whole row, (sum of L)^2 work for sum of L^2 worth of attention, and sdpa
+can't use its flash kernel with a mask. `attend_per_sample` switches the text model to `sdpa_per_sample`:
+the same sdpa, called causally on each sample's slice of the row, which is what flash-attention's varlen
+kernel does with the same boundaries.
+
 The loss is unchanged: the same tokens are labelled (TRL's collator does the tokenizing), the first
 token of every sample is unlabelled so that no sample predicts the next one's start, and the loss is
 still the mean over the batch's labelled tokens. The optimizer sees the same batch of samples; only the
@@ -16,11 +22,17 @@ padding work is gone.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+PER_SAMPLE_SDPA = "sdpa_per_sample"
 
 
 def rope_index_of(model: nn.Module) -> Callable:
@@ -83,3 +95,66 @@ def pack_batch(batch: dict[str, Any], rope_index: Callable) -> dict[str, Any]:
     }
     passthrough = {k: v for k, v in batch.items() if k not in packed and k != "attention_mask"}
     return {**passthrough, **packed}
+
+
+def attend_per_sample(model: nn.Module) -> str | None:
+    """Switch a text model on sdpa to `sdpa_per_sample`; returns the implementation it replaced, or None
+    when there was nothing to switch (flash-attention already works per sample; eager is left alone)."""
+    AttentionInterface.register(PER_SAMPLE_SDPA, per_sample_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PER_SAMPLE_SDPA, sdpa_mask)  # unpacked batches keep sdpa's mask
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        text_config = config.get_text_config() if config is not None else None
+        if callable(getattr(module, "set_attn_implementation", None)) and text_config is not None:
+            if text_config._attn_implementation != "sdpa":
+                return None
+            key = next((k for k in config.sub_configs if getattr(config, k) is text_config), None)
+            module.set_attn_implementation({key: PER_SAMPLE_SDPA} if key else PER_SAMPLE_SDPA)
+            return "sdpa"
+    return None
+
+
+def per_sample_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """sdpa, but a packed row (text positions restarting per sample) is attended one sample at a time,
+    causally and without a mask. Anything else (padded batches, generation, the vision tower) is plain sdpa."""
+    lengths = _packed_lengths(module, query, key, position_ids, kwargs.get("is_causal"))
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs["is_causal"] = True
+    outputs = [
+        sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]  # [1, length, heads, head_dim]
+        for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+_last_lengths: list = [None, None]  # (position ids, sample lengths): every layer of a forward shares them
+
+
+def _packed_lengths(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, position_ids, is_causal
+) -> list[int] | None:
+    """The sample lengths of a packed causal row without a KV cache, or None for anything else."""
+    if (
+        position_ids is None
+        or query.shape[0] != 1
+        or query.shape[2] != key.shape[2]
+        or position_ids.shape[-1] != query.shape[2]
+        or (is_causal if is_causal is not None else getattr(module, "is_causal", True)) is False
+    ):
+        return None
+    if _last_lengths[0] is not position_ids:
+        positions = position_ids.reshape(-1)
+        starts = (torch.nonzero(positions[1:] - positions[:-1] != 1).flatten() + 1).tolist()
+        bounds = [0, *starts, positions.numel()]
+        _last_lengths[:] = [position_ids, [end - start for start, end in pairwise(bounds)]]
+    lengths = _last_lengths[1]
+    return lengths if len(lengths) > 1 else None

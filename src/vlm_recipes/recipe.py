@@ -540,6 +540,8 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
                     )
         if stage.lora.rank < 1:
             problems.append(Problem(f"{at}.lora.rank", "must be at least 1"))
+        if not 0.0 <= stage.lora.dropout < 1.0:
+            problems.append(Problem(f"{at}.lora.dropout", "must be at least 0 and below 1 (0.05 is usual)"))
         if stage.training.save_total_limit < 2:
             problems.append(
                 Problem(

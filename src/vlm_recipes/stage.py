@@ -53,7 +53,13 @@ from vlm_recipes.guards import (
     verify_quantization_scope,
 )
 from vlm_recipes.inspect import inspect_model
-from vlm_recipes.packing import PaddingFreeVisionCollator, is_packed, rope_index_of
+from vlm_recipes.packing import (
+    PER_SAMPLE_SDPA,
+    PaddingFreeVisionCollator,
+    attend_per_sample,
+    is_packed,
+    rope_index_of,
+)
 from vlm_recipes.parallel import ParallelPlan, ProcessGroup, batch_decision
 from vlm_recipes.resilience import (
     CheckpointCallback,
@@ -68,6 +74,7 @@ from vlm_recipes.resilience import (
 from vlm_recipes.roles import count_params_by_role, params_by_role
 from vlm_recipes.sample_cache import PreprocessedSampleCollator
 from vlm_recipes.schema import Recipe, Stage
+from vlm_recipes.sparse_dropout import use_sparse_lora_dropout
 from vlm_recipes.timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -315,6 +322,25 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     ctx.decisions.append(check_same_start(built.model, ctx.group))
     vision_trains = stage.train.vision != "frozen" or stage.train.projector != "frozen"
     feature_cache = speed_up_frozen_vision(built, stage, vision_trains, ctx.decisions)
+    if stage.training.padding_free and attend_per_sample(built.model):
+        ctx.decisions.append(
+            Decision(
+                "per-sample-attention",
+                f"text attention {PER_SAMPLE_SDPA}",
+                "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
+                "own, causally, instead of densely over the whole row under a block mask",
+            )
+        )
+    if stage.training.sparse_lora_dropout:
+        swapped = use_sparse_lora_dropout(built.model)
+        ctx.decisions.append(
+            Decision(
+                "sparse-lora-dropout",
+                f"{swapped} LoRA dropouts draw only the dropped positions",
+                "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
+                "the random numbers",
+            )
+        )
     t = stage.training
     ctx.decisions.append(
         batch_decision(
