@@ -26,6 +26,7 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -33,6 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 PER_SAMPLE_SDPA = "sdpa_per_sample"
+CPU_LENGTH_BUCKET = 64  # per-sample attention on CPU pads each sample to a multiple of this
 
 
 def rope_index_of(model: nn.Module) -> Callable:
@@ -129,11 +131,17 @@ def per_sample_sdpa_attention(
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs["is_causal"] = True
-    outputs = [
-        sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]  # [1, length, heads, head_dim]
-        for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
-    ]
-    return torch.cat(outputs, dim=1), None
+    outputs = []
+    for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True):
+        length = q.shape[2]
+        if query.device.type == "cpu" and length % CPU_LENGTH_BUCKET:
+            # CPU kernels keep state per distinct shape (oneDNN/brgemm caches): one per sample length
+            # would grow memory with every new length. Causal attention lets padding go at the end,
+            # where no real token can see it; its outputs are cut off below.
+            pad = CPU_LENGTH_BUCKET - length % CPU_LENGTH_BUCKET
+            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        outputs.append(sdpa_attention_forward(module, q, k, v, None, **kwargs)[0][:, :length])
+    return torch.cat(outputs, dim=1), None  # [1, total length, heads, head_dim]
 
 
 _last_lengths: list = [None, None]  # (position ids, sample lengths): every layer of a forward shares them

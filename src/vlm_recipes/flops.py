@@ -1,0 +1,94 @@
+"""Model FLOPs of a training step, for throughput in TFLOP/s and MFU (model FLOPs utilization).
+
+Per sample, with the samples' own lengths (padding is not model work):
+
+    FLOPs = sum over roles of  c_role * N_role * tokens_role  +  attention
+
+- N_role: the weights of the role's matmuls (Linear layers and the vision patch embedding). The input
+  embedding is a lookup and is not counted; a tied lm_head counts once, as the matmul it is.
+- tokens_role: the vision tower sees every patch (image tokens x spatial_merge_size^2); the projector and
+  the language model see the merged image tokens, and the language model the text tokens too.
+- c_role = 2 for the forward pass, + 2 when a gradient has to flow back through the role (it trains, in
+  full or with LoRA, or a role before it trains), + 2 when its own weights get gradients (trained in
+  full; LoRA adapters are rank << width and left out).
+- attention, per layer: 2 * 2 * L^2 * width forward (QK^T and AV over a sequence of L, counted without
+  the causal half, as PaLM's MFU does), scaled by c_role / 2 like the weights. The language model's L is
+  the sample's length, the vision tower's the image's patches (each image attends only to itself).
+
+MFU = samples/s * mean FLOPs per sample / the device's peak dense bf16 FLOP/s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vlm_recipes.roles import FamilyAdapter
+
+ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
+FORMULA = (
+    "FLOPs/sample = sum_role c*N_role*tokens_role + c/2 * 4*L^2*width per attention layer; "
+    "c = 2 forward + 2 if a gradient flows through the role + 2 if its weights train in full"
+)
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
+
+
+def flop_coefficients(modes: dict[str, str]) -> dict[str, int]:
+    """c_role for each role given its training mode (frozen, lora or full)."""
+    coefficients, gradient_flows = {}, False
+    for role in ROLE_ORDER:
+        gradient_flows = gradient_flows or modes[role] != "frozen"
+        coefficients[role] = 2 + 2 * gradient_flows + 2 * (modes[role] == "full")
+    return coefficients
+
+
+def matmul_params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, int]:
+    """N_role: weights of Linear and Conv layers per role, each weight counted once."""
+    counts = dict.fromkeys(ROLE_ORDER, 0)
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d)) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        role = "llm" if family.is_lm_head(name) else family.role_of(name)
+        if role in counts:
+            counts[role] += module.weight.numel()
+    return counts
+
+
+def flops_per_sample(
+    model: nn.Module,
+    family: FamilyAdapter,
+    modes: dict[str, str],
+    token_counts: Iterable[tuple[int, int]],
+) -> float:
+    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample; a sample's
+    images are taken as one for the vision tower's attention, exact for one image per sample)."""
+    text_config, vision_config = model.config.get_text_config(), model.config.vision_config
+    params = matmul_params_by_role(model, family)
+    c = flop_coefficients(modes)
+    merge = vision_config.spatial_merge_size**2
+    vision_width = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
+    vision_layers = getattr(vision_config, "depth", None) or vision_config.num_hidden_layers
+    text_width = text_config.num_attention_heads * getattr(
+        text_config, "head_dim", text_config.hidden_size // text_config.num_attention_heads
+    )
+    total, samples = 0.0, 0
+    for text, image in token_counts:
+        length, patches = text + image, image * merge
+        total += c["vision"] * params["vision"] * patches + c["projector"] * params["projector"] * image
+        total += c["llm"] * params["llm"] * length
+        total += c["vision"] / 2 * 4 * patches**2 * vision_width * vision_layers
+        total += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
+        samples += 1
+    return total / max(samples, 1)
+
+
+def peak_tflops(device: str) -> float | None:
+    """Dense bf16 peak of the current GPU by name (None on CPU or an unknown GPU: pass it yourself)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
