@@ -133,6 +133,7 @@ def main() -> None:
     }
     if torch.cuda.is_available():
         result["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     shutil.rmtree(config.output_dir)

@@ -18,7 +18,12 @@ import torch
 
 from vlm_recipes.sparse_dropout import SparseDropout
 
-SHAPES = {"bench hidden": (1500, 512), "bench MLP": (1500, 1376), "2B hidden": (4096, 1536), "2B MLP": (4096, 8960)}
+SHAPES = {
+    "bench hidden": (1500, 512),
+    "bench MLP": (1500, 1376),
+    "2B hidden": (4096, 1536),
+    "2B MLP": (4096, 8960),
+}
 
 
 def per_call_ms(dropout: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
@@ -39,7 +44,9 @@ def per_call_ms(dropout: torch.nn.Module, x: torch.Tensor, repeats: int) -> floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=20)

@@ -2,11 +2,13 @@
 """Benchmark vlm-recipes against a plain TRL script: same stage, model, data, seed and SFTConfig.
 
     python scripts/benchmark.py [--stages llm-lora,vision-full] [--steps 30] [--repeats 3] [--threads 2]
+    python scripts/benchmark.py --model demo:qwen2-vl-2b-shaped --speedups    # on a GPU: real dimensions
 
 Each run is a fresh process (imports and model loading count, peak memory is per run). Runs alternate
 between the two ways after a warm-up pair, and the medians are compared as ours / baseline. The model is
-the bench model (demo:bench-qwen2-vl, ~16M parameters, random weights) and the data has widely varying
-image sizes and answer lengths (demo:bench).
+the bench model (demo:bench-qwen2-vl, ~16M parameters, random weights) unless --model names another, and
+the data has widely varying image sizes and answer lengths (demo:bench). Throughput is also given in model
+TFLOP/s, and as MFU where the device's peak is known (the formula is printed with the table).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ ROWS = [  # (label, key, higher is better)
     ("step time p90 s", "step_time_p90_s", False),
     ("time to first step s", "time_to_first_step_s", False),
     ("total wall time s", "wall_s", False),
+    ("model TFLOP/s", "model_tflops_per_s", True),
+    ("MFU", "mfu", True),
     ("peak RSS GB", "peak_rss_gb", False),
+    ("peak GPU allocated GB", "peak_gpu_allocated_gb", False),
+    ("peak GPU reserved GB", "peak_gpu_reserved_gb", False),
     ("loss after N steps", "final_loss", None),
     ("loss curve vs TRL", "loss_curve_gap", None),  # max |ours - baseline| / baseline at logged steps
     ("eval loss (32 rows)", "eval_loss", None),
@@ -62,7 +68,7 @@ def run_child(command: list[str], env: dict) -> None:
 
 
 def run_ours(
-    stage: str, steps: int, batch: int, precision: str, out: Path, env: dict, extra: list[str]
+    stage: str, steps: int, batch: int, precision: str, model: Path, out: Path, env: dict, extra: list[str]
 ) -> dict:
     run_name = f"run-{time.time_ns()}"
     command = [
@@ -79,6 +85,7 @@ def run_ours(
         f"training.per_device_batch_size={batch}",
         f"training.eval_batch_size={batch}",
         f"precision={precision}",
+        f"model={model}",
         *extra,
     ]
     started = time.perf_counter()
@@ -95,6 +102,8 @@ def run_ours(
         "loss_curve": {point["step"]: point["loss"] for point in metrics["loss_curve"]},
         "eval_loss": metrics.get("eval_loss"),
         "peak_rss_gb": metrics["peak_memory"].get("rss_gb"),
+        "peak_gpu_allocated_gb": metrics["peak_memory"].get("allocated_gb"),
+        "peak_gpu_reserved_gb": metrics["peak_memory"].get("reserved_gb"),
         **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
     }
 
@@ -126,8 +135,8 @@ def run_baseline(
         return {**json.loads(Path(result.name).read_text()), "wall_s": wall}
 
 
-def tokens_per_sample(model: Path, data: Path) -> tuple[float, float]:
-    """Mean text and image tokens per sample, padding excluded (both ways see the same samples)."""
+def token_counts(model: Path, data: Path) -> list[tuple[int, int]]:
+    """Text and image tokens of every sample, padding excluded (both ways see the same samples)."""
     from transformers import AutoProcessor
 
     from vlm_recipes.data import load_split, sample_token_counts, undecoded
@@ -138,8 +147,24 @@ def tokens_per_sample(model: Path, data: Path) -> tuple[float, float]:
         "longest_edge": 200704,
     }  # the recipes' max_pixels
     ds, _ = load_split(str(data), "train", None)
-    counts = sample_token_counts(undecoded(ds), processor)
-    return statistics.mean(c[0] for c in counts), statistics.mean(c[1] for c in counts)
+    return sample_token_counts(undecoded(ds), processor)
+
+
+def stage_flops_per_sample(stage: str, model: Path, counts: list[tuple[int, int]]) -> float:
+    """Mean model FLOPs of one training sample of the stage (vlm_recipes.flops, formula printed)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.build import detect_family
+    from vlm_recipes.flops import flops_per_sample
+    from vlm_recipes.recipe import load_recipe
+    from vlm_recipes.schema import ROLES
+
+    train = load_recipe(str(REPO / "benchmarks" / "recipes" / RECIPES[stage])).stages[0].train
+    family, config = detect_family(str(model))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        bare = AutoModelForImageTextToText.from_config(config)
+    return flops_per_sample(bare, family, {role: getattr(train, role) for role in ROLES}, counts)
 
 
 def loss_curve_gap(curve: dict, baseline_curve: dict) -> float | None:
@@ -153,7 +178,14 @@ def loss_curve_gap(curve: dict, baseline_curve: dict) -> float | None:
     return max(gaps) if gaps else None
 
 
-def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sample: float) -> dict:
+def summarize(
+    runs: list[dict],
+    batch: int,
+    text_per_sample: float,
+    image_per_sample: float,
+    flops_per_sample: float,
+    peak_tflops: float | None,
+) -> dict:
     summary = {}
     for key in (
         "wall_s",
@@ -161,6 +193,8 @@ def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sa
         "final_loss",
         "eval_loss",
         "peak_rss_gb",
+        "peak_gpu_allocated_gb",
+        "peak_gpu_reserved_gb",
         "time_to_first_step_s",
         "step_time_median_s",
         "step_time_p90_s",
@@ -171,6 +205,8 @@ def summarize(runs: list[dict], batch: int, text_per_sample: float, image_per_sa
     summary["samples_per_s"] = samples_per_s
     summary["text_tokens_per_s"] = samples_per_s * text_per_sample
     summary["image_tokens_per_s"] = samples_per_s * image_per_sample
+    summary["model_tflops_per_s"] = samples_per_s * flops_per_sample / 1e12
+    summary["mfu"] = summary["model_tflops_per_s"] / peak_tflops if peak_tflops else None
     return summary
 
 
@@ -180,6 +216,8 @@ def format_table(stage: str, summaries: dict[str, dict]) -> str:
     header = f"{'metric':<22}" + "".join(f" {w:>18} {'/baseline':>9}" for w in ways) + f" {'plain TRL':>10}"
     lines = [f"stage {stage}", header]
     for label, key, _ in ROWS:
+        if all(summary.get(key) is None for summary in summaries.values()):
+            continue  # e.g. GPU memory on a CPU, MFU without a known peak
         row = f"{label:<22}"
         for way in ways:
             a, b = summaries[way].get(key), base.get(key)
@@ -205,23 +243,39 @@ def main() -> int:
         "--precision", choices=["bf16", "fp32"], help="default: what a stage picks on this machine"
     )
     parser.add_argument("--speedups", action="store_true", help="also run vlm-recipes with its speed-ups on")
+    parser.add_argument(
+        "--model",
+        default="demo:bench-qwen2-vl",
+        help="model id or directory; demo:qwen2-vl-2b-shaped is Qwen2-VL-2B's dimensions, random weights",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU (known GPUs: detected)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     args = parser.parse_args()
 
-    from vlm_recipes.demo import ensure_bench_dataset, ensure_bench_model
+    from vlm_recipes.demo import ensure_bench_dataset, resolve_model_source
+    from vlm_recipes.flops import FORMULA, peak_tflops
     from vlm_recipes.guards import Environment, decide_precision
 
     args.precision = args.precision or decide_precision("auto", Environment.detect(), quantized=False).choice
-    model, data = ensure_bench_model(), ensure_bench_dataset() / "bench.jsonl"
+    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
+    environment = Environment.detect()
+    args.peak_tflops = args.peak_tflops or peak_tflops(environment.device)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
         "MKL_NUM_THREADS": str(args.threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    text_per_sample, image_per_sample = tokens_per_sample(model, data)
+    counts = token_counts(model, data)
+    text_per_sample = statistics.mean(text for text, _ in counts)
+    image_per_sample = statistics.mean(image for _, image in counts)
     report = {
-        "machine": Environment.detect().describe(),
+        "machine": environment.describe(),
+        "model": str(model),
+        "peak_tflops": args.peak_tflops,
+        "flops_formula": FORMULA,
         "threads": args.threads,
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -231,9 +285,11 @@ def main() -> int:
         "stages": {},
     }
     print(
-        f"bench model {model}\nbench data {data}: {text_per_sample:.1f} text + {image_per_sample:.1f} image "
+        f"model {model}\nbench data {data}: {text_per_sample:.1f} text + {image_per_sample:.1f} image "
         f"tokens per sample on average\n{report['machine']}, {args.threads} threads, {args.steps} steps, "
         f"batch {args.batch_size}, {args.precision}, {args.repeats} repeats after a warm-up pair\n"
+        f"model TFLOP/s and MFU: {FORMULA}; MFU against "
+        f"{f'{args.peak_tflops:g} TFLOP/s' if args.peak_tflops else 'no known peak (--peak-tflops)'}\n"
     )
     with tempfile.TemporaryDirectory() as tmp:
         for stage in args.stages.split(","):
@@ -241,6 +297,8 @@ def main() -> int:
             if args.speedups:
                 ways += [COLD_CACHE, WARM_CACHE]
             runs: dict[str, list[dict]] = {way: [] for way in ways}
+            flops = stage_flops_per_sample(stage, model, counts)
+            report["stages"][stage] = {"flops_per_sample": flops}
             for repeat in range(args.repeats + 1):
                 order = ways if repeat % 2 == 0 else list(reversed(ways))
                 for way in order:
@@ -255,7 +313,14 @@ def main() -> int:
                             shutil.rmtree(caches, ignore_errors=True)
                         run_env = {**env, "VLM_RECIPES_SPEEDUP_CACHE": str(caches)}
                         result = run_ours(
-                            stage, args.steps, args.batch_size, args.precision, Path(tmp), run_env, extra
+                            stage,
+                            args.steps,
+                            args.batch_size,
+                            args.precision,
+                            model,
+                            Path(tmp),
+                            run_env,
+                            extra,
                         )
                     print(
                         f"  {stage} {way:<14} {'warm-up' if repeat == 0 else f'run {repeat}'}: "
@@ -265,12 +330,15 @@ def main() -> int:
                     if repeat > 0:
                         runs[way].append(result)
             summaries = {
-                w: summarize(runs[w], args.batch_size, text_per_sample, image_per_sample) for w in ways
+                w: summarize(
+                    runs[w], args.batch_size, text_per_sample, image_per_sample, flops, args.peak_tflops
+                )
+                for w in ways
             }
             baseline_curve = runs["baseline"][0]["loss_curve"]  # same seed: every run logs the same losses
             for way in ways:
                 summaries[way]["loss_curve_gap"] = loss_curve_gap(runs[way][0]["loss_curve"], baseline_curve)
-            report["stages"][stage] = {"summary": summaries, "runs": runs}
+            report["stages"][stage].update(summary=summaries, runs=runs)
             print("\n" + format_table(stage, summaries) + "\n")
     args.out.write_text(json.dumps(report, indent=2))
     print(f"written {args.out}")

@@ -28,6 +28,8 @@ logger = logging.getLogger("vlm_recipes.demo")
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"
 DEMO_DATA_PREFIX = "demo:"
 DEMO_BENCH_MODEL_ID = "demo:bench-qwen2-vl"  # a bigger random model for scripts/benchmark.py
+DEMO_2B_SHAPED_MODEL_ID = "demo:qwen2-vl-2b-shaped"  # Qwen2-VL-2B's dimensions, random weights (GPU bench)
+DEMO_MODEL_IDS = (DEMO_MODEL_ID, DEMO_BENCH_MODEL_ID, DEMO_2B_SHAPED_MODEL_ID)
 
 _VERSION = "demo-v1"
 _MODEL_DIRNAME = "tiny-qwen2-vl"
@@ -122,12 +124,26 @@ def ensure_bench_dataset() -> Path:
     )
 
 
+def ensure_2b_shaped_model() -> Path:
+    """Qwen2-VL-2B-Instruct's dimensions (vocabulary, widths, depths, heads, tied embeddings) with random
+    weights, saved in bf16 (4.4 GB): realistic throughput and memory on a GPU without the hub. Building
+    it takes a few minutes and ~9 GB of RAM."""
+    return _ensure(
+        cache_dir() / _VERSION / "qwen2-vl-2b-shaped",
+        _MODEL_FILES,
+        lambda out: _build_model(out, _QWEN2_VL_2B_SHAPED),
+        "2B-shaped model",
+    )
+
+
 def resolve_model_source(source: str) -> str:
     """Map the demo model ids to their local directories; return anything else unchanged."""
     if source == DEMO_MODEL_ID:
         return str(ensure_demo_model())
     if source == DEMO_BENCH_MODEL_ID:
         return str(ensure_bench_model())
+    if source == DEMO_2B_SHAPED_MODEL_ID:
+        return str(ensure_2b_shaped_model())
     return source
 
 
@@ -448,6 +464,22 @@ _BENCH = {
     "vision_heads": 4,
     "max_pixels": 28 * 28 * 64,
 }
+_QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
+    "hidden": 1536,
+    "intermediate": 8960,
+    "layers": 28,
+    "heads": 12,
+    "kv_heads": 2,
+    "mrope": [16, 24, 24],
+    "vision_depth": 32,
+    "vision_dim": 1280,
+    "vision_heads": 16,
+    "vision_mlp_ratio": 4,
+    "vocab": 151936,  # rows past the local tokenizer's are never produced, but cost what they cost
+    "tie_embeddings": True,
+    "dtype": "bfloat16",
+    "max_pixels": 28 * 28 * 256,
+}
 
 
 def _build_model(out: Path, dims: dict = _TINY) -> None:
@@ -476,7 +508,8 @@ def _build_model(out: Path, dims: dict = _TINY) -> None:
     ids = {t: tok.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
     config = Qwen2VLConfig(
         text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,  # round up; the extra rows are never produced by tok
+            # round up; the extra rows are never produced by tok
+            "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),
             "hidden_size": dims["hidden"],
             "intermediate_size": dims["intermediate"],
             "num_hidden_layers": dims["layers"],
@@ -494,7 +527,7 @@ def _build_model(out: Path, dims: dict = _TINY) -> None:
             "depth": dims["vision_depth"],
             "embed_dim": dims["vision_dim"],
             "num_heads": dims["vision_heads"],
-            "mlp_ratio": 2,
+            "mlp_ratio": dims.get("vision_mlp_ratio", 2),
             "hidden_size": dims["hidden"],  # merger output = text hidden size
             "patch_size": 14,
             "spatial_merge_size": 2,
@@ -504,14 +537,16 @@ def _build_model(out: Path, dims: dict = _TINY) -> None:
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     # fork_rng keeps the caller's RNG state untouched while making the random init reproducible.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_MODEL_SEED)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = Qwen2VLForConditionalGeneration._from_config(
+            config, dtype=getattr(torch, dims.get("dtype", "float32"))
+        )
     model.generation_config = GenerationConfig(
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None
     )
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as _MODEL_FILES expects
     processor.save_pretrained(out)  # tokenizer, image/video processor config and chat_template.jinja

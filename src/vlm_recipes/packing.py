@@ -126,8 +126,11 @@ def per_sample_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """sdpa, but a packed row (text positions restarting per sample) is attended one sample at a time,
-    causally and without a mask. Anything else (padded batches, generation, the vision tower) is plain sdpa."""
-    lengths = _packed_lengths(module, query, key, position_ids, kwargs.get("is_causal"))
+    causally and without a mask. Anything else (padded batches, generation, the vision tower, sliding-window
+    layers) is plain sdpa with the mask transformers made."""
+    lengths = None
+    if kwargs.get("sliding_window") is None:  # a sliding window lives in the mask: keep it
+        lengths = _packed_lengths(module, query, key, position_ids, kwargs.get("is_causal"))
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs["is_causal"] = True

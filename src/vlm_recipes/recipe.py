@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from vlm_recipes.demo import DEMO_BENCH_MODEL_ID, DEMO_MODEL_ID
+from vlm_recipes.demo import DEMO_MODEL_IDS
 from vlm_recipes.schema import (
     QUANT_SKIPPABLE,
     RECIPE_FILE_KEYS,
@@ -452,8 +452,8 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
 
 def _model_source_problem(source: str) -> str | None:
     """Why a model source cannot be found, judged without touching the network."""
-    if source.startswith("demo:") and source not in (DEMO_MODEL_ID, DEMO_BENCH_MODEL_ID):
-        return f"unknown demo model `{source}`: the embedded default is {DEMO_MODEL_ID}"
+    if source.startswith("demo:") and source not in DEMO_MODEL_IDS:
+        return f"unknown demo model `{source}`: the demo models are {', '.join(DEMO_MODEL_IDS)}"
     looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
     if looks_local and not (Path(source).expanduser() / "config.json").is_file():
         return f"`{source}` is not a model directory (no config.json there)"
