@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from conftest import model_inputs, run_train
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -98,6 +98,20 @@ def test_per_sample_attention_leaves_padded_batches_to_sdpa(tiny, tiny_per_sampl
     """Unpacked batches (eval with padding, generation) take exactly the sdpa path they took before."""
     batch = padded_collator(tiny[1])([dict(r) for r in rows])
     assert torch.equal(token_losses(tiny[0], batch), token_losses(tiny_per_sample[0], batch))
+
+
+def test_per_sample_attention_generates_what_sdpa_generates(tiny, tiny_per_sample, rows):
+    """Generation (a KV cache; left padding beyond one row) never takes the per-sample path."""
+    processor = AutoProcessor.from_pretrained(tiny_per_sample[0].name_or_path)  # its own: padded left
+    processor.tokenizer.padding_side = "left"
+    for batch in ([rows[0]], rows[:3]):
+        prompts = [{**r, "messages": r["messages"][:1]} for r in batch]
+        inputs = model_inputs(processor, prompts, add_generation_prompt=True)
+        generated = [
+            model.generate(**inputs, max_new_tokens=8, do_sample=False)
+            for model, _ in (tiny, tiny_per_sample)
+        ]
+        assert torch.equal(*generated)
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3])
