@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import model_inputs, run_train
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
@@ -136,6 +137,23 @@ def test_sparse_dropout_drops_each_element_independently_with_probability_p(p):
     first = SparseDropout(p).train()(torch.ones(100, 100))
     torch.manual_seed(1)
     assert torch.equal(first, SparseDropout(p).train()(torch.ones(100, 100))), "seeded like torch"
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_sparse_dropout_replays_its_mask_under_activation_checkpointing(use_reentrant):
+    """Recomputation in backward must drop the same positions, or the gradient is wrong."""
+    layer, dropout = torch.nn.Linear(64, 64), SparseDropout(0.3).train()
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def block(t):
+        return layer(dropout(t)).relu()
+
+    torch.manual_seed(0)
+    block(x).sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    torch.manual_seed(0)
+    checkpoint(block, x, use_reentrant=use_reentrant).sum().backward()
+    assert torch.equal(x.grad, expected)
 
 
 def test_sparse_lora_dropout_stage_learns_like_torch_dropout(tmp_path):
