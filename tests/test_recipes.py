@@ -189,6 +189,7 @@ def test_reuse_cycle_is_reported(tmp_path, monkeypatch):
         ("trainig.epochs=2", "unknown key `trainig`; did you mean `training`?"),
         ("training.epochs", "an override is key=value"),
         ("training.epochs=lots", "expected a number, got 'lots'"),
+        ("stages.llm-lora.lora.dropout=1", "lora.dropout: must be at least 0 and below 1"),
     ],
 )
 def test_bad_override_is_rejected(override, message):

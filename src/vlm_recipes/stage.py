@@ -322,25 +322,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     ctx.decisions.append(check_same_start(built.model, ctx.group))
     vision_trains = stage.train.vision != "frozen" or stage.train.projector != "frozen"
     feature_cache = speed_up_frozen_vision(built, stage, vision_trains, ctx.decisions)
-    if stage.training.padding_free and attend_per_sample(built.model):
-        ctx.decisions.append(
-            Decision(
-                "per-sample-attention",
-                f"text attention {PER_SAMPLE_SDPA}",
-                "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
-                "own, causally, instead of densely over the whole row under a block mask",
-            )
-        )
-    if stage.training.sparse_lora_dropout:
-        swapped = use_sparse_lora_dropout(built.model)
-        ctx.decisions.append(
-            Decision(
-                "sparse-lora-dropout",
-                f"{swapped} LoRA dropouts draw only the dropped positions",
-                "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
-                "the random numbers",
-            )
-        )
+    speed_up_model(built, stage, ctx.decisions)
     t = stage.training
     ctx.decisions.append(
         batch_decision(
@@ -487,6 +469,30 @@ def speed_up_frozen_vision(
         )
     )
     return cache
+
+
+def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -> None:
+    """The speed-ups that change how the model computes, never what: per-sample attention for packed
+    rows, sparse LoRA dropout."""
+    if stage.training.padding_free and attend_per_sample(built.model):
+        decisions.append(
+            Decision(
+                "per-sample-attention",
+                f"text attention {PER_SAMPLE_SDPA}",
+                "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
+                "own, causally, instead of densely over the whole row under a block mask",
+            )
+        )
+    if stage.training.sparse_lora_dropout:
+        swapped = use_sparse_lora_dropout(built.model)
+        decisions.append(
+            Decision(
+                "sparse-lora-dropout",
+                f"{swapped} LoRA dropouts draw only the dropped positions",
+                "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
+                "the random numbers",
+            )
+        )
 
 
 def check_same_start(model: torch.nn.Module, group: ProcessGroup) -> Decision:
