@@ -156,27 +156,32 @@ def test_sparse_dropout_replays_its_mask_under_activation_checkpointing(use_reen
     assert torch.equal(x.grad, expected)
 
 
+def short_r1_stage(tmp_path, run_name: str, overrides: list[str]):
+    """r1's stage for 4 steps on 16 rows (eval on 8, no generation); returns its stage directory."""
+    result = run_train(
+        "--recipe",
+        "r1-llm-only",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        run_name,
+        "--max-steps",
+        "4",
+        "data.max_train_samples=16",
+        "data.max_eval_samples=8",
+        "evaluation.generate=false",
+        *overrides,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "r1-llm-only" / run_name / "stage-1-llm-lora"
+
+
 def test_sparse_lora_dropout_stage_learns_like_torch_dropout(tmp_path):
     """The same stage with either dropout: every LoRA dropout swapped, losses as close as two seeds of
     the same dropout would be."""
     results = {}
     for way, extra in (("torch", []), ("sparse", ["training.sparse_lora_dropout=true"])):
-        result = run_train(
-            "--recipe",
-            "r1-llm-only",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            way,
-            "--max-steps",
-            "4",
-            "data.max_train_samples=16",
-            "data.max_eval_samples=8",
-            "evaluation.generate=false",
-            *extra,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        stage_dir = tmp_path / "r1-llm-only" / way / "stage-1-llm-lora"
+        stage_dir = short_r1_stage(tmp_path, way, extra)
         report = json.loads((stage_dir / "report.json").read_text())
         results[way] = (json.loads((stage_dir / "metrics.json").read_text()), report)
     (torch_metrics, _), (sparse_metrics, report) = results["torch"], results["sparse"]
@@ -212,22 +217,7 @@ def test_padding_free_stage_matches_padded_training(tmp_path):
     """Same data, seed and steps: the losses agree (bf16 rounding aside) and the token count is exact."""
     metrics = {}
     for way, extra in (("padded", []), ("packed", ["training.padding_free=true"])):
-        result = run_train(
-            "--recipe",
-            "r1-llm-only",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            way,
-            "--max-steps",
-            "4",
-            "data.max_train_samples=16",
-            "data.max_eval_samples=8",
-            "evaluation.generate=false",
-            *extra,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        stage_dir = tmp_path / "r1-llm-only" / way / "stage-1-llm-lora"
+        stage_dir = short_r1_stage(tmp_path, way, extra)
         metrics[way] = json.loads((stage_dir / "metrics.json").read_text())
         assert (stage_dir / "DONE").exists()
     padded, packed = metrics["padded"], metrics["packed"]
