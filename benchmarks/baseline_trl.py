@@ -21,7 +21,7 @@ from peft import LoraConfig
 from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.timing import StepTimer
+from vlm_recipes.evaluation.timing import StepTimer
 
 
 def load_data(path: str) -> datasets.Dataset:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from vlm_recipes.sparse_dropout import SparseDropout
+from vlm_recipes.speedups.sparse_dropout import SparseDropout
 
 SHAPES = {
     "bench hidden": (1500, 512),

@@ -139,15 +139,15 @@ def token_counts(model: Path, data: Path) -> list[tuple[int, int]]:
     """Text and image tokens of every sample, padding excluded (both ways see the same samples)."""
     from transformers import AutoProcessor
 
-    from vlm_recipes.data import load_split, sample_token_counts, undecoded
+    from vlm_recipes.data.lengths import sample_token_counts
+    from vlm_recipes.data.rows import load_split, undecoded
+    from vlm_recipes.stages.build import detect_family
 
+    family, _ = detect_family(str(model))
     processor = AutoProcessor.from_pretrained(model)
-    processor.image_processor.size = {
-        "shortest_edge": 3136,
-        "longest_edge": 200704,
-    }  # the recipes' max_pixels
+    family.apply_pixel_bounds(processor.image_processor, 3136, 200704)  # the bench recipes' pixel bounds
     ds, _ = load_split(str(data), "train", None)
-    return sample_token_counts(undecoded(ds), processor)
+    return sample_token_counts(undecoded(ds), processor, family)
 
 
 def stage_flops_per_sample(stage: str, model: Path, counts: list[tuple[int, int]]) -> float:
@@ -155,10 +155,10 @@ def stage_flops_per_sample(stage: str, model: Path, counts: list[tuple[int, int]
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlm_recipes.build import detect_family
-    from vlm_recipes.flops import flops_per_sample
-    from vlm_recipes.recipe import load_recipe
-    from vlm_recipes.schema import ROLES
+    from vlm_recipes.evaluation.flops import flops_per_sample
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipes.schema import ROLES
+    from vlm_recipes.stages.build import detect_family
 
     train = load_recipe(str(REPO / "benchmarks" / "recipes" / RECIPES[stage])).stages[0].train
     family, config = detect_family(str(model))
@@ -254,9 +254,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     args = parser.parse_args()
 
-    from vlm_recipes.demo import ensure_bench_dataset, resolve_model_source
-    from vlm_recipes.flops import FORMULA, peak_tflops
-    from vlm_recipes.guards import Environment, decide_precision
+    from vlm_recipes.data.demo_data import ensure_bench_dataset
+    from vlm_recipes.demo import resolve_model_source
+    from vlm_recipes.evaluation.flops import FORMULA, peak_tflops
+    from vlm_recipes.stages.guards import Environment, decide_precision
 
     args.precision = args.precision or decide_precision("auto", Environment.detect(), quantized=False).choice
     model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"

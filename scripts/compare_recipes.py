@@ -3,7 +3,7 @@
 
 import sys
 
-from vlm_recipes.report import main
+from vlm_recipes.cli.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

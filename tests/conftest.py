@@ -48,7 +48,7 @@ def env_flag(name: str) -> bool:
 
 def model_inputs(processor, rows, **kwargs):
     """A padded batch of model inputs for dataset rows (their images attached to the image parts)."""
-    from vlm_recipes.evaluate import attach_images
+    from vlm_recipes.evaluation.evaluate import attach_images
 
     messages = [attach_images(row["messages"], row["images"]) for row in rows]
     return processor.apply_chat_template(
@@ -62,8 +62,17 @@ def model_inputs(processor, rows, **kwargs):
 
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train_recipe.py")]  # the user's command, as a subprocess
+# the same command, killed at $VLM_RECIPES_FAULT (tests/fault_injection.py)
+TRAIN_WITH_FAULT = [sys.executable, str(REPO / "tests" / "fault_injection.py")]
 
 
-def run_train(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`train_recipe.py ARGS` in a fresh process, as a user runs it; output captured as text."""
-    return subprocess.run([*TRAIN, *args], capture_output=True, text=True, timeout=timeout, env=env)
+def run_train(
+    *args: str, timeout: int = 600, env: dict | None = None, fault: str | None = None
+) -> subprocess.CompletedProcess:
+    """`train_recipe.py ARGS` in a fresh process, as a user runs it; output captured as text. With `fault`,
+    the process is killed at that point (see tests/fault_injection.py)."""
+    command = TRAIN
+    if fault:
+        env = {**(env if env is not None else os.environ), "VLM_RECIPES_FAULT": fault}
+        command = TRAIN_WITH_FAULT
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env)

@@ -14,7 +14,8 @@ def test_benchmark_baseline_script_runs(tmp_path, private_demo_cache):
     """The benchmark's plain-TRL baseline stays runnable (its numbers are the benchmark's business)."""
     import json
 
-    from vlm_recipes.demo import ensure_bench_dataset, ensure_bench_model
+    from vlm_recipes.data.demo_data import ensure_bench_dataset
+    from vlm_recipes.demo import ensure_demo_model
 
     out = tmp_path / "baseline.json"
     result = subprocess.run(
@@ -24,7 +25,7 @@ def test_benchmark_baseline_script_runs(tmp_path, private_demo_cache):
             "--stage",
             "vision-full",
             "--model",
-            str(ensure_bench_model()),
+            str(ensure_demo_model("demo:bench-qwen2-vl")),
             "--data",
             str(ensure_bench_dataset() / "bench.jsonl"),
             "--steps",

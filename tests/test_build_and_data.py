@@ -8,12 +8,14 @@ import pytest
 import torch
 from conftest import model_inputs
 
-from vlm_recipes.build import build_stage_model, load_processor
-from vlm_recipes.data import DataError, check_lengths, load_split, sample_lengths
-from vlm_recipes.recipe import load_recipe
-from vlm_recipes.roles import QWEN2_VL, UnsupportedModelError, adapter_for_model_type
-from vlm_recipes.schema import DataSettings
-from vlm_recipes.stage import role_optimizer
+from vlm_recipes.data.lengths import check_lengths, sample_lengths
+from vlm_recipes.data.rows import DataError, load_split
+from vlm_recipes.families import UnsupportedModelError, family_for_model_type
+from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipes.schema import DataSettings
+from vlm_recipes.stages.build import build_stage_model, load_processor
+from vlm_recipes.stages.trainer import role_parameter_groups
 
 
 def test_roles_use_the_longest_prefix():
@@ -32,8 +34,8 @@ def test_quantization_skip_list_uses_full_module_paths():
 
 
 def test_unknown_family_lists_the_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="Supported: qwen2_vl, qwen2_5_vl"):
-        adapter_for_model_type("llava")
+    with pytest.raises(UnsupportedModelError, match="Supported families: qwen2-vl"):
+        family_for_model_type("llava")
 
 
 def test_joint_lora_stage_builds_adapters_per_role_and_keeps_vision_unquantized(demo_model_dir):
@@ -48,8 +50,8 @@ def test_joint_lora_stage_builds_adapters_per_role_and_keeps_vision_unquantized(
         if param.dtype == torch.uint8:  # 4-bit weights: only inside the language model's decoder
             assert QWEN2_VL.role_of(plain) == "llm" and not plain.startswith("lm_head"), name
 
-    optimizer = role_optimizer(built, stage)
-    rates = {group["role"]: group["lr"] for group in optimizer.param_groups}
+    groups = role_parameter_groups(built.model, QWEN2_VL, stage, decay_names={"nothing decays"})
+    rates = {group["role"]: group["lr"] for group in groups}
     assert rates == {
         "vision": pytest.approx(5e-5),
         "projector": pytest.approx(2e-4),
@@ -70,10 +72,10 @@ def test_full_stage_keeps_fp32_master_weights_for_trained_roles(demo_model_dir):
 
 def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
     processor = load_processor(
-        str(demo_model_dir), DataSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9)
+        str(demo_model_dir), DataSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9), QWEN2_VL
     )
     ds, _ = load_split("demo:eval", "test", 6)
-    predicted = sample_lengths(ds, processor)
+    predicted = sample_lengths(ds, processor, QWEN2_VL)
     for row, expected in zip(ds, predicted, strict=True):
         out = model_inputs(processor, [row])
         assert out["input_ids"].shape[1] == expected
@@ -85,19 +87,21 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
 
     from PIL import Image
 
-    from vlm_recipes import data
-    from vlm_recipes.demo import ensure_demo_dataset
+    from vlm_recipes.data import lengths, rows
+    from vlm_recipes.data.demo_data import ensure_demo_dataset
 
     copy = tmp_path / "copy"
     shutil.copytree(ensure_demo_dataset(), copy)
     counted = []
-    real_count = data._count_tokens
-    monkeypatch.setattr(data, "_count_tokens", lambda ds, p: counted.append(len(ds)) or real_count(ds, p))
-    processor = load_processor(str(demo_model_dir), DataSettings())
+    real_count = lengths._count_tokens
+    monkeypatch.setattr(
+        lengths, "_count_tokens", lambda ds, p, f: counted.append(len(ds)) or real_count(ds, p, f)
+    )
+    processor = load_processor(str(demo_model_dir), DataSettings(), QWEN2_VL)
 
     def counts():
         ds, _ = load_split(str(copy / "train.jsonl"), "train", 6)
-        return data.sample_token_counts(data.undecoded(ds), processor)
+        return lengths.sample_token_counts(rows.undecoded(ds), processor, QWEN2_VL)
 
     first = counts()
     assert counts() == first and counted == [6], "the second look reads what the first one counted"
@@ -110,12 +114,12 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
 
 
 def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
-    processor = load_processor(str(demo_model_dir), DataSettings())
+    processor = load_processor(str(demo_model_dir), DataSettings(), QWEN2_VL)
     ds, _ = load_split("demo:train", "train", 8)
     with pytest.raises(
         DataError, match=r"demo:train row train-00000: longer than max_length: \d+ tokens > 10"
     ):
-        check_lengths(ds, processor, 10, "demo:train")
+        check_lengths(ds, processor, QWEN2_VL, 10, "demo:train")
 
 
 def write_jsonl(path, rows):
@@ -166,16 +170,18 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 
 def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir, tmp_path):
     """The sampler groups by text + image tokens (Trainer cannot infer lengths of image samples)."""
-    from vlm_recipes.data import load_stage_data
-    from vlm_recipes.guards import Environment
-    from vlm_recipes.stage import build_sft_config, build_trainer
+    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.stages.guards import Environment
+    from vlm_recipes.stages.trainer import build_sft_config, build_trainer
 
     stage = load_recipe(
         "r2-vision-only", ["training.group_by_length=true", "training.per_device_batch_size=8"]
     ).stages[0]
     data = load_stage_data(stage.data)
-    processor = load_processor(str(demo_model_dir), stage.data)
-    data.train, lengths, _ = check_lengths(data.train, processor, stage.data.max_length, "demo:train")
+    processor = load_processor(str(demo_model_dir), stage.data, QWEN2_VL)
+    data.train, lengths, _ = check_lengths(
+        data.train, processor, QWEN2_VL, stage.data.max_length, "demo:train"
+    )
     data.train = data.train.add_column("length", lengths)
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
 
@@ -189,3 +195,37 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
         return sum(max(lengths[j] for j in b) * len(b) - sum(lengths[j] for j in b) for b in batches)
 
     assert padding_tokens("group_by_length") < 0.5 * padding_tokens("random")
+
+
+def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_path):
+    """Per-role learning rates used to drop Trainer's no-weight-decay group for biases and norms: with
+    weight_decay > 0 that decayed them. The optimizer keeps both splits: role × (decay, no decay)."""
+    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.stages.guards import Environment
+    from vlm_recipes.stages.trainer import build_sft_config, build_trainer
+
+    stage = load_recipe(
+        "r2-vision-only",
+        [
+            "training.weight_decay=0.1",
+            "training.role_learning_rates={vision: 1.0e-5}",
+            "data.max_train_samples=8",
+        ],
+    ).stages[0]
+    data = load_stage_data(stage.data)
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
+    args = build_sft_config(stage, tmp_path, "fp32", Environment("cpu", 0, False), has_eval=False)
+    optimizer = build_trainer(built, stage, args, data).create_optimizer()
+    names = {id(p): n for n, p in built.model.named_parameters()}
+    by_param = {names[id(p)]: g for g in optimizer.param_groups for p in g["params"]}
+    trainable = {n for n, p in built.model.named_parameters() if p.requires_grad}
+    assert set(by_param) == trainable, "every trainable parameter in exactly one group"
+    bias, norm = "model.visual.blocks.0.attn.qkv.bias", "model.visual.blocks.0.norm1.weight"
+    weight, merger = "model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.mlp.0.weight"
+    assert by_param[bias]["weight_decay"] == 0.0 and by_param[norm]["weight_decay"] == 0.0
+    assert by_param[weight]["weight_decay"] == pytest.approx(0.1)
+    assert by_param[weight]["lr"] == pytest.approx(1e-5)  # the vision role's own rate
+    assert by_param[merger]["lr"] == pytest.approx(
+        stage.training.learning_rate
+    )  # the projector's: the stage's
+    assert type(optimizer).__name__.startswith("AdamW"), "Trainer's optimizer choice is kept"

@@ -14,7 +14,8 @@ import pytest
 import torch
 from PIL import Image, ImageChops
 
-from vlm_recipes import demo
+from vlm_recipes import demo, files
+from vlm_recipes.data import demo_data
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def data_dir(demo_cache: Path) -> Path:
-    return demo.ensure_demo_dataset()
+    return demo_data.ensure_demo_dataset()
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,9 @@ def _answer(row: dict) -> str:
 
 def test_cache_dir_env_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path / "c"))
-    assert demo.cache_dir() == tmp_path / "c"
+    assert files.cache_dir() == tmp_path / "c"
     monkeypatch.delenv("VLM_RECIPES_CACHE")
-    assert demo.cache_dir() == Path.home() / ".cache" / "vlm-recipes"
+    assert files.cache_dir() == Path.home() / ".cache" / "vlm-recipes"
 
 
 def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
@@ -100,7 +101,7 @@ def test_shape_answers_match_pixels(data_dir: Path) -> None:
         question, answer = r["messages"][0]["content"][1]["text"], _answer(r)
         if "colour" in question:
             colours = {c for _, c in img.getcolors() if c != (255, 255, 255)}
-            assert colours == {demo._COLOURS[answer]}
+            assert colours == {demo_data._COLOURS[answer]}
         elif "How many" in question:
             assert answer in {"1", "2", "3", "4"}
         elif answer in ("left", "right"):
@@ -115,7 +116,7 @@ def test_dataset_build_is_deterministic(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
-    other = demo.ensure_demo_dataset()
+    other = demo_data.ensure_demo_dataset()
     assert other != data_dir
     for name in ("train.jsonl", "eval.jsonl", "dataset_info.json", "images/train-00003.png"):
         assert (other / name).read_bytes() == (data_dir / name).read_bytes(), name
@@ -207,12 +208,12 @@ def test_resolve_sources(model_dir: Path, data_dir: Path) -> None:
     assert demo.resolve_model_source(demo.DEMO_MODEL_ID) == str(model_dir)
     for other in ("Qwen/Qwen2-VL-2B-Instruct", "/models/local", "runs/stage1/checkpoint-10"):
         assert demo.resolve_model_source(other) == other
-    assert demo.resolve_data_source("demo:train") == str(data_dir / "train.jsonl")
-    assert demo.resolve_data_source("demo:eval") == str(data_dir / "eval.jsonl")
+    assert demo_data.resolve_data_source("demo:train") == str(data_dir / "train.jsonl")
+    assert demo_data.resolve_data_source("demo:eval") == str(data_dir / "eval.jsonl")
     for other in ("data/train.jsonl", "HuggingFaceM4/ChartQA", ""):
-        assert demo.resolve_data_source(other) == other
+        assert demo_data.resolve_data_source(other) == other
     with pytest.raises(ValueError, match=r"demo:train.*demo:eval"):
-        demo.resolve_data_source("demo:test")
+        demo_data.resolve_data_source("demo:test")
 
 
 def test_interrupted_build_is_rebuilt(
@@ -229,19 +230,19 @@ def test_interrupted_build_is_rebuilt(
     live = parent / ".data.tmp-live"  # possibly a concurrent builder's: too young to sweep
     live.mkdir()
 
-    with caplog.at_level(logging.INFO, logger="vlm_recipes.demo"):
-        target = demo.ensure_demo_dataset()
+    with caplog.at_level(logging.INFO, logger="vlm_recipes.files"):
+        target = demo_data.ensure_demo_dataset()
     assert [r.getMessage() for r in caplog.records] == [f"Building demo dataset in {target}"]
     assert not dead.exists() and live.exists()
     expected = (target / "eval.jsonl").read_bytes()
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="vlm_recipes.demo"):
-        assert demo.ensure_demo_dataset() == target
+    with caplog.at_level(logging.INFO, logger="vlm_recipes.files"):
+        assert demo_data.ensure_demo_dataset() == target
     assert caplog.records == [], "a complete cache must not be rebuilt"
 
     (target / "eval.jsonl").unlink()  # cache damaged after the fact
-    assert demo.ensure_demo_dataset() == target
+    assert demo_data.ensure_demo_dataset() == target
     assert (target / "eval.jsonl").read_bytes() == expected
     assert sorted(p.name for p in parent.iterdir()) == [".data.tmp-live", "data"]
 
@@ -257,7 +258,7 @@ def test_damaged_model_is_rebuilt(model_dir: Path, tmp_path: Path, monkeypatch: 
 def test_concurrent_builders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda _: demo.ensure_demo_dataset(), range(4)))
+        results = list(pool.map(lambda _: demo_data.ensure_demo_dataset(), range(4)))
     assert len(set(results)) == 1
     assert len(_rows(results[0] / "train.jsonl")) == 192
     # Losers discard their temp dirs; only the published dataset remains.

@@ -15,10 +15,10 @@ import torch
 from conftest import TRAIN, model_inputs, write_recipe
 from transformers import AutoModelForImageTextToText
 
-from vlm_recipes.checkpoint import read_json
-from vlm_recipes.cli import main
+from vlm_recipes.cli.train import main
 from vlm_recipes.demo import ensure_demo_model
-from vlm_recipes.roles import QWEN2_VL
+from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
 
@@ -95,6 +95,12 @@ def test_seed_recipe_trains_exactly_its_roles(seed_runs, recipe):
             if d["guard"] == "precision"
         )
         assert set(dtypes["frozen"]) <= {precision, "uint8"}, "frozen weights are in the compute dtype"
+        audit = read_json(stage_dir / "report.json")["freeze_audit"]
+        for role, mode in recipe_stage["train"].items():
+            if mode == "frozen":  # bit for bit as the stage's source had it
+                assert audit[role]["changed"] == 0 and audit[role]["identical"] > 0, (role, audit)
+            else:
+                assert audit[role]["changed"] > 0, (role, audit)
 
 
 def test_run_manifest_records_provenance(seed_runs):
@@ -111,8 +117,8 @@ def test_run_manifest_records_provenance(seed_runs):
 
 def test_r3_stage2_loads_stage1_weights(seed_runs):
     """The 4-bit load of stage 1's final/ keeps the tuned vision tower: compare the loaded model itself."""
-    from vlm_recipes.build import build_stage_model
-    from vlm_recipes.recipe import load_recipe
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.stages.build import build_stage_model
 
     stage1_final = seed_runs["r3-two-stage"] / "stage-1-vision-full" / "final"
     stage2 = load_recipe("r3-two-stage").stages[1]
@@ -134,7 +140,7 @@ def test_r3_stage2_loads_stage1_weights(seed_runs):
 def test_final_model_loads_alone_and_generates(seed_runs):
     from transformers import AutoProcessor
 
-    from vlm_recipes.data import load_split
+    from vlm_recipes.data.rows import load_split
 
     final = seed_runs["r3-two-stage"] / "stage-2-llm-lora" / "final"
     model = AutoModelForImageTextToText.from_pretrained(final)

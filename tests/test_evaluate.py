@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlm_recipes.evaluate import (
+from vlm_recipes.evaluation.evaluate import (
     exact_match,
     json_field_counts,
     parse_json_object,

@@ -9,10 +9,11 @@ from conftest import model_inputs
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlm_recipes.build import detect_family
-from vlm_recipes.data import load_split, sample_token_counts, undecoded
-from vlm_recipes.demo import ensure_demo_dataset
-from vlm_recipes.flops import flop_coefficients, flops_per_sample
+from vlm_recipes.data.demo_data import ensure_demo_dataset
+from vlm_recipes.data.lengths import sample_token_counts
+from vlm_recipes.data.rows import load_split, undecoded
+from vlm_recipes.evaluation.flops import flop_coefficients, flops_per_sample
+from vlm_recipes.stages.build import detect_family
 
 
 def test_flop_coefficients_follow_the_gradient():
@@ -33,7 +34,7 @@ def test_formula_matches_torchs_flop_count(demo_model_dir, mode):
     family, _ = detect_family(str(demo_model_dir))
     ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
     row = ds[0]
-    [counts] = sample_token_counts(undecoded(ds.select([0])), processor)
+    [counts] = sample_token_counts(undecoded(ds.select([0])), processor, family)
     inputs = model_inputs(processor, [row])
     assert inputs["input_ids"].shape[1] == sum(counts), "one sample, no padding"
 

@@ -19,9 +19,11 @@ from transformers import (
 )
 from trl import SFTTrainer
 
-from vlm_recipes.build import build_stage_model
-from vlm_recipes.data import load_stage_data
-from vlm_recipes.guards import (
+from vlm_recipes.data.rows import load_stage_data
+from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.stages.build import build_stage_model
+from vlm_recipes.stages.guards import (
     Environment,
     GuardError,
     cast_frozen_to_compute,
@@ -32,9 +34,8 @@ from vlm_recipes.guards import (
     place_tensors,
     verify_quantization_scope,
 )
-from vlm_recipes.recipe import load_recipe
-from vlm_recipes.roles import QWEN2_VL
-from vlm_recipes.stage import apply_guards, build_sft_config, build_trainer
+from vlm_recipes.stages.run import apply_guards
+from vlm_recipes.stages.trainer import build_sft_config, build_trainer
 
 CPU = Environment("cpu", 0, bf16_supported=True)
 CPU_NO_BF16 = Environment("cpu", 0, bf16_supported=False)
@@ -101,7 +102,7 @@ def test_fp16_training_of_fp16_weights_is_refused(demo_model_dir, vision_stage):
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory, private_demo_cache) -> Path:
     """A stage-1 final/ to build stage-2 models from."""
-    from vlm_recipes.cli import main
+    from vlm_recipes.cli.train import main
 
     out = tmp_path_factory.mktemp("runs")
     assert (

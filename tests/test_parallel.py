@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import TRAIN, run_train
 
-from vlm_recipes.checkpoint import read_json
-from vlm_recipes.guards import Environment, GuardError, apply_parallelism
-from vlm_recipes.parallel import (
+from vlm_recipes.files import read_json
+from vlm_recipes.stages.guards import Environment, GuardError, apply_parallelism
+from vlm_recipes.stages.parallel import (
     CONFIGS_DIR,
     ModelFootprint,
     NodeSettings,
@@ -134,8 +134,8 @@ def test_auto_with_two_fake_gpus_shards_a_model_too_big_for_one():
 
 
 def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path):
-    from vlm_recipes.recipe import load_recipe
-    from vlm_recipes.stage import build_sft_config
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.stages.trainer import build_sft_config
 
     plan, _ = decide_parallel("model-parallel", TWO_GPUS)
     assert plan == ParallelPlan("model-parallel", 1)
@@ -230,8 +230,9 @@ def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_d
     from accelerate import Accelerator
     from transformers import AutoModelForImageTextToText
 
-    from vlm_recipes.build import build_stage_model, model_for_final
-    from vlm_recipes.recipe import load_recipe
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.stages.build import build_stage_model
+    from vlm_recipes.stages.outputs import model_for_final
 
     stage = load_recipe(
         "r1-llm-only", ["stages.llm-lora.quantization.mode=none", "stages.llm-lora.train.projector=full"]

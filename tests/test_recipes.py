@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import REPO, write_recipe
 
-from vlm_recipes.recipe import RecipeError, available_recipes, load_recipe
+from vlm_recipes.recipes.load import RecipeError, available_recipes, load_recipe
 
 SEEDS = ["r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint"]
 

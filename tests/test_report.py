@@ -9,10 +9,10 @@ import pytest
 from conftest import REPO, write_recipe
 from PIL import Image
 
-from vlm_recipes.checkpoint import read_json
-from vlm_recipes.cli import main
-from vlm_recipes.report import compare_runs, load_run
-from vlm_recipes.report import main as compare_main
+from vlm_recipes.cli.compare import main as compare_main
+from vlm_recipes.cli.train import main
+from vlm_recipes.evaluation.compare import compare_runs, load_run
+from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
 QUICK = [
@@ -141,8 +141,8 @@ def test_notebook_runs_top_to_bottom_on_demo_runs(sweep, monkeypatch, capsys):
 
 
 def test_predict_script_answers_an_image_and_scores_a_file(sweep, capsys, tmp_path):
-    from vlm_recipes.demo import ensure_demo_dataset
-    from vlm_recipes.predict import main as predict_main
+    from vlm_recipes.cli.predict import main as predict_main
+    from vlm_recipes.data.demo_data import ensure_demo_dataset
 
     run = sweep / "r2-vision-only" / "s-seed0"
     image = next((ensure_demo_dataset() / "images").glob("*.png"))
@@ -176,9 +176,9 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
     answers held-out questions that the random model cannot."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlm_recipes.data import load_split
+    from vlm_recipes.data.rows import load_split
     from vlm_recipes.demo import ensure_demo_model
-    from vlm_recipes.evaluate import evaluate_generation
+    from vlm_recipes.evaluation.evaluate import evaluate_generation
 
     base = ensure_demo_model()
     untrained, _ = evaluate_generation(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -13,7 +12,7 @@ import torch
 from conftest import TRAIN, run_train
 from transformers import AutoModelForImageTextToText
 
-from vlm_recipes.checkpoint import read_json
+from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +32,8 @@ RECIPE_ARGS = [
 def train(
     out: Path, *extra: str, fault: str | None = None, run_name: str = "run"
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("VLM_RECIPES_FAULT", None)
-    if fault:
-        env["VLM_RECIPES_FAULT"] = fault
     return run_train(
-        *RECIPE_ARGS, "--output-dir", str(out), "--run-name", run_name, *extra, env=env, timeout=300
+        *RECIPE_ARGS, "--output-dir", str(out), "--run-name", run_name, *extra, fault=fault, timeout=300
     )
 
 

@@ -17,15 +17,16 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from vlm_recipes import packing
-from vlm_recipes.build import build_stage_model
-from vlm_recipes.data import load_split, undecoded
-from vlm_recipes.demo import cache_dir, ensure_demo_dataset
-from vlm_recipes.frozen_vision import VisionFeatureCache, image_encoder_owner, run_without_grad
-from vlm_recipes.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample, rope_index_of
-from vlm_recipes.recipe import load_recipe
-from vlm_recipes.sample_cache import PreprocessedSampleCollator
-from vlm_recipes.sparse_dropout import SparseDropout
+from vlm_recipes.caches import PreprocessedSampleCollator
+from vlm_recipes.data.demo_data import ensure_demo_dataset
+from vlm_recipes.data.rows import load_split, undecoded
+from vlm_recipes.files import cache_dir
+from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.speedups import packing
+from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
+from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
+from vlm_recipes.speedups.sparse_dropout import SparseDropout
+from vlm_recipes.stages.build import build_stage_model
 
 PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 (summation order)
 
@@ -84,7 +85,7 @@ def tiny_per_sample(demo_model_dir):
 def test_packed_per_sample_losses_equal_unpacked(tiny, tiny_per_sample, rows, attention):
     model, processor = tiny if attention != PER_SAMPLE_SDPA else tiny_per_sample
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, rope_index_of(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, QWEN2_VL.rope_index(model))([dict(r) for r in rows])
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     one_by_one = [token_losses(model, padded([dict(r)])) for r in rows]
     together = token_losses(model, packed)
@@ -194,7 +195,7 @@ def test_sparse_lora_dropout_stage_learns_like_torch_dropout(tmp_path):
 def test_packed_batch_keeps_each_samples_own_positions(tiny, rows):
     model, processor = tiny
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, rope_index_of(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, QWEN2_VL.rope_index(model))([dict(r) for r in rows])
     start = 0
     for row in rows:
         alone = padded([dict(row)])
@@ -241,14 +242,14 @@ def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, 
     batch = padded_collator(processor)([dict(r) for r in rows[:2]])
     model.base_model.model.activation_checkpointing_enable()
     model.enable_input_require_grads()
-    owner = image_encoder_owner(model)
+    owner = QWEN2_VL.image_encoder_owner(model)
 
     def feature_requires_grad() -> bool:
         out = owner.get_image_features(batch["pixel_values"], batch["image_grid_thw"], return_dict=True)
         return out.pooler_output[0].requires_grad
 
     assert feature_requires_grad(), "the waste this guard removes is real"
-    run_without_grad(model)
+    run_without_grad(model, QWEN2_VL)
     assert not feature_requires_grad()
     loss = model(**batch).loss
     loss.backward()
@@ -263,7 +264,7 @@ def test_vision_feature_cache_hits_match_computed_features(demo_model_dir, rows,
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         expected = model(**inputs).logits
-    cache = VisionFeatureCache(tmp_path, model).install()
+    cache = VisionFeatureCache(tmp_path, model, QWEN2_VL).install()
     images = len(batch["image_grid_thw"])
     with torch.no_grad():
         first = model(**inputs).logits
@@ -283,7 +284,7 @@ def test_vision_feature_cache_hits_match_computed_features(demo_model_dir, rows,
     # other tower weights: another cache directory
     with torch.no_grad():
         model.model.visual.merger.mlp[0].weight.add_(1e-3)
-    assert VisionFeatureCache(tmp_path, model).directory != cache.directory
+    assert VisionFeatureCache(tmp_path, model, QWEN2_VL).directory != cache.directory
 
 
 def test_vision_feature_cache_second_run_reads_everything_and_learns_the_same(tmp_path):

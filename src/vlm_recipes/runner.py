@@ -1,141 +1,50 @@
-"""Chain a recipe's stages: resolve each stage's weights source, skip finished stages, write run.json.
+"""Chain a recipe's stages: decide how each uses the devices, launch process groups where needed, skip
+finished stages, resume an interrupted one, and keep run.json current.
 
-Layout: <output_dir>/<recipe>/<run_name>/run.json and stage-<i>-<name>/ beside it.
+The run directory's layout is in `runs.py`; one stage's work is `stages.run.run_stage`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import os
-import platform
 import shutil
 import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 
-from vlm_recipes.checkpoint import FINAL_DIR, is_done, read_json, stage_dir_name, write_json
-from vlm_recipes.demo import resolve_model_source
-from vlm_recipes.guards import Decision, Environment
-from vlm_recipes.parallel import (
-    NodeSettings,
+from vlm_recipes.files import read_json, write_json
+from vlm_recipes.recipes.schema import Recipe, Stage
+from vlm_recipes.runs import (
+    FINAL_DIR,
+    RunExistsError,
+    RunOptions,
+    describe_source,
+    is_done,
+    prepare_run_dir,
+    resolve_source,
+    run_dir_for,
+    stage_dirs,
+    stage_summary,
+    write_manifest,
+)
+from vlm_recipes.stages.guards import Decision, Environment
+from vlm_recipes.stages.parallel import (
     ParallelPlan,
-    ProcessGroup,
+    broadcast_from_main,
     decide_parallel,
     launch_command,
     launched,
+    process_state,
 )
-from vlm_recipes.recipe import recipe_to_dict
-from vlm_recipes.resilience import maybe_fault
-from vlm_recipes.schema import Recipe, Stage
 
 log = logging.getLogger(__name__)
 
-LIBRARIES = (
-    "vlm-recipes",
-    "torch",
-    "torchvision",
-    "transformers",
-    "trl",
-    "peft",
-    "accelerate",
-    "datasets",
-    "bitsandbytes",
-    "tokenizers",
-)
-
-
 PARALLEL_ENV = "VLM_RECIPES_PARALLEL"  # the launcher tells its children the plan, for their reports
-
-
-class RunExistsError(RuntimeError):
-    pass
-
-
-@dataclass
-class RunOptions:
-    output_dir: Path = Path("runs")
-    run_name: str | None = None
-    resume: bool = False
-    until_stage: int | None = None  # the launcher's children train up to this stage
-    nproc_per_node: int | None = None
-    node: NodeSettings = field(default_factory=NodeSettings)
-
-
-def run_dir_for(recipe: Recipe, options: RunOptions) -> Path:
-    name = options.run_name or time.strftime("%Y%m%d-%H%M%S")
-    return options.output_dir / recipe.name / name
-
-
-def stage_dirs(recipe: Recipe, run_dir: Path) -> list[Path]:
-    return [run_dir / stage_dir_name(i, s.name) for i, s in enumerate(recipe.stages, start=1)]
-
-
-def resolve_source(recipe: Recipe, stage: Stage, index: int, dirs: list[Path]) -> str:
-    """Where a stage's weights come from: the base model, an earlier stage's final/, or a model id/dir."""
-    init = stage.init_from
-    if init == "base" or (init == "previous" and index == 1):
-        return resolve_model_source(recipe.model)
-    if init == "previous":
-        return str(dirs[index - 2] / FINAL_DIR)
-    if init.startswith("stage:"):
-        names = [s.name for s in recipe.stages]
-        return str(dirs[names.index(init.removeprefix("stage:"))] / FINAL_DIR)
-    return resolve_model_source(init)
-
-
-def describe_source(recipe: Recipe, stage: Stage, index: int) -> str:
-    """Human form of init_from for plans and summaries."""
-    init = stage.init_from
-    if init == "base" or (init == "previous" and index == 1):
-        return f"base model {recipe.model}"
-    if init == "previous":
-        return f"stage {index - 1} ({recipe.stages[index - 2].name}) final/"
-    if init.startswith("stage:"):
-        return f"stage `{init.removeprefix('stage:')}` final/"
-    return init
-
-
-def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def prepare_run_dir(recipe: Recipe, options: RunOptions) -> Path:
-    run_dir = run_dir_for(recipe, options)
-    if (run_dir / "run.json").exists() and not options.resume:
-        raise RunExistsError(
-            f"run directory {run_dir} already exists. Continue it with --resume (finished stages are "
-            f"skipped), or start a new run with another --run-name."
-        )
-    if options.resume and not (run_dir / "run.json").exists():
-        raise RunExistsError(f"--resume: no run at {run_dir} (check --output-dir and --run-name)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def plan_parallel(
@@ -146,7 +55,7 @@ def plan_parallel(
     for stage in recipe.stages:
         footprint = gpu_memory = None
         if env.device == "cuda" and env.gpu_count > 1 and stage.parallel == "auto":
-            from vlm_recipes.plan import estimate_footprint
+            from vlm_recipes.stages.plan import estimate_footprint
 
             footprint = estimate_footprint(recipe, stage)
             gpu_memory = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -170,11 +79,11 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     Stages that use one process run here; stages that need one process per device are run by child
     processes this one launches (torchrun / accelerate), which continue the same run directory."""
     if launched():  # a child of the launcher: train the stages it was given
-        return train_stages(recipe, options, ProcessGroup.from_env())
+        return train_stages(recipe, options, process_state())
     env = Environment.detect()
     plans = plan_parallel(recipe, env, options)
     if not any(plan.launches_processes for plan, _ in plans):
-        return train_stages(recipe, options, ProcessGroup(), plans)
+        return train_stages(recipe, options, process_state(), plans)
     return launch_stages(recipe, options, plans)
 
 
@@ -197,7 +106,7 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
         resumed = dataclasses.replace(options, resume=True, until_stage=last)
         if not plan.launches_processes:
             if node.node_rank == 0:
-                train_stages(recipe, resumed, ProcessGroup(), plans)
+                train_stages(recipe, resumed, process_state(), plans)
             continue
         command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
         log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
@@ -224,46 +133,25 @@ def wait_for(path: Path, seconds: float) -> None:
         time.sleep(1.0)
 
 
-def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Environment) -> dict:
-    manifest = {
-        "recipe": recipe.name,
-        "run_name": run_dir.name,
-        "run_dir": str(run_dir),
-        "command": " ".join(sys.argv),
-        "resolved_recipe": recipe_to_dict(recipe),
-        "versions": library_versions(),
-        "git_sha": git_sha(),
-        "seeds": sorted({s.training.seed for s in recipe.stages}),
-        "hardware": env.describe(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "status": "running",
-        "stages": [],
-    }
-    previous = run_dir / "run.json"
-    if options.resume and previous.exists():  # a continued run keeps its origin
-        earlier = read_json(previous)
-        manifest["started_at"] = earlier.get("started_at", manifest["started_at"])
-        manifest["command"] = earlier.get("command", manifest["command"])
-    write_json(previous, manifest)
-    return manifest
-
-
 def train_stages(
     recipe: Recipe,
     options: RunOptions,
-    group: ProcessGroup,
+    state: PartialState,
     plans: list[tuple[ParallelPlan, Decision]] | None = None,
 ) -> Path:
     """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group)."""
-    from vlm_recipes.stage import StageContext, prepare_resume, run_stage  # heavy imports only when training
+    # heavy imports (transformers, TRL, PEFT) only when training
+    from vlm_recipes.stages.checks import prepare_resume
+    from vlm_recipes.stages.context import StageContext
+    from vlm_recipes.stages.run import run_stage
 
     env = Environment.detect()
-    run_dir = prepare_run_dir(recipe, options) if group.is_main else run_dir_for(recipe, options)
-    group.barrier()
+    run_dir = prepare_run_dir(recipe, options) if state.is_main_process else run_dir_for(recipe, options)
+    state.wait_for_everyone()
     dirs = stage_dirs(recipe, run_dir)
-    manifest = write_manifest(recipe, run_dir, options, env) if group.is_main else {"stages": []}
-    if group.is_main:
-        where = f"{group.world_size} processes" if group.distributed else "one process"
+    manifest = write_manifest(recipe, run_dir, options, env) if state.is_main_process else {"stages": []}
+    if state.is_main_process:
+        where = f"{state.num_processes} processes" if state.num_processes > 1 else "one process"
         log.info("run %s: %d stage(s) on %s, %s", run_dir, len(recipe.stages), env.describe(), where)
         if recipe.trust_remote_code:
             log.warning(
@@ -276,13 +164,14 @@ def train_stages(
     for index, (stage, stage_dir) in enumerate(zip(recipe.stages[:last], dirs, strict=False), start=1):
         source = resolve_source(recipe, stage, index, dirs)
         # Rank 0 looks at the disk and decides; every rank follows the same decision.
-        done, resume_from = group.broadcast(
-            _stage_start(index, stage, stage_dir, retrained, prepare_resume) if group.is_main else None
+        done, resume_from = broadcast_from_main(
+            state,
+            _stage_start(index, stage, stage_dir, retrained, prepare_resume) if state.is_main_process else None,
         )
         if done:
             metrics = read_json(stage_dir / "metrics.json")
         else:
-            if group.is_main:
+            if state.is_main_process:
                 log.info(
                     "stage %d/%d `%s` from %s",
                     index,
@@ -290,8 +179,8 @@ def train_stages(
                     stage.name,
                     describe_source(recipe, stage, index),
                 )
-            group.barrier()
-            plan, decision = plans[index - 1] if plans else launched_plan(group)
+            state.wait_for_everyone()
+            plan, decision = plans[index - 1] if plans else launched_plan(state)
             ctx = StageContext(
                 recipe,
                 stage,
@@ -299,36 +188,33 @@ def train_stages(
                 stage_dir,
                 source,
                 env,
-                group=group,
+                state=state,
                 parallel=plan,
                 decisions=[decision],
             )
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
-        if group.is_main:
+        if state.is_main_process:
             manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
             write_json(run_dir / "run.json", manifest)
-        maybe_fault(f"between{index}")
-        group.barrier()
+        state.wait_for_everyone()
 
-    if group.is_main and last == len(recipe.stages):
+    if state.is_main_process and last == len(recipe.stages):
         manifest["status"] = "finished"
         manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         manifest["final_model"] = str(dirs[-1] / FINAL_DIR)
         write_json(run_dir / "run.json", manifest)
-    group.barrier()
+    state.wait_for_everyone()
     return run_dir
 
 
-def launched_plan(group: ProcessGroup) -> tuple[ParallelPlan, Decision]:
+def launched_plan(state: PartialState) -> tuple[ParallelPlan, Decision]:
     """In a launched child: the plan its launcher chose (passed in the environment)."""
     mode, _, choice = os.environ.get(PARALLEL_ENV, "ddp:").partition(":")
-    plan = ParallelPlan(
-        mode,
-        int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size)),
-        max(1, group.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))),
-    )
-    return plan, Decision("launch", choice or f"{group.world_size} processes", f"launched as {mode}")
+    world = state.num_processes
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    plan = ParallelPlan(mode, per_node, max(1, world // per_node))
+    return plan, Decision("launch", choice or f"{world} processes", f"launched as {mode}")
 
 
 def _stage_start(
@@ -348,38 +234,3 @@ def _stage_start(
     return False, str(resume_from) if resume_from else None
 
 
-def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:
-    return {
-        "index": index,
-        "name": stage.name,
-        "dir": str(stage_dir),
-        "source": source,
-        "final_model": str(stage_dir / FINAL_DIR),
-        **{
-            k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
-        },
-        "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
-    }
-
-
-def format_summary(run_dir: Path) -> str:
-    """The table printed at the end of a run."""
-    manifest = read_json(run_dir / "run.json")
-    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11} {'time':>7}"
-    lines = [
-        f"Recipe {manifest['recipe']} finished: {len(manifest['stages'])} stage(s)",
-        "",
-        header,
-        "-" * len(header),
-    ]
-    for s in manifest["stages"]:
-        lines.append(
-            f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "
-            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11} {(s['wall_time_s'] or 0):>6.1f}s"
-        )
-    lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
-    return "\n".join(lines)
-
-
-def _num(value, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

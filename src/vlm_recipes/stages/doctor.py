@@ -9,7 +9,9 @@ from collections import Counter, defaultdict
 import torch
 from torch import nn
 
-from vlm_recipes.guards import (
+from vlm_recipes.families import Family
+from vlm_recipes.families.base import stored_numel
+from vlm_recipes.stages.guards import (
     Environment,
     GuardError,
     decide_parallelism,
@@ -18,10 +20,9 @@ from vlm_recipes.guards import (
     keep_fp32_patterns,
     module_devices,
 )
-from vlm_recipes.roles import FamilyAdapter, stored_numel
 
 
-def inspect_model(model: nn.Module, family: FamilyAdapter, env: Environment, quantized: bool) -> dict:
+def inspect_model(model: nn.Module, family: Family, env: Environment, quantized: bool) -> dict:
     """Facts about a loaded (possibly PEFT-wrapped, possibly quantized) model, per role."""
     roles: dict[str, dict] = defaultdict(
         lambda: {"dtypes": Counter(), "total": 0, "trainable": 0, "devices": set()}
@@ -90,54 +91,3 @@ def format_inspection(info: dict, title: str) -> str:
     lines.append(f"  {trainer['parallelism']}")
     lines.append(f"  {trainer['precision']}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Load a model directory (a stage's final/, or a hub id where reachable) and print the inspection."""
-    import argparse
-    import sys
-
-    from vlm_recipes.build import detect_family, load_model
-    from vlm_recipes.cli import setup_logging
-    from vlm_recipes.demo import resolve_model_source
-    from vlm_recipes.guards import DTYPES, place_tensors, verify_quantization_scope
-    from vlm_recipes.roles import UnsupportedModelError
-    from vlm_recipes.schema import QUANT_SKIPPABLE, QuantizationSettings
-
-    parser = argparse.ArgumentParser(prog="inspect_checkpoint.py", description=main.__doc__)
-    parser.add_argument("path", help="model directory, demo:tiny-qwen2-vl, or a hub id")
-    parser.add_argument("--quantization", choices=["none", "4bit", "8bit"], default="none")
-    parser.add_argument(
-        "--skip-roles",
-        nargs="*",
-        choices=QUANT_SKIPPABLE,
-        default=QuantizationSettings().skip_roles,
-        help="parts kept out of quantization",
-    )
-    parser.add_argument(
-        "--precision",
-        choices=["auto", "bf16", "fp16", "fp32"],
-        default="auto",
-        help="compute dtype to load in (auto: what a stage would pick here)",
-    )
-    args = parser.parse_args(argv)
-    setup_logging()
-
-    env = Environment.detect()
-    quantized = args.quantization != "none"
-    try:
-        source = resolve_model_source(args.path)
-        family, _ = detect_family(source)
-        precision = decide_precision(args.precision, env, quantized)
-        quant = QuantizationSettings(mode=args.quantization, skip_roles=args.skip_roles)
-        model = load_model(source, quant, family, DTYPES[precision.choice], env.device)
-        checks = [str(verify_quantization_scope(model, family, quant.mode, quant.skip_roles))]
-        info = inspect_model(model, family, env, quantized)  # before placement: show what loading left
-        checks.append(str(place_tensors(model, None)))
-    except (OSError, GuardError, UnsupportedModelError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    title = f"{args.path}: {family.name}, loaded {args.quantization} in {precision.choice}"
-    print(format_inspection(info, title))
-    print("\n".join(["guards:", *(f"  {c}" for c in checks)]))
-    return 0

@@ -1,18 +1,22 @@
-"""Family adapters: which modules of a model make up each role (vision, projector, llm).
+"""What the runner asks of a model family, in one place.
 
-A role is a set of module-name prefixes; a parameter belongs to the role with the longest
-matching prefix, so `model.visual.merger.*` is the projector although it sits inside
-`model.visual`. Adding a model family means adding one FamilyAdapter to FAMILIES.
+A family module (``families/qwen2_vl.py``, ...) defines one ``Family`` instance; the registry in
+``families/__init__.py`` lists them. Nothing outside ``families/`` names a family's modules.
+
+Roles: each role is a set of module-name prefixes, and a parameter belongs to the role with the longest
+matching prefix, so ``model.visual.merger.*`` is the projector although it sits inside ``model.visual``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from vlm_recipes.schema import ROLES
+from vlm_recipes.recipes.schema import ROLES
 
 
 class UnsupportedModelError(ValueError):
@@ -24,11 +28,24 @@ class LoraTargetError(ValueError):
 
 
 @dataclass(frozen=True)
-class FamilyAdapter:
+class VisionGeometry:
+    """What the FLOP formula needs to know about a vision tower."""
+
+    patches_per_token: int  # vision patches merged into one language-model token
+    width: int  # attention width of a tower layer
+    layers: int
+
+
+@dataclass(frozen=True)
+class Family:
     name: str
-    model_types: tuple[str, ...]  # config.model_type values this adapter handles
+    model_types: tuple[str, ...]  # config.model_type values this family handles
     role_prefixes: dict[str, tuple[str, ...]]  # role → module-name prefixes
     lm_head_prefixes: tuple[str, ...]  # the output head (part of llm; kept out of 4-bit by default)
+    # demo:… ids of this family's tiny offline models → their dimensions (see build_tiny)
+    demo_models: dict[str, dict] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ roles
 
     def role_of(self, name: str) -> str | None:
         """The role a parameter or module name belongs to (None: outside every role)."""
@@ -53,30 +70,39 @@ class FamilyAdapter:
             modules.extend(self.lm_head_prefixes if part == "lm_head" else self.role_prefixes[part])
         return list(dict.fromkeys(modules))
 
+    # ------------------------------------------------------------------ what differs per family
 
-QWEN2_VL = FamilyAdapter(
-    name="qwen2-vl",
-    model_types=("qwen2_vl", "qwen2_5_vl"),
-    role_prefixes={
-        "vision": ("model.visual",),
-        "projector": ("model.visual.merger",),
-        "llm": ("model.language_model", "lm_head"),
-    },
-    lm_head_prefixes=("lm_head",),
-)
+    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
+        """The inner module whose forward calls `self.get_image_features(...)` for a batch's images."""
+        raise NotImplementedError
 
-FAMILIES = (QWEN2_VL,)
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        """The vision tower module (its weights key the feature cache)."""
+        raise NotImplementedError
 
+    def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
+        """A batch's pixel values, one tensor per image, in the order features come back."""
+        raise NotImplementedError
 
-def adapter_for_model_type(model_type: str) -> FamilyAdapter:
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
-    supported = ", ".join(t for f in FAMILIES for t in f.model_types)
-    raise UnsupportedModelError(
-        f"model type `{model_type}` is not supported yet. Supported: {supported}. "
-        "A new family needs a FamilyAdapter in vlm_recipes/roles.py."
-    )
+    def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+        """Make the processor resize images to between min_pixels and max_pixels (data.min/max_pixels)."""
+        raise NotImplementedError
+
+    def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
+        """Tokens the processor expands each image of (height, width) into."""
+        raise NotImplementedError
+
+    def rope_index(self, model: nn.Module) -> Callable | None:
+        """The model's multimodal position function for padding-free packing (None: 1-D positions)."""
+        return None
+
+    def vision_geometry(self, config) -> VisionGeometry:
+        raise NotImplementedError
+
+    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
+        """Save a tiny model of this family (real processor class, special tokens and chat template,
+        a tokenizer trained on `corpus`, random weights) to `out`."""
+        raise NotImplementedError
 
 
 def _unwrap_name(name: str) -> str:
@@ -84,7 +110,7 @@ def _unwrap_name(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def params_by_role(model: nn.Module, family: Family) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Parameters grouped by role (plus `other` for anything outside every role, e.g. LoRA-free extras)."""
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {role: [] for role in (*ROLES, "other")}
     for name, param in model.named_parameters():
@@ -92,7 +118,7 @@ def params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, list[tu
     return groups
 
 
-def linear_modules_of_role(model: nn.Module, family: FamilyAdapter, role: str) -> list[str]:
+def linear_modules_of_role(model: nn.Module, family: Family, role: str) -> list[str]:
     """Names of the linear layers (quantized ones included) a LoRA on `role` adapts; lm_head excluded."""
     names = []
     for name, module in model.named_modules():
@@ -102,7 +128,7 @@ def linear_modules_of_role(model: nn.Module, family: FamilyAdapter, role: str) -
 
 
 def lora_target_modules(
-    model: nn.Module, family: FamilyAdapter, lora_roles: dict[str, list[str]]
+    model: nn.Module, family: Family, lora_roles: dict[str, list[str]]
 ) -> list[str]:
     """Full module names for PEFT's `target_modules`.
 
@@ -124,7 +150,7 @@ def lora_target_modules(
     return targets
 
 
-def count_params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, dict[str, int]]:
+def count_params_by_role(model: nn.Module, family: Family) -> dict[str, dict[str, int]]:
     """Total and trainable parameter counts per role (4-bit weights counted as stored elements × 2)."""
     counts = {}
     for role, params in params_by_role(model, family).items():

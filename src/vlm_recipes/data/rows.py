@@ -1,4 +1,4 @@
-"""Datasets for a stage: load, check every row before the model loads, and measure sample lengths.
+"""Datasets for a stage: load them and check every row before the model loads.
 
 Rows use the conversational format TRL and the field use:
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,8 @@ from pathlib import Path
 import datasets
 from PIL import Image
 
-from vlm_recipes.checkpoint import write_json
-from vlm_recipes.demo import cache_dir, resolve_data_source
-from vlm_recipes.schema import DataSettings
+from vlm_recipes.data.demo_data import resolve_data_source
+from vlm_recipes.recipes.schema import DataSettings
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,7 @@ class StageData:
     train_source: str
     eval_source: str | None
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # split → reason → rows skipped
+    lengths: dict[str, list[int]] = field(default_factory=dict)  # split → tokens per row (length check)
 
 
 @dataclass
@@ -236,60 +235,6 @@ def has_text_only_rows(ds: datasets.Dataset) -> bool:
     return any(not images for images in undecoded(ds.select_columns(["images"]))["images"])
 
 
-def sample_token_counts(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:
-    """(text tokens, image tokens) per sample, computed from image sizes without processing pixels.
-    Pass images undecoded (`Image(decode=False)`) and only the headers are read.
-
-    Remembered on disk (the next stage on the same data, the next run, another seed): keyed by the rows'
-    messages, their images' files (path, size, modification time) or bytes, and the processor (image
-    settings, chat template, tokenizer), so any change to any of them counts afresh."""
-    path = cache_dir() / "token-counts" / f"{_token_counts_key(ds, processor)}.json"
-    if path.exists():
-        return [tuple(pair) for pair in json.loads(path.read_text())]
-    counts = _count_tokens(ds, processor)
-    write_json(path, counts)
-    return counts
-
-
-def _token_counts_key(ds: datasets.Dataset, processor) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(processor.image_processor.to_json_string().encode())
-    digest.update(str(processor.chat_template).encode())
-    digest.update(processor.tokenizer.backend_tokenizer.to_str().encode())
-    columns = [c for c in ("messages", "images") if c in ds.column_names]
-    for row in ds.select_columns(columns):
-        digest.update(json.dumps(row["messages"], sort_keys=True, default=str).encode())
-        for image in row.get("images") or []:
-            digest.update(image_identity(image))
-    return digest.hexdigest()
-
-
-def image_identity(image) -> bytes:
-    """What identifies an image's content: file path + size + mtime, the encoded bytes, or the pixels."""
-    if isinstance(image, dict) and image.get("bytes"):
-        return hashlib.blake2b(image["bytes"], digest_size=16).digest()
-    path = image["path"] if isinstance(image, dict) else image
-    if isinstance(path, str):
-        stat = os.stat(path)
-        return f"{path} {stat.st_size} {stat.st_mtime_ns}".encode()
-    return hashlib.blake2b(path.tobytes() + f"{path.mode} {path.size}".encode(), digest_size=16).digest()
-
-
-def _count_tokens(ds: datasets.Dataset, processor) -> list[tuple[int, int]]:
-    texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
-    text_lengths = [len(ids) for ids in processor.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    counts = []
-    images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
-    for text_length, images in zip(text_lengths, images_column, strict=True):
-        sizes = [_image_size(image) for image in images or []]
-        image_tokens = 0
-        if sizes:
-            image_tokens = sum(processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"])
-        # Each image is one <|image_pad|> in the text, expanded to its token count by the processor.
-        counts.append((text_length - len(sizes), image_tokens))
-    return counts
-
-
 def undecoded(ds: datasets.Dataset) -> datasets.Dataset:
     """The same rows with image columns left as file references (no pixel decoding)."""
     if "images" not in ds.column_names:
@@ -297,46 +242,3 @@ def undecoded(ds: datasets.Dataset) -> datasets.Dataset:
     return ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
 
 
-def sample_lengths(ds: datasets.Dataset, processor) -> list[int]:
-    """Tokens per sample, image tokens included."""
-    return [text + image for text, image in sample_token_counts(ds, processor)]
-
-
-def _image_size(image) -> tuple[int, int]:
-    if isinstance(image, dict) and image.get("path"):
-        image = image["path"]
-    if isinstance(image, str):
-        with Image.open(image) as opened:  # reads the header only
-            return opened.height, opened.width
-    return image.height, image.width
-
-
-def check_lengths(
-    ds: datasets.Dataset, processor, max_length: int | None, source: str, on_bad_sample: str = "fail"
-) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """Refuse samples longer than max_length: cutting through image tokens breaks the model
-    ("image features and image tokens do not match"), and cutting the answer trains on nothing.
-
-    Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    lengths = sample_lengths(undecoded(ds), processor)
-    if max_length is None:
-        return ds, lengths, {}
-    ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
-    bad = [
-        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
-        for i, n in enumerate(lengths)
-        if n > max_length
-    ]
-    skipped = fail_or_skip(
-        bad,
-        on_bad_sample,
-        source,
-        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels "
-        "so images take fewer tokens)",
-    )
-    if not skipped:
-        return ds, lengths, {}
-    keep = [i for i, n in enumerate(lengths) if n <= max_length]
-    if not keep:
-        raise DataError(f"{source}: every sample is longer than data.max_length={max_length}")
-    return ds.select(keep), [lengths[i] for i in keep], skipped

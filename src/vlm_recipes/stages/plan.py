@@ -12,11 +12,12 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlm_recipes.demo import resolve_model_source
-from vlm_recipes.guards import Environment, GuardError, decide_precision
-from vlm_recipes.parallel import ModelFootprint
-from vlm_recipes.roles import adapter_for_model_type, count_params_by_role, lora_target_modules
-from vlm_recipes.runner import RunOptions, describe_source, run_dir_for, stage_dirs
-from vlm_recipes.schema import ROLES, Recipe
+from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families.base import count_params_by_role, lora_target_modules
+from vlm_recipes.recipes.schema import ROLES, Recipe
+from vlm_recipes.runs import RunOptions, describe_source, run_dir_for, stage_dirs
+from vlm_recipes.stages.guards import Environment, GuardError, decide_precision
+from vlm_recipes.stages.parallel import ModelFootprint
 
 
 def meta_model(source: str, trust_remote_code: bool):
@@ -29,7 +30,7 @@ def meta_model(source: str, trust_remote_code: bool):
 def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = None) -> list[dict]:
     env = env or Environment.detect()
     config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
-    family = adapter_for_model_type(config.model_type)
+    family = family_for_model_type(config.model_type)
     counts = count_params_by_role(model, family)
     run_dir = run_dir_for(recipe, options)
     plans = []
@@ -96,7 +97,7 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
 def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
     """GPU memory a stage needs for weights and optimizer state, from the model's config (no weights read)."""
     config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
-    family = adapter_for_model_type(config.model_type)
+    family = family_for_model_type(config.model_type)
     quantized_params = 0
     if stage.quantization.mode != "none":
         skip = stage.quantization.skip_roles

@@ -37,17 +37,6 @@ PER_SAMPLE_SDPA = "sdpa_per_sample"
 CPU_LENGTH_BUCKET = 64  # per-sample attention on CPU pads each sample to a multiple of this
 
 
-def rope_index_of(model: nn.Module) -> Callable:
-    """The model's own multimodal RoPE index function (`get_rope_index` of the inner Qwen2-VL model)."""
-    for module in model.modules():
-        if callable(getattr(module, "get_rope_index", None)):
-            return module.get_rope_index
-    raise ValueError(
-        f"{type(model).__name__} has no get_rope_index: padding_free needs a model with multimodal RoPE "
-        "(the Qwen2-VL family); set training.padding_free: false"
-    )
-
-
 def is_packed(inputs: dict) -> bool:
     """A padding-free batch: one row, 4-row position ids, no attention mask."""
     position_ids = inputs.get("position_ids")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 import time
 import typing
-import warnings
 from pathlib import Path
+
+from vlm_recipes.logs import is_main_process, setup_logging
 
 DEFAULT_RECIPE = "r3-two-stage"
 EXIT_BAD_INPUT = 2
@@ -75,25 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging() -> None:
-    # transformers 5.x renamed gradient checkpointing; PEFT and TRL still call the old names.
-    warnings.filterwarnings(
-        "ignore", message=".*is deprecated and will be removed in v6", category=FutureWarning
-    )
-    # In a launched group only rank 0 narrates; the other ranks report problems only.
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # bitsandbytes warns on every CPU import that an optional kernels package is missing; its
-    # fallback works (and 4-bit on CPU is only ever the demo), so the warning is only noise.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-
 def list_recipes() -> str:
-    from vlm_recipes.recipe import RecipeError, available_recipes, load_recipe
+    from vlm_recipes.recipes.load import RecipeError, available_recipes, load_recipe
 
     lines = []
     for name, path in available_recipes().items():
@@ -107,7 +90,7 @@ def list_recipes() -> str:
 
 
 def describe_schema() -> str:
-    from vlm_recipes.schema import STAGE_DEFAULT_SECTIONS, Recipe, Stage
+    from vlm_recipes.recipes.schema import STAGE_DEFAULT_SECTIONS, Recipe, Stage
 
     def walk(cls, indent: str) -> list[str]:
         out = []
@@ -136,7 +119,7 @@ def describe_schema() -> str:
 
 def select_gpus(spec: str) -> None:
     """`--gpu 6,7`: make exactly those GPUs visible, before CUDA starts, and check they exist."""
-    from vlm_recipes.guards import GuardError
+    from vlm_recipes.stages.guards import GuardError
 
     ids = [i.strip() for i in spec.split(",") if i.strip()]
     if not ids or not all(i.isdigit() for i in ids):
@@ -165,7 +148,7 @@ def resume_command(args, run_name: str) -> str:
 
 def build_jobs(args, names: list[str], base_name: str) -> list:
     """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
-    from vlm_recipes.recipe import load_recipe, load_recipe_from_run
+    from vlm_recipes.recipes.load import load_recipe, load_recipe_from_run
 
     if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
         return [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
@@ -186,10 +169,6 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
     return jobs
 
 
-def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after options
     setup_logging()
@@ -200,14 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_schema())
         return 0
 
-    from vlm_recipes.build import MissingProcessorError
-    from vlm_recipes.data import DataError
-    from vlm_recipes.guards import GuardError
-    from vlm_recipes.parallel import NodeSettings
-    from vlm_recipes.recipe import RecipeError, available_recipes
-    from vlm_recipes.resilience import StageInterrupted, TrainingDiverged
-    from vlm_recipes.roles import LoraTargetError, UnsupportedModelError
-    from vlm_recipes.runner import LaunchFailed, RunExistsError, RunOptions, format_summary, run_recipe
+    from vlm_recipes.data.rows import DataError
+    from vlm_recipes.families import LoraTargetError, UnsupportedModelError
+    from vlm_recipes.recipes.load import RecipeError, available_recipes
+    from vlm_recipes.runner import LaunchFailed, run_recipe
+    from vlm_recipes.runs import RunExistsError, RunOptions, format_summary
+    from vlm_recipes.stages.build import MissingProcessorError
+    from vlm_recipes.stages.guards import GuardError
+    from vlm_recipes.stages.parallel import NodeSettings
+    from vlm_recipes.stages.resilience import StageInterrupted, TrainingDiverged
 
     bad_input = (
         RecipeError,
@@ -234,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         jobs = build_jobs(args, names, base_name)
         if args.dry_run:
-            from vlm_recipes.plan import format_plan, plan_recipe
+            from vlm_recipes.stages.plan import format_plan, plan_recipe
 
             for recipe, run_name in jobs:
                 print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
@@ -265,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_INTERRUPTED
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
-        from vlm_recipes.report import format_comparison, write_comparison
+        from vlm_recipes.evaluation.compare import format_comparison, write_comparison
 
         comparison, markdown, png = write_comparison(run_dirs, args.output_dir / "comparisons" / base_name)
         print("\n" + format_comparison(comparison))

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlm_recipes.checkpoint import FINAL_DIR, read_json, write_jsonl
+from vlm_recipes.files import read_json, write_jsonl
+from vlm_recipes.runs import FINAL_DIR
 
 
 def resolve_model_dir(path: str) -> str:
@@ -39,15 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.data) == bool(args.prompt):
         parser.error("give --prompt (with --image) or --data")
 
-    from vlm_recipes.cli import setup_logging
+    from vlm_recipes.logs import setup_logging
 
     setup_logging()
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlm_recipes.data import DataError, load_split
-    from vlm_recipes.evaluate import Prompt, evaluate_generation, generate_answers
-    from vlm_recipes.guards import DTYPES, Environment, decide_precision
+    from vlm_recipes.data.rows import DataError, load_split
+    from vlm_recipes.evaluation.evaluate import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.stages.guards import DTYPES, Environment, decide_precision
 
     try:
         model_dir = resolve_model_dir(args.model)

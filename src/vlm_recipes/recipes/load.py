@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from vlm_recipes.demo import DEMO_MODEL_IDS
-from vlm_recipes.schema import (
+from vlm_recipes.recipes.schema import (
     QUANT_SKIPPABLE,
     RECIPE_FILE_KEYS,
     ROLES,
@@ -41,7 +41,7 @@ from vlm_recipes.schema import (
     Stage,
 )
 
-BUILTIN_RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+BUILTIN_RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
 

@@ -1,7 +1,7 @@
 """A frozen vision tower does no extra work: no autograd through it, and (opt-in) no forward either.
 
-Both hook the same place: the inner Qwen2-VL model's `get_image_features`, which the model's forward
-calls for the images of a batch.
+Both hook the same place: the `get_image_features` of the inner model the family names (Qwen2-VL's
+`Qwen2VLModel`), which the model's forward calls for the images of a batch.
 
 - No gradient: with the vision tower and projector frozen, nothing upstream of the image features
   needs a gradient. transformers still asks for one when activation checkpointing meets PEFT
@@ -17,32 +17,24 @@ calls for the images of a batch.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors.torch import load_file
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.checkpoint import write_json, write_safetensors
+from vlm_recipes.caches import content_digest, weights_digest
+from vlm_recipes.families import Family
+from vlm_recipes.files import write_json, write_safetensors
 
 log = logging.getLogger(__name__)
 
 
-def image_encoder_owner(model: nn.Module) -> nn.Module:
-    """The inner module whose forward calls `self.get_image_features` (Qwen2VLModel)."""
-    for module in model.modules():
-        if callable(getattr(module, "get_image_features", None)) and hasattr(module, "visual"):
-            return module
-    raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-
-def run_without_grad(model: nn.Module) -> None:
+def run_without_grad(model: nn.Module, family: Family) -> None:
     """Compute image features under no_grad (the caller has checked that vision and projector are frozen)."""
-    owner = image_encoder_owner(model)
+    owner = family.image_encoder_owner(model)
     compute = owner.get_image_features
 
     @functools.wraps(compute)  # generate() reads its signature to pick the encoder's inputs
@@ -53,30 +45,17 @@ def run_without_grad(model: nn.Module) -> None:
     owner.get_image_features = get_image_features
 
 
-def _raw_bytes(tensor: torch.Tensor):
-    """The tensor's bytes as a buffer for hashing (no copy for a contiguous CPU tensor)."""
-    return tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-
-
-def weights_digest(module: nn.Module) -> str:
-    """A digest of every parameter and buffer of the module (names, dtypes, shapes and values)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{type(module).__name__} transformers {transformers.__version__}".encode())
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        digest.update(_raw_bytes(tensor))
-    return digest.hexdigest()
-
-
 class VisionFeatureCache:
     """Per-image vision features on disk, under `root/<tower weights digest>/`; installed on a model."""
 
-    def __init__(self, root: Path, model: nn.Module):
-        self.owner = image_encoder_owner(model)
-        self.directory = Path(root) / weights_digest(self.owner.visual)
+    def __init__(self, root: Path, model: nn.Module, family: Family):
+        self.family = family
+        self.owner = family.image_encoder_owner(model)
+        tower = family.vision_tower(model)
+        self.directory = Path(root) / weights_digest(tower)
         about = self.directory / "tower.json"  # for a person looking in the directory
         if not about.exists():
-            write_json(about, {"tower": type(self.owner.visual).__name__})
+            write_json(about, {"tower": type(tower).__name__, "family": family.name})
         self.hits = 0
         self.misses = 0
         self._compute = None
@@ -96,7 +75,7 @@ class VisionFeatureCache:
         }
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-        patches = pixel_values.split(image_grid_thw.prod(-1).tolist())
+        patches = self.family.split_images(pixel_values, image_grid_thw)
         autocast = self._autocast_dtype(pixel_values.device.type)
         keys = [self._key(p, grid, autocast) for p, grid in zip(patches, image_grid_thw, strict=True)]
         features = [self._load(key, pixel_values.device) for key in keys]
@@ -123,10 +102,7 @@ class VisionFeatureCache:
 
     @staticmethod
     def _key(patches: torch.Tensor, grid: torch.Tensor, autocast: str) -> str:
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(f"{tuple(grid.tolist())} {patches.dtype} autocast {autocast}".encode())
-        digest.update(_raw_bytes(patches))
-        return digest.hexdigest()
+        return content_digest(f"{tuple(grid.tolist())} autocast {autocast}", patches)
 
     def _path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}.safetensors"

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlm_recipes.roles import FamilyAdapter
+from vlm_recipes.families import Family
 
 ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
 FORMULA = (
@@ -44,7 +44,7 @@ def flop_coefficients(modes: dict[str, str]) -> dict[str, int]:
     return coefficients
 
 
-def matmul_params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, int]:
+def matmul_params_by_role(model: nn.Module, family: Family) -> dict[str, int]:
     """N_role: weights of Linear and Conv layers per role, each weight counted once."""
     counts = dict.fromkeys(ROLE_ORDER, 0)
     seen: set[int] = set()
@@ -60,18 +60,17 @@ def matmul_params_by_role(model: nn.Module, family: FamilyAdapter) -> dict[str, 
 
 def flops_per_sample(
     model: nn.Module,
-    family: FamilyAdapter,
+    family: Family,
     modes: dict[str, str],
     token_counts: Iterable[tuple[int, int]],
 ) -> float:
     """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample; a sample's
     images are taken as one for the vision tower's attention, exact for one image per sample)."""
-    text_config, vision_config = model.config.get_text_config(), model.config.vision_config
+    text_config = model.config.get_text_config()
+    vision = family.vision_geometry(model.config)
     params = matmul_params_by_role(model, family)
     c = flop_coefficients(modes)
-    merge = vision_config.spatial_merge_size**2
-    vision_width = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
-    vision_layers = getattr(vision_config, "depth", None) or vision_config.num_hidden_layers
+    merge, vision_width, vision_layers = vision.patches_per_token, vision.width, vision.layers
     text_width = text_config.num_attention_heads * getattr(
         text_config, "head_dim", text_config.hidden_size // text_config.num_attention_heads
     )

@@ -1,5 +1,5 @@
-"""What keeps a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C handling,
-and the fault-injection points the crash tests use.
+"""What keeps a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C handling.
+(The crash tests kill runs at chosen points with tests/fault_injection.py, outside the package.)
 
 A Trainer checkpoint is written in place (model, optimizer, scheduler, RNG, trainer state, in that
 order); the `COMPLETE` marker is written after all of it, so a checkpoint without one was interrupted
@@ -9,7 +9,6 @@ mid-write and is never resumed from.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from pathlib import Path
 
@@ -21,7 +20,6 @@ log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINABLE_FILE = "trainable.safetensors"
-FAULT_ENV = "VLM_RECIPES_FAULT"  # testing: "stage<i>:step<n>", "stage<i>:checkpoint<n>", "between<i>"
 
 
 class TrainingDiverged(RuntimeError):
@@ -30,13 +28,6 @@ class TrainingDiverged(RuntimeError):
 
 class StageInterrupted(RuntimeError):
     """Ctrl-C: a checkpoint was saved and the stage stopped."""
-
-
-def maybe_fault(point: str) -> None:
-    """Kill this process at a named point when the crash tests ask for it (SIGKILL: no cleanup runs)."""
-    if os.environ.get(FAULT_ENV) == point:
-        log.warning("fault injection: SIGKILL at %s", point)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -82,7 +73,6 @@ class CheckpointCallback(TrainerCallback):
             return
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
-        maybe_fault(f"stage{self.stage_index}:checkpoint{state.global_step}")
         (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
 
 
@@ -153,13 +143,3 @@ class InterruptCallback(TrainerCallback):
         if self.requested:
             control.should_save = True
             control.should_training_stop = True
-
-
-class FaultInjectionCallback(TrainerCallback):
-    """Testing only: SIGKILL after optimizer step n of stage i when VLM_RECIPES_FAULT=stage<i>:step<n>."""
-
-    def __init__(self, stage_index: int):
-        self.stage_index = stage_index
-
-    def on_step_end(self, args, state, control, **kwargs):
-        maybe_fault(f"stage{self.stage_index}:step{state.global_step}")

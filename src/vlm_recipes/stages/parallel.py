@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
 
-from vlm_recipes.guards import Decision, Environment, GuardError
+from vlm_recipes.stages.guards import Decision, Environment, GuardError
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
+CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs" / "accelerate"
 DEFAULT_ACCELERATE_CONFIG = {"fsdp": "fsdp", "deepspeed": "zero2"}  # names of files in configs/accelerate/
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 
@@ -229,52 +231,27 @@ def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSetting
 
 
 # ---------------------------------------------------------------------------------------------
-# Inside a launched process
+# Inside a launched process: accelerate's process state (the one Trainer uses too)
 
 
-@dataclass(frozen=True)
-class ProcessGroup:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
+def process_state() -> PartialState:
+    """This process's place in the group torchrun/accelerate launched (one process when not launched).
+    Initialises the process group once; gloo on CPU."""
+    return PartialState(cpu=not torch.cuda.is_available())
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+def broadcast_from_main(state: PartialState, value):
+    """Rank 0's value, on every rank."""
+    if state.num_processes == 1:
+        return value
+    return broadcast_object_list([value], from_process=0)[0]
 
-    @classmethod
-    def from_env(cls) -> ProcessGroup:
-        """The process group torchrun/accelerate describe in the environment, initialised once."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        group = cls(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), world_size)
-        if world_size > 1 and not torch.distributed.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(group.local_rank)
-            torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-        return group
 
-    def barrier(self) -> None:
-        if self.distributed:
-            torch.distributed.barrier()
-
-    def broadcast(self, value):
-        """Rank 0's value, on every rank."""
-        if not self.distributed:
-            return value
-        box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather(self, value) -> list:
-        if not self.distributed:
-            return [value]
-        values = [None] * self.world_size
-        torch.distributed.all_gather_object(values, value)
-        return values
+def gather_from_ranks(state: PartialState, value) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if state.num_processes == 1:
+        return [value]
+    return gather_object([value])
 
 
 def launched() -> bool:

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
-from transformers.image_utils import SizeDict
 
-from vlm_recipes.guards import DTYPES, keep_fp32_patterns, matches_any
-from vlm_recipes.roles import FamilyAdapter, adapter_for_model_type, lora_target_modules, params_by_role
-from vlm_recipes.schema import ROLES, DataSettings, QuantizationSettings, Stage
+from vlm_recipes.families import Family, family_for_model_type
+from vlm_recipes.families.base import lora_target_modules, params_by_role
+from vlm_recipes.recipes.schema import ROLES, DataSettings, QuantizationSettings, Stage
+from vlm_recipes.stages.guards import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -26,24 +25,24 @@ log = logging.getLogger(__name__)
 class BuiltModel:
     model: nn.Module  # a PeftModel when any role is in lora mode
     processor: object
-    family: FamilyAdapter
+    family: Family
     source: str  # model id or directory the weights came from
     source_dtype: torch.dtype  # dtype the source checkpoint is stored in (final/ is saved in it)
     compute_dtype: torch.dtype
     lora_targets: list[str]
 
 
-def detect_family(source: str, trust_remote_code: bool = False) -> tuple[FamilyAdapter, object]:
+def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    return adapter_for_model_type(config.model_type), config
+    return family_for_model_type(config.model_type), config
 
 
 class MissingProcessorError(ValueError):
     pass
 
 
-def load_processor(source: str, data: DataSettings, trust_remote_code: bool = False):
-    """The model's processor, with the stage's image pixel bounds applied."""
+def load_processor(source: str, data: DataSettings, family: Family, trust_remote_code: bool = False):
+    """The model's processor, with the stage's image pixel bounds applied the family's way."""
     try:
         processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as exc:
@@ -56,23 +55,13 @@ def load_processor(source: str, data: DataSettings, trust_remote_code: bool = Fa
             f"{source} has a tokenizer but no image processor: save the model's full processor "
             "(AutoProcessor.from_pretrained(base).save_pretrained(dir))"
         )
-    image_processor = processor.image_processor
     if data.min_pixels is not None or data.max_pixels is not None:
-        # `size` is what the processor reads at call time (passing min/max_pixels per call is deprecated).
-        bounds = {
-            "shortest_edge": image_processor.size["shortest_edge"],
-            "longest_edge": image_processor.size["longest_edge"],
-        }
-        if data.min_pixels is not None:
-            bounds["shortest_edge"] = data.min_pixels
-        if data.max_pixels is not None:
-            bounds["longest_edge"] = data.max_pixels
-        image_processor.size = SizeDict(**bounds)
+        family.apply_pixel_bounds(processor.image_processor, data.min_pixels, data.max_pixels)
     return processor
 
 
 def quantization_config(
-    quant: QuantizationSettings, family: FamilyAdapter, compute_dtype: torch.dtype
+    quant: QuantizationSettings, family: Family, compute_dtype: torch.dtype
 ) -> BitsAndBytesConfig | None:
     if quant.mode == "none":
         return None
@@ -92,7 +81,7 @@ def quantization_config(
 def load_model(
     source: str,
     quantization: QuantizationSettings,
-    family: FamilyAdapter,
+    family: Family,
     compute_dtype: torch.dtype,
     device: str,
     trust_remote_code: bool = False,
@@ -116,9 +105,7 @@ def load_model(
     return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
 
 
-def apply_training_modes(
-    model: nn.Module, stage: Stage, family: FamilyAdapter
-) -> tuple[nn.Module, list[str]]:
+def apply_training_modes(model: nn.Module, stage: Stage, family: Family) -> tuple[nn.Module, list[str]]:
     """Freeze everything, add LoRA adapters to lora roles, unfreeze full roles.
 
     Returns the (possibly PEFT-wrapped) model and the LoRA target module names."""
@@ -160,7 +147,7 @@ def build_stage_model(
     """Processor (unless given), model loaded and quantized as the stage says, training modes applied."""
     family, config = detect_family(source, trust_remote_code)
     compute_dtype = DTYPES[compute_precision]
-    processor = processor or load_processor(source, stage.data, trust_remote_code)
+    processor = processor or load_processor(source, stage.data, family, trust_remote_code)
     model = load_model(
         source,
         stage.quantization,
@@ -184,48 +171,3 @@ def build_stage_model(
         compute_dtype=compute_dtype,
         lora_targets=targets,
     )
-
-
-def model_for_final(
-    built: BuiltModel,
-    trained: nn.Module,
-    adapter_dir: Path | None,
-    quantized: bool,
-    trust_remote_code: bool = False,
-    gathered_state: dict[str, torch.Tensor] | None = None,
-) -> nn.Module:
-    """The stage's result as a plain model in the source checkpoint's dtype, LoRA merged.
-
-    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's), or
-    when the trained weights exist whole only as `gathered_state` (FSDP / DeepSpeed shard them across
-    ranks), the result is rebuilt on a fresh full-precision load of the source: frozen weights come back
-    exactly as they were, fully trained weights are copied in, and the adapter is merged into unrounded
-    weights."""
-    if gathered_state is None and not quantized and built.compute_dtype == built.source_dtype:
-        model = trained.merge_and_unload() if isinstance(trained, PeftModel) else trained
-        return cast_model(model, built.source_dtype)
-    base = AutoModelForImageTextToText.from_pretrained(
-        built.source, dtype=built.source_dtype, trust_remote_code=trust_remote_code
-    )
-    values = gathered_state if gathered_state is not None else dict(trained.named_parameters())
-    trained_state = {
-        name.removeprefix("base_model.model."): values[name]
-        for name, p in trained.named_parameters()
-        if p.requires_grad and "lora_" not in name
-    }
-    base_params = dict(base.named_parameters())
-    with torch.no_grad():
-        for name, value in trained_state.items():  # fully trained roles are never quantized
-            base_params[name].copy_(value.detach().to(base_params[name].dtype).cpu())
-    if adapter_dir is None:
-        return base
-    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-
-
-def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters to `dtype`, leaving the model's strict fp32 modules in fp32."""
-    keep = keep_fp32_patterns(model, dtype)
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and param.dtype != dtype and not (keep and matches_any(name, keep)):
-            param.data = param.data.to(dtype)
-    return model

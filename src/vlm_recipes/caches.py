@@ -1,0 +1,186 @@
+"""The caches of vlm-recipes, keyed by one digest function.
+
+- token counts (always on): each sample's text and image tokens, for the length check before loading;
+- preprocessed samples (`training.preprocessed_cache`): each row's tokens, labels and processed pixels;
+- vision features (`training.vision_feature_cache`, in `speedups/frozen_vision.py`): a frozen tower's
+  output per image.
+
+A key covers everything that makes an entry what it is: the processor (image settings, chat template,
+tokenizer), the rows' messages and their images' content (a file's path, size and modification time, or
+the bytes), the tower's weights. Any change gives another key, so a stale entry can never be read.
+Entries are written atomically; every cache directory can be deleted at any time.
+
+Preprocessed samples: TRL's vision collator decodes the images, resizes and normalizes them, renders the
+chat template and tokenizes, for every batch of every epoch of every stage. With the cache each row is
+processed once, by that same collator, and read back afterwards: next epoch, next run, next seed, and the
+next stage when it uses the same processor settings (r3's two stages do). Images stay undecoded until a
+row is missing from the cache. Pixels are stored as the model receives them (float32): about 4.7 MB per
+448x448 image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from PIL import Image
+from safetensors.torch import load_file
+
+from vlm_recipes.files import cache_dir, write_json, write_safetensors
+
+PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
+
+
+def speedup_cache(kind: str) -> Path:
+    """Where a speed-up keeps its entries: `kind`/ under `$VLM_RECIPES_SPEEDUP_CACHE`, by default under the
+    vlm-recipes cache (~/.cache/vlm-recipes)."""
+    env = os.environ.get("VLM_RECIPES_SPEEDUP_CACHE")
+    return (Path(env).expanduser() if env else cache_dir()) / kind
+
+
+def content_digest(*parts: str | bytes | torch.Tensor) -> str:
+    """The digest every cache key is: blake2b (128 bits) over the parts in order. A tensor contributes its
+    dtype, shape and bytes (without a copy when it is contiguous and on the CPU)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            digest.update(f"{part.dtype} {tuple(part.shape)}".encode())
+            digest.update(part.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+        else:
+            digest.update(part.encode() if isinstance(part, str) else part)
+    return digest.hexdigest()
+
+
+def processor_digest(processor, chat_template: str | None = None) -> str:
+    """The processor as it shapes samples: image settings, chat template, tokenizer."""
+    return content_digest(
+        processor.image_processor.to_json_string(),
+        str(chat_template or processor.chat_template),
+        processor.tokenizer.backend_tokenizer.to_str(),
+    )
+
+
+def image_identity(image) -> bytes:
+    """What identifies an image's content: file path + size + mtime, the encoded bytes, or the pixels."""
+    if isinstance(image, dict) and image.get("bytes"):
+        return hashlib.blake2b(image["bytes"], digest_size=16).digest()
+    path = image["path"] if isinstance(image, dict) else image
+    if isinstance(path, str):
+        stat = os.stat(path)
+        return f"{path} {stat.st_size} {stat.st_mtime_ns}".encode()
+    return hashlib.blake2b(path.tobytes() + f"{path.mode} {path.size}".encode(), digest_size=16).digest()
+
+
+def row_parts(row: dict) -> list[bytes]:
+    """A row's messages and its images' identities, as digest parts."""
+    parts = [json.dumps(row["messages"], sort_keys=True, default=str).encode()]
+    return parts + [image_identity(image) for image in row.get("images") or []]
+
+
+def row_digest(row: dict) -> str:
+    return content_digest(*row_parts(row))
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A digest of every parameter and buffer of the module (names, dtypes, shapes and values)."""
+    parts: list[str | torch.Tensor] = [f"{type(module).__name__} transformers {transformers.__version__}"]
+    for name, tensor in sorted(module.state_dict().items()):
+        parts += [name, tensor]
+    return content_digest(*parts)
+
+
+# --------------------------------------------------------------------------- token counts
+
+
+def remembered_token_counts(
+    rows, processor, count: Callable[[], list[tuple[int, int]]]
+) -> list[tuple[int, int]]:
+    """`count()`, remembered on disk under a key of the rows (messages, images) and the processor: the
+    next stage on the same data, the next run or another seed skips the recount."""
+    parts = [processor_digest(processor)]
+    for row in rows:
+        parts += row_parts(row)
+    path = cache_dir() / "token-counts" / f"{content_digest(*parts)}.json"
+    if path.exists():
+        return [tuple(pair) for pair in json.loads(path.read_text())]
+    counts = count()
+    write_json(path, counts)
+    return counts
+
+
+# --------------------------------------------------------------------------- preprocessed samples
+
+
+def decoded(image):
+    """A PIL image, decoded the way `datasets.Image` decodes (undecoded rows carry a path or bytes)."""
+    if not isinstance(image, dict | str):
+        return image
+    if isinstance(image, dict) and image.get("bytes"):
+        opened = Image.open(io.BytesIO(image["bytes"]))
+    else:
+        opened = Image.open(image["path"] if isinstance(image, dict) else image)
+    opened.load()
+    return opened
+
+
+class PreprocessedSampleCollator:
+    """Wraps the padded collator SFTTrainer built: one row at a time through it on a miss, then the
+    batch is assembled from the rows exactly as that collator pads it (right padding)."""
+
+    def __init__(self, padded, root: Path):
+        self.padded = padded
+        processor = padded.processor
+        self.pad_token_id = processor.tokenizer.pad_token_id
+        self.directory = Path(root) / processor_digest(processor, padded.chat_template)
+        self.hits = 0
+        self.misses = 0
+
+    def stats(self) -> dict:
+        return {"directory": str(self.directory), "hits": self.hits, "misses": self.misses}
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return assemble([self._sample(example) for example in examples], self.pad_token_id)
+
+    def _sample(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
+        path = self.directory / f"{self._key(example)}.safetensors"
+        if path.exists():
+            self.hits += 1
+            return load_file(str(path))
+        self.misses += 1
+        row = {**example, "images": [decoded(image) for image in example.get("images") or []]}
+        sample = {k: v for k, v in self.padded([row]).items() if isinstance(v, torch.Tensor)}
+        write_safetensors(path, sample)
+        return sample
+
+    @staticmethod
+    def _key(example: dict[str, Any]) -> str:
+        return row_digest(example)
+
+
+def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One-row samples → a right-padded batch: per-token tensors padded, per-image tensors concatenated."""
+    lengths = [s["input_ids"].shape[1] for s in samples]
+    longest = max(lengths)
+    batch: dict[str, torch.Tensor] = {}
+    for key in dict.fromkeys(k for s in samples for k in s):
+        present = [s[key] for s in samples if key in s]
+        per_token = all(
+            key in s and s[key].dim() >= 2 and s[key].shape[:2] == (1, n)
+            for s, n in zip(samples, lengths, strict=True)
+        )
+        if per_token:
+            pad = pad_token_id if key == "input_ids" else PAD_VALUES.get(key, 0)
+            out = present[0].new_full((len(samples), longest, *present[0].shape[2:]), pad)
+            for i, (tensor, n) in enumerate(zip(present, lengths, strict=True)):
+                out[i, :n] = tensor[0]
+            batch[key] = out
+        else:
+            batch[key] = torch.cat(present)
+    return batch

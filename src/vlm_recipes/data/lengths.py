@@ -1,0 +1,92 @@
+"""Sample lengths in tokens, image tokens included, counted before the model loads: the length check.
+
+Image tokens are counted from each image's size (its file header), by the family's own rule, never by
+processing pixels; the counts are remembered on disk (`caches.remembered_token_counts`).
+"""
+
+from __future__ import annotations
+
+import datasets
+from PIL import Image
+
+from vlm_recipes.caches import remembered_token_counts
+from vlm_recipes.data.rows import BadRow, DataError, fail_or_skip, undecoded
+from vlm_recipes.families import Family
+
+
+def sample_token_counts(ds: datasets.Dataset, processor, family: Family) -> list[tuple[int, int]]:
+    """(text tokens, image tokens) per sample, computed from image sizes without processing pixels.
+    Pass images undecoded (`Image(decode=False)`) and only the headers are read.
+
+    Remembered on disk (the next stage on the same data, the next run, another seed): keyed by the rows'
+    messages, their images' files (path, size, modification time) or bytes, and the processor (image
+    settings, chat template, tokenizer), so any change to any of them counts afresh."""
+    columns = [c for c in ("messages", "images") if c in ds.column_names]
+    return remembered_token_counts(
+        ds.select_columns(columns), processor, lambda: _count_tokens(ds, processor, family)
+    )
+
+
+def _count_tokens(ds: datasets.Dataset, processor, family: Family) -> list[tuple[int, int]]:
+    texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
+    text_lengths = [len(ids) for ids in processor.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    counts = []
+    images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
+    for text_length, images in zip(text_lengths, images_column, strict=True):
+        sizes = [_image_size(image) for image in images or []]
+        image_tokens = 0
+        if sizes:
+            image_tokens = sum(family.image_token_counts(processor, sizes))
+        # Each image is one <|image_pad|> in the text, expanded to its token count by the processor.
+        counts.append((text_length - len(sizes), image_tokens))
+    return counts
+
+
+def sample_lengths(ds: datasets.Dataset, processor, family: Family) -> list[int]:
+    """Tokens per sample, image tokens included."""
+    return [text + image for text, image in sample_token_counts(ds, processor, family)]
+
+
+def _image_size(image) -> tuple[int, int]:
+    if isinstance(image, dict) and image.get("path"):
+        image = image["path"]
+    if isinstance(image, str):
+        with Image.open(image) as opened:  # reads the header only
+            return opened.height, opened.width
+    return image.height, image.width
+
+
+def check_lengths(
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    max_length: int | None,
+    source: str,
+    on_bad_sample: str = "fail",
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """Refuse samples longer than max_length: cutting through image tokens breaks the model
+    ("image features and image tokens do not match"), and cutting the answer trains on nothing.
+
+    Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
+    lengths = sample_lengths(undecoded(ds), processor, family)
+    if max_length is None:
+        return ds, lengths, {}
+    ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
+    bad = [
+        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
+        for i, n in enumerate(lengths)
+        if n > max_length
+    ]
+    skipped = fail_or_skip(
+        bad,
+        on_bad_sample,
+        source,
+        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels "
+        "so images take fewer tokens)",
+    )
+    if not skipped:
+        return ds, lengths, {}
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if not keep:
+        raise DataError(f"{source}: every sample is longer than data.max_length={max_length}")
+    return ds.select(keep), [lengths[i] for i in keep], skipped

@@ -1,0 +1,33 @@
+"""Model families: everything the runner knows about a family, one module each.
+
+Adding a family means adding one module here (a `Family` instance, its tiny offline builder) and its
+tests; `FAMILIES` lists the supported ones.
+"""
+
+from __future__ import annotations
+
+from vlm_recipes.families.base import Family, LoraTargetError, UnsupportedModelError
+from vlm_recipes.families.qwen2_vl import QWEN2_VL
+
+FAMILIES: tuple[Family, ...] = (QWEN2_VL,)
+
+__all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]
+
+
+def family_for_model_type(model_type: str) -> Family:
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(f"{f.name} ({', '.join(f.model_types)})" for f in FAMILIES)
+    raise UnsupportedModelError(
+        f"model type `{model_type}` is not supported. Supported families: {supported}. "
+        "A new family is one module in vlm_recipes/families/."
+    )
+
+
+def family_of_demo_model(model_id: str) -> tuple[Family, dict] | None:
+    """The family and dimensions of a demo:… model id (None: not a demo model)."""
+    for family in FAMILIES:
+        if model_id in family.demo_models:
+            return family, family.demo_models[model_id]
+    return None

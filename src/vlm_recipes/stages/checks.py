@@ -1,0 +1,69 @@
+"""Checks around training: every rank starts from the same weights, a stage that stopped early says why,
+and an interrupted stage resumes from its last complete checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from vlm_recipes.stages.context import StageContext
+from vlm_recipes.stages.guards import Decision, GuardError
+from vlm_recipes.stages.parallel import gather_from_ranks
+from vlm_recipes.stages.resilience import (
+    InterruptCallback,
+    NonFiniteCallback,
+    StageInterrupted,
+    TrainingDiverged,
+    complete_checkpoints,
+)
+
+log = logging.getLogger(__name__)
+
+
+def prepare_resume(stage_dir: Path) -> Path | None:
+    """The last complete checkpoint of an interrupted stage; incomplete ones are reported and removed."""
+    complete, incomplete = complete_checkpoints(stage_dir / "checkpoints")
+    for partial in incomplete:
+        log.warning("  %s was interrupted while being written: ignored and removed", partial)
+        shutil.rmtree(partial, ignore_errors=True)
+    return complete[-1] if complete else None
+
+
+def check_same_start(model: torch.nn.Module, ctx: StageContext) -> Decision:
+    """Every rank must start a stage from the same weights (a stale final/ on one node would not show:
+    DDP would silently overwrite it with rank 0's). Compared by a cheap per-tensor fingerprint."""
+    with torch.no_grad():
+        fingerprint = [
+            round(float(p.detach().double().sum()), 6) if p.is_floating_point() else int(p.sum())
+            for p in model.parameters()
+        ]
+    fingerprints = gather_from_ranks(ctx.state, fingerprint)
+    if any(f != fingerprints[0] for f in fingerprints):
+        different = [rank for rank, f in enumerate(fingerprints) if f != fingerprints[0]]
+        raise GuardError(
+            f"ranks {different} loaded different weights than rank 0: is the output dir shared by "
+            "every node, and the same for all of them?"
+        )
+    where = f"identical on {ctx.state.num_processes} ranks" if ctx.distributed else "one rank"
+    return Decision("same-start", where, f"fingerprint of {len(fingerprint)} tensors compared")
+
+
+def check_stopped_early(
+    ctx: StageContext, nonfinite: NonFiniteCallback, interrupt: InterruptCallback
+) -> None:
+    """A stage that stopped on NaN/inf or Ctrl-C is not finished: say why and what is kept."""
+    complete, _ = complete_checkpoints(ctx.stage_dir / "checkpoints")
+    last = (
+        f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint was saved before it"
+    )
+    if nonfinite.diverged_at is not None:
+        raise TrainingDiverged(
+            f"{ctx.title} stopped at step {nonfinite.diverged_at}: {nonfinite.reason}; "
+            f"the weights were not updated with it, and {last}. Lower training.learning_rate, check the data, "
+            "or set training.nan_policy: skip_step to drop such steps."
+        )
+    if interrupt.requested:
+        raise StageInterrupted(f"{ctx.title} interrupted; {last}")

@@ -1,0 +1,39 @@
+"""What a stage is run with: the recipe, the stage, where it writes, where its weights come from, the
+environment and this process's place in the launched group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from accelerate import PartialState
+
+from vlm_recipes.recipes.schema import Recipe, Stage
+from vlm_recipes.stages.guards import Decision, Environment
+from vlm_recipes.stages.parallel import ParallelPlan, process_state
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    stage: Stage
+    index: int  # 1-based
+    stage_dir: Path
+    source: str  # resolved init_from: a model id or directory
+    env: Environment
+    state: PartialState = field(default_factory=process_state)  # this process's place in the group
+    parallel: ParallelPlan = field(default_factory=lambda: ParallelPlan("single", 1))
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        """Only rank 0 writes the stage directory; the others wait at barriers."""
+        return self.state.is_main_process
+
+    @property
+    def distributed(self) -> bool:
+        return self.state.num_processes > 1
+
+    @property
+    def title(self) -> str:
+        return f"stage {self.index} `{self.stage.name}`"

@@ -1,0 +1,83 @@
+"""What a stage measured: loss curves, throughput, peak memory, and the scored answers on the eval split."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from vlm_recipes.data.rows import StageData
+from vlm_recipes.evaluation.evaluate import evaluate_generation
+from vlm_recipes.files import write_jsonl
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.stages.build import BuiltModel
+from vlm_recipes.stages.guards import Environment
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stage_dir: Path) -> dict:
+    """Greedy answers for the eval split, scored; predictions saved beside the metrics."""
+    settings = stage.evaluation
+    # The same autocast as training: trainable fp32 and frozen half-precision weights meet in one forward.
+    autocast = built.compute_dtype if built.compute_dtype != torch.float32 else None
+    scores, records = evaluate_generation(
+        model,
+        built.processor,
+        data.eval,
+        settings.max_new_tokens,
+        settings.batch_size,
+        settings.numeric_tolerance,
+        desc=f"evaluating {stage.name}",
+        autocast_dtype=autocast,
+    )
+    write_jsonl(stage_dir / "predictions.jsonl", records)
+    overall = scores["all"]
+    fields = overall.get("json_fields")
+    log.info(
+        "  eval: exact match %.3f on %d rows%s",
+        overall["exact_match"],
+        overall["rows"],
+        f"; JSON field F1 {fields['f1']:.3f}" if fields else "",
+    )
+    return scores
+
+
+def collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:
+    history = trainer.state.log_history
+    curve = [{"step": e["step"], "loss": e["loss"]} for e in history if "loss" in e]
+    eval_curve = [{"step": e["step"], "loss": e["eval_loss"]} for e in history if "eval_loss" in e]
+    runtime = train_output.metrics.get("train_runtime") or 0.0
+    tokens = max((e.get("num_tokens", 0) for e in history), default=0)  # TRL counts non-padding tokens
+    return {
+        "train_loss": train_output.training_loss,
+        "final_train_loss": curve[-1]["loss"] if curve else None,
+        "eval_loss": eval_metrics.get("eval_loss"),
+        "steps": trainer.state.global_step,
+        "epochs": trainer.state.epoch,
+        "train_runtime_s": runtime,
+        "train_samples_per_second": train_output.metrics.get("train_samples_per_second"),
+        "train_tokens_per_second": tokens / runtime if runtime else None,
+        "loss_curve": curve,
+        "eval_loss_curve": eval_curve,
+        "train_time_s": round(time.time() - started, 2),
+    }
+
+
+def reset_peak_memory(env: Environment) -> None:
+    if env.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(env: Environment) -> dict:
+    """GPU: peak allocated/reserved during the stage. CPU: the process's peak RSS so far."""
+    if env.device == "cuda":
+        return {
+            "device": "cuda",
+            "allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+            "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    return {"device": "cpu", "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

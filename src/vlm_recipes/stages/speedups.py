@@ -1,0 +1,93 @@
+"""Installing the speed-ups a stage asks for (each proven not to change what is learned; the mechanisms
+live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
+
+from __future__ import annotations
+
+from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache
+from vlm_recipes.data.rows import undecoded
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
+from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
+from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
+from vlm_recipes.stages.build import BuiltModel
+from vlm_recipes.stages.guards import Decision
+from vlm_recipes.stages.trainer import RecipeTrainer
+
+
+def rope_index_of(built: BuiltModel):
+    """The family's multimodal position function, which padding-free packing needs."""
+    rope_index = built.family.rope_index(built.model)
+    if rope_index is None:
+        raise ValueError(
+            f"{built.family.name} has no multimodal position function for padding_free packing; "
+            "set training.padding_free: false"
+        )
+    return rope_index
+
+
+def wrap_collator(trainer: RecipeTrainer, built: BuiltModel, stage: Stage) -> None:
+    """The speed-ups that change how batches are made; TRL's collator still does all the processing."""
+    if stage.training.preprocessed_cache:
+        trainer.sample_cache = PreprocessedSampleCollator(
+            trainer.data_collator, speedup_cache("preprocessed")
+        )
+        trainer.data_collator = trainer.sample_cache
+        # images are decoded only for rows the cache does not have yet
+        trainer.train_dataset = undecoded(trainer.train_dataset)
+        if trainer.eval_dataset is not None:
+            trainer.eval_dataset = undecoded(trainer.eval_dataset)
+    if stage.training.padding_free:
+        trainer.data_collator = PaddingFreeVisionCollator(trainer.data_collator, rope_index_of(built))
+
+
+def speed_up_frozen_vision(
+    built: BuiltModel, stage: Stage, vision_trains: bool, decisions: list[Decision]
+) -> VisionFeatureCache | None:
+    """A frozen vision side computes its features without autograd, and from the feature cache if asked."""
+    if vision_trains:
+        return None
+    run_without_grad(built.model, built.family)
+    decisions.append(
+        Decision(
+            "frozen-vision",
+            "image features computed without autograd",
+            "vision tower and projector are frozen: no gradient can reach them, and with activation "
+            "checkpointing + LoRA transformers would otherwise run backward through the whole tower",
+        )
+    )
+    if not stage.training.vision_feature_cache:
+        return None
+    cache = VisionFeatureCache(speedup_cache("vision-features"), built.model, built.family).install()
+    decisions.append(
+        Decision(
+            "vision-feature-cache",
+            str(cache.directory),
+            "training.vision_feature_cache is on and the tower is frozen: each image's features are "
+            "computed once per tower weights and processed image, then read back",
+        )
+    )
+    return cache
+
+
+def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -> None:
+    """The speed-ups that change how the model computes, never what: per-sample attention for packed
+    rows, sparse LoRA dropout."""
+    if stage.training.padding_free and attend_per_sample(built.model):
+        decisions.append(
+            Decision(
+                "per-sample-attention",
+                f"text attention {PER_SAMPLE_SDPA}",
+                "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
+                "own, causally, instead of densely over the whole row under a block mask",
+            )
+        )
+    if stage.training.sparse_lora_dropout:
+        swapped = use_sparse_lora_dropout(built.model)
+        decisions.append(
+            Decision(
+                "sparse-lora-dropout",
+                f"{swapped} LoRA dropouts draw only the dropped positions",
+                "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
+                "the random numbers",
+            )
+        )

@@ -1,0 +1,163 @@
+"""The one SFTTrainer of a stage: the recipe's settings as an SFTConfig, the trainer subclass that resumes
+from the runner's checkpoints, and the per-role learning rates."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from vlm_recipes.caches import PreprocessedSampleCollator
+from vlm_recipes.data.rows import StageData
+from vlm_recipes.families import Family
+from vlm_recipes.families.base import params_by_role
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.speedups.packing import is_packed
+from vlm_recipes.stages.build import BuiltModel
+from vlm_recipes.stages.guards import Decision, Environment, apply_parallelism, apply_trainable_dtype
+from vlm_recipes.stages.resilience import restore_trainable
+
+log = logging.getLogger(__name__)
+
+
+def build_sft_config(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
+) -> SFTConfig:
+    t = stage.training
+    return SFTConfig(
+        output_dir=str(output_dir),
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        per_device_eval_batch_size=t.eval_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of total steps
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        # Eval loss at the end of the stage, and every `eval_steps` if the recipe asks.
+        eval_strategy="steps" if has_eval and stage.evaluation.eval_steps else "no",
+        eval_steps=stage.evaluation.eval_steps,
+        # Checkpoints to resume from (final/ is saved by the stage itself); at least two are kept, so one
+        # is complete even while the next is being written.
+        save_strategy="steps" if t.save_steps > 0 else "no",
+        save_steps=t.save_steps if t.save_steps > 0 else 500,
+        save_total_limit=t.save_total_limit,
+        logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=env.device == "cpu",
+        seed=t.seed,
+        data_seed=t.seed,
+        report_to=[r for r in t.report_to if r != "none"] or "none",
+        activation_checkpointing=t.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+        # Lengths are checked before training (data.check_lengths): the collator must never truncate
+        # through image tokens.
+        max_length=None,
+        assistant_only_loss=True,
+        dataloader_num_workers=t.dataloader_workers,
+        remove_unused_columns=False,
+        # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for images.
+        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+        length_column_name="length",
+        ddp_backend="gloo" if distributed and env.device == "cpu" else None,
+        # Every trainable tensor gets a gradient in every step, unless the vision side trains and a batch
+        # has no image: only then must DDP search the graph for unused parameters (slower).
+        ddp_find_unused_parameters=distributed and unused_possible,
+    )
+
+
+def role_parameter_groups(
+    model: torch.nn.Module, family: Family, stage: Stage, decay_names: set[str]
+) -> list[dict]:
+    """Optimizer groups per role and decay: a role's learning rate from `training.role_learning_rates`
+    (else the stage's), weight decay only on the parameters Trainer decays (not biases and norms)."""
+    t = stage.training
+    groups = []
+    for role, params in params_by_role(model, family).items():
+        lr = t.role_learning_rates.get(role, t.learning_rate)
+        for decays in (True, False):
+            trainable = [p for name, p in params if p.requires_grad and (name in decay_names) == decays]
+            if trainable:
+                decay = t.weight_decay if decays else 0.0
+                groups.append({"params": trainable, "lr": lr, "weight_decay": decay, "role": role})
+    return groups
+
+
+class RecipeTrainer(SFTTrainer):
+    """SFTTrainer whose resume restores the trainable tensors from the runner's own checkpoint file
+    (see resilience.CheckpointCallback); optimizer, scheduler, RNG and data position come from Trainer."""
+
+    sample_cache: PreprocessedSampleCollator | None = None  # training.preprocessed_cache
+    role_groups: Callable[[set[str]], list[dict]] | None = None  # training.role_learning_rates
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer (its class, its decay / no-decay split), with one group per role and split
+        when the recipe sets per-role learning rates."""
+        if self.optimizer is not None or self.role_groups is None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        groups = self.role_groups(set(self.get_decay_parameter_names(opt_model)))
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
+        log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
+        # multimodal position ids, i.e. 1. Count the packed row's length instead.
+        counted_before = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and is_packed(inputs):
+            length = torch.tensor(inputs["position_ids"].shape[-1], device=inputs["position_ids"].device)
+            tokens = self.accelerator.gather_for_metrics(length).sum().item()
+            self._total_train_tokens = counted_before + tokens
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
+
+
+def build_trainer(
+    built: BuiltModel,
+    stage: Stage,
+    args: SFTConfig,
+    data: StageData,
+    decisions: list[Decision] | None = None,
+    callbacks: list | None = None,
+) -> SFTTrainer:
+    """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
+    apply_parallelism(args)
+    trainer = RecipeTrainer(
+        model=built.model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        callbacks=callbacks,
+    )
+    if stage.training.role_learning_rates:
+        trainer.role_groups = lambda decay_names: role_parameter_groups(
+            trainer.model, built.family, stage, decay_names
+        )
+    decision = apply_trainable_dtype(
+        trainer.model, stage.training.trainable_dtype, built.compute_dtype, "after SFTTrainer was built"
+    )
+    log.info("  %s", decision)
+    if decisions is not None:
+        decisions.append(decision)
+    return trainer

@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Testing only: `scripts/train_recipe.py ARGS`, killed with SIGKILL (no cleanup runs) at the point named by
+$VLM_RECIPES_FAULT, as a crash, a lost node or the OOM killer would:
+
+    stage<i>:step<n>         after optimizer step n of stage i
+    stage<i>:checkpoint<n>   while checkpoint n of stage i is being written (trainable weights saved, no COMPLETE)
+    between<i>               after stage i finished, before stage i+1 starts
+
+The hooks are installed here, from outside the package, so production code carries no test switches.
+Launched process groups rerun this file (the launcher relaunches argv[0]), so the faults reach them too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from vlm_recipes.cli.train import main
+from vlm_recipes.stages import resilience
+from vlm_recipes.stages import run as stage_run
+
+FAULT = os.environ.get("VLM_RECIPES_FAULT", "")
+current_stage = [0]
+
+
+def kill_at(point: str) -> None:
+    if point == FAULT:
+        print(f"fault injection: SIGKILL at {point}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAfterStep(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        kill_at(f"stage{current_stage[0]}:step{state.global_step}")
+
+
+def install() -> None:
+    run_stage, make_trainer, save_file = stage_run.run_stage, stage_run.make_trainer, resilience.save_file
+
+    def run_stage_then_maybe_kill(ctx, *args, **kwargs):
+        current_stage[0] = ctx.index
+        metrics = run_stage(ctx, *args, **kwargs)
+        kill_at(f"between{ctx.index}")
+        return metrics
+
+    def make_trainer_with_kill(*args, **kwargs):
+        trainer, callbacks = make_trainer(*args, **kwargs)
+        trainer.add_callback(KillAfterStep())
+        return trainer, callbacks
+
+    def save_then_maybe_kill(tensors, filename, *args, **kwargs):
+        save_file(tensors, filename, *args, **kwargs)
+        if Path(filename).name == resilience.TRAINABLE_FILE:  # before the COMPLETE marker
+            step = Path(filename).parent.name.removeprefix("checkpoint-")
+            kill_at(f"stage{current_stage[0]}:checkpoint{step}")
+
+    stage_run.run_stage = run_stage_then_maybe_kill
+    stage_run.make_trainer = make_trainer_with_kill
+    resilience.save_file = save_then_maybe_kill
+
+
+if __name__ == "__main__":
+    install()
+    sys.exit(main())
