@@ -29,6 +29,24 @@ def demo_model_dir(private_demo_cache) -> Path:
     return ensure_demo_model()
 
 
+# Each family's tiny offline model (tests that hold for every family take `tiny_family`).
+TINY_MODELS = {
+    "qwen2-vl": "demo:tiny-qwen2-vl",
+    "qwen2.5-vl": "demo:tiny-qwen2.5-vl",
+    "qwen3-vl": "demo:tiny-qwen3-vl",
+}
+
+
+@pytest.fixture(scope="session", params=list(TINY_MODELS))
+def tiny_family(request, private_demo_cache):
+    """(family, model directory) of one family's tiny model; each is built once per session."""
+    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.families import family_of_demo_model
+
+    family, _ = family_of_demo_model(TINY_MODELS[request.param])
+    return family, ensure_demo_model(TINY_MODELS[request.param])
+
+
 @pytest.fixture()
 def in_repo(monkeypatch):
     """Run with the repository as working directory (recipes/ found as a user would)."""

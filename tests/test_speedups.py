@@ -1,6 +1,9 @@
 """The speed-ups of issue 7, each proven not to change what is learned: padding-free packing with
 multimodal RoPE and per-sample attention, sparse LoRA dropout, the frozen vision tower without
-autograd, and the vision feature and preprocessed sample caches."""
+autograd, and the vision feature and preprocessed sample caches.
+
+Tests on a model run for every family's tiny model (`tiny_family`); those that train through the CLI
+use the default (Qwen2-VL)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import model_inputs, run_train
+from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
@@ -32,9 +36,15 @@ PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 
 
 
 @pytest.fixture(scope="module")
-def tiny(demo_model_dir):
-    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(demo_model_dir)
+def family(tiny_family):
+    return tiny_family[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_family):
+    model_dir = tiny_family[1]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
     return model, processor
 
 
@@ -72,20 +82,21 @@ def token_losses(model, batch) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def tiny_per_sample(demo_model_dir):
+def tiny_per_sample(tiny_family):
     """The tiny model with its text attention switched to sdpa_per_sample, as padding_free does."""
-    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    model_dir = tiny_family[1]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert attend_per_sample(model) == "sdpa"
     assert model.config.text_config._attn_implementation == PER_SAMPLE_SDPA
     assert model.config.vision_config._attn_implementation == "sdpa", "the vision tower is not packed"
-    return model, AutoProcessor.from_pretrained(demo_model_dir)
+    return model, AutoProcessor.from_pretrained(model_dir)
 
 
 @pytest.mark.parametrize("attention", ["sdpa with a block mask", PER_SAMPLE_SDPA])
-def test_packed_per_sample_losses_equal_unpacked(tiny, tiny_per_sample, rows, attention):
+def test_packed_per_sample_losses_equal_unpacked(tiny, tiny_per_sample, family, rows, attention):
     model, processor = tiny if attention != PER_SAMPLE_SDPA else tiny_per_sample
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, QWEN2_VL.rope_index(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, family.rope_index(model))([dict(r) for r in rows])
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     one_by_one = [token_losses(model, padded([dict(r)])) for r in rows]
     together = token_losses(model, packed)
@@ -192,10 +203,10 @@ def test_sparse_lora_dropout_stage_learns_like_torch_dropout(tmp_path):
     assert sparse_metrics["eval_loss"] == pytest.approx(torch_metrics["eval_loss"], rel=0.01)
 
 
-def test_packed_batch_keeps_each_samples_own_positions(tiny, rows):
+def test_packed_batch_keeps_each_samples_own_positions(tiny, family, rows):
     model, processor = tiny
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, QWEN2_VL.rope_index(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, family.rope_index(model))([dict(r) for r in rows])
     start = 0
     for row in rows:
         alone = padded([dict(row)])
@@ -229,12 +240,12 @@ def test_padding_free_stage_matches_padded_training(tmp_path):
 
 
 @pytest.fixture()
-def llm_lora_model(demo_model_dir):
+def llm_lora_model(tiny_family):
     stage = load_recipe("r1-llm-only", ["stages.llm-lora.quantization.mode=none"]).stages[0]
-    return build_stage_model(str(demo_model_dir), stage, "fp32", "cpu").model
+    return build_stage_model(str(tiny_family[1]), stage, "fp32", "cpu").model
 
 
-def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, tiny, rows):
+def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, tiny, family, rows):
     """transformers' enable_input_require_grads hooks the vision patch embedding too: without the guard,
     backward would run through the whole frozen tower."""
     model = llm_lora_model
@@ -242,14 +253,16 @@ def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, 
     batch = padded_collator(processor)([dict(r) for r in rows[:2]])
     model.base_model.model.activation_checkpointing_enable()
     model.enable_input_require_grads()
-    owner = QWEN2_VL.image_encoder_owner(model)
+    owner = family.image_encoder_owner(model)
 
     def feature_requires_grad() -> bool:
         out = owner.get_image_features(batch["pixel_values"], batch["image_grid_thw"], return_dict=True)
         return out.pooler_output[0].requires_grad
 
-    assert feature_requires_grad(), "the waste this guard removes is real"
-    run_without_grad(model, QWEN2_VL)
+    # Qwen2-VL and Qwen2.5-VL name their patch embedding as the tower's input embedding, so transformers
+    # hooks it; Qwen3-VL's tower names none and runs without the waste, the guard changing nothing there.
+    assert feature_requires_grad() or family.name == "qwen3-vl", "the waste this guard removes is real"
+    run_without_grad(model, family)
     assert not feature_requires_grad()
     loss = model(**batch).loss
     loss.backward()
@@ -257,22 +270,30 @@ def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, 
     assert any(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
 
 
-def test_vision_feature_cache_hits_match_computed_features(demo_model_dir, rows, tmp_path):
-    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(demo_model_dir)
+def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tmp_path):
+    """Cold and warm, the forward is the uncached one bit for bit: every tensor the model reads from the
+    image features is cached per image (Qwen3-VL: the DeepStack features as well as the merged tokens)."""
+    family, model_dir = tiny_family
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
     batch = padded_collator(processor)([dict(r) for r in rows])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         expected = model(**inputs).logits
-    cache = VisionFeatureCache(tmp_path, model, QWEN2_VL).install()
+        computed = family.image_encoder_owner(model).get_image_features(
+            batch["pixel_values"], batch["image_grid_thw"], return_dict=True
+        )
+    cache = VisionFeatureCache(tmp_path, model, family).install()
     images = len(batch["image_grid_thw"])
     with torch.no_grad():
         first = model(**inputs).logits
         assert (cache.hits, cache.misses) == (0, images)
         second = model(**inputs).logits
         assert (cache.hits, cache.misses) == (images, images)
-    assert torch.equal(first, second)
-    assert (first - expected).abs().max() < 1e-5
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    stored = [load_file(str(path)) for path in sorted(cache.directory.glob("*/*.safetensors"))]
+    assert len(stored) == images
+    assert {frozenset(s) for s in stored} == {frozenset(family.split_image_features(computed)[0])}
 
     # other processor settings: other pixel values, so other keys (never a stale hit)
     processor.image_processor.size = {"shortest_edge": 28 * 28 * 100, "longest_edge": 28 * 28 * 400}
@@ -283,8 +304,8 @@ def test_vision_feature_cache_hits_match_computed_features(demo_model_dir, rows,
 
     # other tower weights: another cache directory
     with torch.no_grad():
-        model.model.visual.merger.mlp[0].weight.add_(1e-3)
-    assert VisionFeatureCache(tmp_path, model, QWEN2_VL).directory != cache.directory
+        next(family.vision_tower(model).parameters()).add_(1e-3)
+    assert VisionFeatureCache(tmp_path, model, family).directory != cache.directory
 
 
 def test_vision_feature_cache_second_run_reads_everything_and_learns_the_same(tmp_path):

@@ -13,7 +13,9 @@ Per sample, with the samples' own lengths (padding is not model work):
   full; LoRA adapters are rank << width and left out).
 - attention, per layer: 2 * 2 * L^2 * width forward (QK^T and AV over a sequence of L, counted without
   the causal half, as PaLM's MFU does), scaled by c_role / 2 like the weights. The language model's L is
-  the sample's length, the vision tower's the image's patches (each image attends only to itself).
+  the sample's length, the vision tower's the image's patches (each image attends only to itself), or,
+  in a windowed layer (Qwen2.5-VL: all but `fullatt_block_indexes`), each window's patches, summed over
+  the windows (`VisionGeometry.attention_pairs`).
 
 MFU = samples/s * mean FLOPs per sample / the device's peak dense bf16 FLOP/s.
 """
@@ -29,8 +31,9 @@ from vlm_recipes.families import Family
 
 ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
 FORMULA = (
-    "FLOPs/sample = sum_role c*N_role*tokens_role + c/2 * 4*L^2*width per attention layer; "
-    "c = 2 forward + 2 if a gradient flows through the role + 2 if its weights train in full"
+    "FLOPs/sample = sum_role c*N_role*tokens_role + c/2 * 4*L^2*width per attention layer (per window in "
+    "windowed vision layers); c = 2 forward + 2 if a gradient flows through the role + 2 if its weights "
+    "train in full"
 )
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
 
@@ -63,26 +66,34 @@ def flops_per_sample(
     family: Family,
     modes: dict[str, str],
     token_counts: Iterable[tuple[int, int]],
+    image_grids: Iterable[list[tuple[int, int]]] | None = None,
 ) -> float:
-    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample; a sample's
-    images are taken as one for the vision tower's attention, exact for one image per sample)."""
+    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample).
+
+    `image_grids`: per sample, each image's merged (height, width) in tokens, which places a windowed
+    tower's windows exactly. Without it a sample's images are taken as one image for the vision tower's
+    attention (exact for one image per sample and a tower without windows; an upper bound with windows)."""
     text_config = model.config.get_text_config()
     vision = family.vision_geometry(model.config)
     params = matmul_params_by_role(model, family)
     c = flop_coefficients(modes)
-    merge, vision_width, vision_layers = vision.patches_per_token, vision.width, vision.layers
     text_width = text_config.num_attention_heads * getattr(
         text_config, "head_dim", text_config.hidden_size // text_config.num_attention_heads
     )
-    total, samples = 0.0, 0
-    for text, image in token_counts:
-        length, patches = text + image, image * merge
+    token_counts = list(token_counts)
+    grids = list(image_grids) if image_grids is not None else [None] * len(token_counts)
+    total = 0.0
+    for (text, image), sample_grids in zip(token_counts, grids, strict=True):
+        length, patches = text + image, image * vision.patches_per_token
         total += c["vision"] * params["vision"] * patches + c["projector"] * params["projector"] * image
         total += c["llm"] * params["llm"] * length
-        total += c["vision"] / 2 * 4 * patches**2 * vision_width * vision_layers
+        if sample_grids is None:
+            pairs = vision.attention_pairs(image) if image else 0
+        else:
+            pairs = sum(vision.attention_pairs(h * w, (h, w)) for h, w in sample_grids)
+        total += c["vision"] / 2 * 4 * pairs * vision.width
         total += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
-        samples += 1
-    return total / max(samples, 1)
+    return total / max(len(token_counts), 1)
 
 
 def peak_tflops(device: str) -> float | None:

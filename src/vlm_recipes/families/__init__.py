@@ -7,9 +7,11 @@ tests; `FAMILIES` lists the supported ones.
 from __future__ import annotations
 
 from vlm_recipes.families.base import Family, LoraTargetError, UnsupportedModelError
+from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.families.qwen3_vl import QWEN3_VL
 
-FAMILIES: tuple[Family, ...] = (QWEN2_VL,)
+FAMILIES: tuple[Family, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
 
 __all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]
 

@@ -34,6 +34,34 @@ class VisionGeometry:
     patches_per_token: int  # vision patches merged into one language-model token
     width: int  # attention width of a tower layer
     layers: int
+    # Windowed attention (Qwen2.5-VL): a window is `window` x `window` merged tokens; all layers but
+    # `full_attention_layers` attend within their window only. None: every layer attends over the image.
+    window: int | None = None
+    full_attention_layers: int | None = None
+
+    def attention_pairs(self, image_tokens: int, grid: tuple[int, int] | None = None) -> int:
+        """Query-key pairs (L^2 summed over attention groups) over all tower layers, for one image of
+        `image_tokens` merged tokens. `grid`: its merged (height, width), which places the windows exactly;
+        without it the windows are taken as full but for the last one, an upper bound (partial windows at
+        the image's edges hold fewer pairs)."""
+        per_token = self.patches_per_token
+        patches = image_tokens * per_token
+        if self.window is None:
+            return self.layers * patches**2
+        full = self.layers if self.full_attention_layers is None else self.full_attention_layers
+        if grid is not None:
+            rows, cols = (self._window_sides(side) for side in grid)
+            windowed = sum((r * c * per_token) ** 2 for r in rows for c in cols)
+        else:
+            whole, rest = divmod(image_tokens, self.window**2)
+            windowed = whole * (self.window**2 * per_token) ** 2 + (rest * per_token) ** 2
+        return full * patches**2 + (self.layers - full) * windowed
+
+    def _window_sides(self, tokens: int) -> list[int]:
+        """Window extents along one side of `tokens` merged tokens: whole windows from the top left, then
+        what is left (transformers' get_vision_window_index)."""
+        whole, rest = divmod(tokens, self.window)
+        return [self.window] * whole + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)
@@ -84,6 +112,15 @@ class Family:
         """A batch's pixel values, one tensor per image, in the order features come back."""
         raise NotImplementedError
 
+    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
+        """What `get_image_features` returned for a batch's images, as one dict of tensors per image (what
+        the vision feature cache stores). Everything the model reads from the output must be in it."""
+        raise NotImplementedError
+
+    def join_image_features(self, images: list[dict[str, torch.Tensor]]):
+        """The inverse of `split_image_features`: the output `get_image_features` returns for these images."""
+        raise NotImplementedError
+
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
         """Make the processor resize images to between min_pixels and max_pixels (data.min/max_pixels)."""
         raise NotImplementedError
@@ -127,9 +164,7 @@ def linear_modules_of_role(model: nn.Module, family: Family, role: str) -> list[
     return names
 
 
-def lora_target_modules(
-    model: nn.Module, family: Family, lora_roles: dict[str, list[str]]
-) -> list[str]:
+def lora_target_modules(model: nn.Module, family: Family, lora_roles: dict[str, list[str]]) -> list[str]:
     """Full module names for PEFT's `target_modules`.
 
     `lora_roles` maps each role in lora mode to the suffixes to adapt (empty: all its linear layers).

@@ -1,5 +1,10 @@
 """Qwen2-VL: roles, image features, pixel bounds, token counts, positions for packing, FLOP geometry, and
-the tiny offline builder (`demo:tiny-qwen2-vl`)."""
+the tiny offline builder (`demo:tiny-qwen2-vl`).
+
+`Qwen2VLFamily` is also the base of Qwen2.5-VL and Qwen3-VL (`qwen2_5_vl.py`, `qwen3_vl.py`): the three
+share the processor (Qwen2VLImageProcessor: patches end to end, t*h*w per image, smart_resize), the
+inner model layout (`model.visual`, `model.language_model`) and the 3-D multimodal RoPE; they override
+what differs."""
 
 from __future__ import annotations
 
@@ -8,12 +13,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED, train_byte_level_bpe
+from vlm_recipes.families.tiny import MODEL_SEED, qwen_tokenizer
 
-# Qwen2-VL's special tokens, in the order the real tokenizer numbers them (right after the BPE vocab).
-_SPECIAL_TOKENS = (
+# The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
+QWEN_VL_SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
     "<|im_end|>",
@@ -42,6 +48,13 @@ class Qwen2VLFamily(Family):
     def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         # pixel_values holds every image's patches end to end; an image has t*h*w of them
         return list(pixel_values.split(grids.prod(-1).tolist()))
+
+    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
+        # pooler_output: the merged tokens of each image, already split per image by get_image_features
+        return [{"features": features} for features in output.pooler_output]
+
+    def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
         from transformers.image_utils import SizeDict
@@ -93,25 +106,6 @@ class Qwen2VLFamily(Family):
         build_tiny_qwen2_vl(out, dims, corpus)
 
 
-def qwen2_tokenizer(corpus: list[str]):
-    """A Qwen2Tokenizer around a BPE trained on `corpus`, Qwen2-VL's special tokens after the vocab."""
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in _SPECIAL_TOKENS:  # appended after the BPE vocab, as in the real Qwen2 tokenizer
-        vocab[token] = len(vocab)
-    return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,  # byte-level BPE covers every input, so no unk is needed
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in _SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
-        model_max_length=4096,
-    )
-
-
 _TINY = {
     "hidden": 64,
     "intermediate": 128,
@@ -155,9 +149,7 @@ _QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
 
 
 def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    import torch
     from transformers import (
-        GenerationConfig,
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
@@ -166,7 +158,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     from trl.chat_template_utils import qwen2_5_vl_chat_template
 
-    tok = qwen2_tokenizer(corpus)
+    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS)
     # TRL matches this template byte for byte (it is Qwen2-VL-2B-Instruct's) and swaps in its
     # training variant with {% generation %} markers for assistant-only loss.
     tok.chat_template = qwen2_5_vl_chat_template
@@ -177,7 +169,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         video_processor=Qwen2VLVideoProcessor(size=size),  # v5 processors want it passed explicitly
         chat_template=qwen2_5_vl_chat_template,
     )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in _SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2VLConfig(
         text_config={
             # round up; the extra rows are never produced by tok
@@ -211,12 +203,17 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
+    save_tiny_model(out, Qwen2VLForConditionalGeneration, config, processor, ids, dims)
+
+
+def save_tiny_model(out: Path, model_class, config, processor, ids: dict[str, int], dims: dict) -> None:
+    """Random weights (reproducible, the caller's RNG untouched), generation config, processor: to `out`."""
+    from transformers import GenerationConfig
+
     # fork_rng keeps the caller's RNG state untouched while making the random init reproducible.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
-        model = Qwen2VLForConditionalGeneration._from_config(
-            config, dtype=getattr(torch, dims.get("dtype", "float32"))
-        )
+        model = model_class._from_config(config, dtype=getattr(torch, dims.get("dtype", "float32")))
     model.generation_config = GenerationConfig(
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None
     )
@@ -226,7 +223,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
 
 QWEN2_VL = Qwen2VLFamily(
     name="qwen2-vl",
-    model_types=("qwen2_vl", "qwen2_5_vl"),
+    model_types=("qwen2_vl",),
     role_prefixes={
         "vision": ("model.visual",),
         "projector": ("model.visual.merger",),

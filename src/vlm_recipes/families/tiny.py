@@ -31,3 +31,32 @@ def train_byte_level_bpe(corpus: list[str], pretokenize_regex: str, vocab_size: 
     bpe.train_from_iterator(corpus, trainer)
     state = json.loads(bpe.to_str())["model"]
     return dict(state["vocab"]), [tuple(m) for m in state["merges"]]
+
+
+def qwen_tokenizer(corpus: list[str], special_tokens: tuple[str, ...], added_tokens: tuple[str, ...] = ()):
+    """A Qwen2Tokenizer (the class every Qwen-VL tokenizer is) around a BPE trained on `corpus`.
+
+    `special_tokens` and then `added_tokens` are appended after the BPE vocab, in that order, as the real
+    tokenizers number them; `special_tokens` must include <|endoftext|> (pad) and <|im_end|> (eos).
+    `added_tokens` are never split but are not special (Qwen3's <think>, <tool_call>, ...): decoding
+    with skip_special_tokens keeps them, as with the real tokenizer."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
+    for token in (*special_tokens, *added_tokens):
+        vocab[token] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,  # byte-level BPE covers every input, so no unk is needed
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=[t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")],
+        model_max_length=4096,
+    )
+    if added_tokens:
+        # already in the vocab: they keep their ids and are never split
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    return tok

@@ -1,7 +1,9 @@
 """A frozen vision tower does no extra work: no autograd through it, and (opt-in) no forward either.
 
 Both hook the same place: the `get_image_features` of the inner model the family names (Qwen2-VL's
-`Qwen2VLModel`), which the model's forward calls for the images of a batch.
+`Qwen2VLModel`), which the model's forward calls for the images of a batch. What that returns is the
+family's business: `family.split_image_features` turns it into one dict of tensors per image (stored as
+is: the merged image tokens, and e.g. Qwen3-VL's DeepStack features) and `join_image_features` back.
 
 - No gradient: with the vision tower and projector frozen, nothing upstream of the image features
   needs a gradient. transformers still asks for one when activation checkpointing meets PEFT
@@ -23,7 +25,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.caches import content_digest, weights_digest
 from vlm_recipes.families import Family
@@ -88,11 +89,12 @@ class VisionFeatureCache:
                     torch.cat([patches[i] for i in missing]),
                     image_grid_thw[missing],
                     **{**kwargs, "return_dict": True},
-                ).pooler_output
-            for i, feature in zip(missing, computed, strict=True):
-                features[i] = feature
-                self._store(keys[i], feature)
-        return BaseModelOutputWithPooling(pooler_output=tuple(features))
+                )
+            # every tensor the model reads (Qwen3-VL: its DeepStack features too), one dict per image
+            for i, image in zip(missing, self.family.split_image_features(computed), strict=True):
+                features[i] = image
+                self._store(keys[i], image)
+        return self.family.join_image_features(features)
 
     @staticmethod
     def _autocast_dtype(device_type: str) -> str:
@@ -107,11 +109,11 @@ class VisionFeatureCache:
     def _path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}.safetensors"
 
-    def _load(self, key: str, device: torch.device) -> torch.Tensor | None:
+    def _load(self, key: str, device: torch.device) -> dict[str, torch.Tensor] | None:
         path = self._path(key)
         if not path.exists():
             return None
-        return load_file(str(path), device=str(device))["features"]
+        return load_file(str(path), device=str(device))
 
-    def _store(self, key: str, feature: torch.Tensor) -> None:
-        write_safetensors(self._path(key), {"features": feature})
+    def _store(self, key: str, image: dict[str, torch.Tensor]) -> None:
+        write_safetensors(self._path(key), image)

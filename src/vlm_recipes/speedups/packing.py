@@ -2,10 +2,12 @@
 
 TRL 1.x refuses `padding_free` for vision datasets, because a packed row breaks Qwen2-VL's multimodal
 RoPE: its 3-D (time, height, width) positions are computed per sample from the sample's own image grids.
-Here they are computed per sample first, by the model's own `get_rope_index` on the ordinary padded
-batch, and only then packed. The row carries the 4-row position ids transformers expects for packed
-Qwen2-VL input: row 0 the text positions, restarting at 0 with every sample, from which the attention
-mask is made block-diagonal (no token attends to another sample); rows 1-3 the mRoPE positions.
+Here they are computed per sample first, by the model's own `get_rope_index` (`family.rope_index`) on the
+ordinary padded batch, and only then packed. The row carries the 4-row position ids transformers expects
+for packed Qwen2-VL, Qwen2.5-VL and Qwen3-VL input alike: row 0 the text positions, restarting at 0 with
+every sample, from which the attention mask is made block-diagonal (no token attends to another sample);
+rows 1-3 the mRoPE positions (Qwen3-VL interleaves them over the rotary frequencies itself; Qwen3-VL's
+DeepStack features follow the image tokens wherever they sit in the row).
 
 With sdpa attention (no flash-attention installed, or a CPU), that block-diagonal mask would make every
 layer attend densely over the whole row, (sum of L)^2 work for sum of L^2 worth of attention, and sdpa
@@ -57,7 +59,10 @@ class PaddingFreeVisionCollator:
 
 
 def pack_batch(batch: dict[str, Any], rope_index: Callable) -> dict[str, Any]:
-    """A right-padded batch → one packed row with 4-row position ids (see the module docstring)."""
+    """A right-padded batch → one packed row with 4-row position ids (see the module docstring).
+
+    `rope_index` is called with the keyword arguments every Qwen-VL `get_rope_index` takes (Qwen2.5-VL's
+    also takes `second_per_grid_ts`, passed when the batch has it: video timing; Qwen3-VL's ignores it)."""
     keep = batch.pop("attention_mask").bool()
     rope_kwargs = {
         k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch

@@ -1,0 +1,353 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL as families: their published dimensions (built on the meta device,
+no weights), their tiny offline models (real processor classes and chat templates), and every seed
+recipe end to end on the tiny Qwen2.5-VL and Qwen3-VL (tests/test_e2e.py runs them on Qwen2-VL).
+
+The speed-ups (packing, per-sample attention, feature cache) and the FLOP formula are checked per family
+in tests/test_speedups.py and tests/test_flops.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_MODELS, model_inputs
+from PIL import Image
+from torch import nn
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from vlm_recipes.cli.train import main
+from vlm_recipes.data.lengths import sample_lengths
+from vlm_recipes.data.rows import load_split
+from vlm_recipes.evaluation.flops import flops_per_sample
+from vlm_recipes.families import FAMILIES, family_for_model_type
+from vlm_recipes.families.base import lora_target_modules, params_by_role
+from vlm_recipes.files import read_json
+from vlm_recipes.recipes.schema import DataSettings
+from vlm_recipes.stages.build import load_processor
+
+ROLES = ("vision", "projector", "llm")
+
+
+def qwen2_vl_config(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, tie: bool) -> dict:
+    """The fields of a Qwen2-VL config.json that shape the model (flat, as published)."""
+    return {
+        "model_type": "qwen2_vl",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 28,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {
+            "depth": 32,
+            "embed_dim": 1280,
+            "mlp_ratio": 4,
+            "num_heads": 16,
+            "in_chans": 3,
+            "hidden_size": hidden,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def qwen2_5_vl_config(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, tie: bool
+) -> dict:
+    return {
+        "model_type": "qwen2_5_vl",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tie,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "vision_config": {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": hidden,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def qwen3_vl_config(
+    hidden: int, intermediate: int, tie: bool, depth: int, width: int, mlp: int, deepstack: list[int]
+) -> dict:
+    """Qwen3-VL's config.json nests text_config and vision_config."""
+    return {
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": tie,
+        "text_config": {
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": tie,
+            "rope_theta": 5000000,
+            "rope_scaling": {
+                "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+                "rope_type": "default",
+            },
+        },
+        "vision_config": {
+            "depth": depth,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": width,
+            "intermediate_size": mlp,
+            "num_heads": 16,
+            "in_channels": 3,
+            "out_hidden_size": hidden,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": deepstack,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+# From each model's config.json on the Hugging Face hub (huggingface.co/Qwen/<name>/blob/main/config.json),
+# the fields that shape the model; with the parameter count the hub shows for its safetensors, which the
+# meta-device build must reproduce (a check that the fields were copied right).
+PUBLISHED = {
+    # Qwen/Qwen2-VL-2B-Instruct: 2.21B
+    "Qwen2-VL-2B": (qwen2_vl_config(1536, 8960, 12, 2, 151936, True), 2_208_985_600),
+    # Qwen/Qwen2-VL-7B-Instruct: 8.29B
+    "Qwen2-VL-7B": (qwen2_vl_config(3584, 18944, 28, 4, 152064, False), 8_291_375_616),
+    # Qwen/Qwen2.5-VL-3B-Instruct: 3.75B
+    "Qwen2.5-VL-3B": (qwen2_5_vl_config(2048, 11008, 36, 16, 2, 151936, True), 3_754_622_976),
+    # Qwen/Qwen2.5-VL-7B-Instruct: 8.29B
+    "Qwen2.5-VL-7B": (qwen2_5_vl_config(3584, 18944, 28, 28, 4, 152064, False), 8_292_166_656),
+    # Qwen/Qwen3-VL-4B-Instruct: 4.44B
+    "Qwen3-VL-4B": (qwen3_vl_config(2560, 9728, True, 24, 1024, 4096, [5, 11, 17]), 4_437_815_808),
+    # Qwen/Qwen3-VL-8B-Instruct: 8.77B
+    "Qwen3-VL-8B": (qwen3_vl_config(4096, 12288, False, 27, 1152, 4304, [8, 16, 24]), 8_767_123_696),
+}
+
+
+@pytest.fixture(scope="module", params=list(PUBLISHED))
+def published(request):
+    """(family, model on the meta device, published parameter count): real shapes, no weights."""
+    fields, params = PUBLISHED[request.param]
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)  # as from_pretrained reads config.json
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return family_for_model_type(config.model_type), model, params
+
+
+def test_published_dimensions_build_the_published_model(published):
+    _, model, params = published
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_every_parameter_has_exactly_one_role(published):
+    family, model, _ = published
+    groups = params_by_role(model, family)
+    assert not groups["other"], [name for name, _ in groups["other"]][:5]
+    assert all(groups[role] for role in ROLES)
+    counted = sum(len(params) for params in groups.values())
+    assert counted == len(list(model.named_parameters())), "each parameter in one group"
+    names = {name for name, _ in model.named_parameters()}
+    for name in names:
+        if ".deepstack_merger_list." in name or ".merger." in name:
+            assert family.role_of(name) == "projector", name  # Qwen3-VL's DeepStack mergers project too
+        elif name.startswith("model.visual."):
+            assert family.role_of(name) == "vision", name
+
+
+def test_lora_targets_resolve_for_each_role(published):
+    family, model, _ = published
+    everything = lora_target_modules(model, family, dict.fromkeys(ROLES, []))
+    by_role = {role: [t for t in everything if family.role_of(t) == role] for role in ROLES}
+    assert all(by_role.values()) and len(everything) == len(set(everything))
+    assert not any(family.is_lm_head(t) for t in everything)
+    modules = dict(model.named_modules())
+    assert all(isinstance(modules[t], nn.Linear) for t in everything)
+    # the suffixes a recipe would name (lora.targets) reach the right role only
+    named = lora_target_modules(model, family, {"llm": ["q_proj", "v_proj"], "vision": ["qkv"]})
+    layers = model.config.get_text_config().num_hidden_layers
+    assert sum(t.endswith(".q_proj") for t in named) == layers
+    assert {family.role_of(t) for t in named} == {"llm", "vision"}
+
+
+def test_quantization_skip_modules_are_real_modules_and_cover_the_tower(published):
+    family, model, _ = published
+    skip = family.quantization_skip_modules(["vision", "projector", "lm_head"])
+    modules = dict(model.named_modules())
+    assert all(name in modules for name in skip), [n for n in skip if n not in modules]
+    for name, module in modules.items():
+        if isinstance(module, nn.Linear) and family.role_of(name) in ("vision", "projector"):
+            assert any(name.startswith(s + ".") for s in skip), f"{name} would be quantized"
+    assert "lm_head" in skip
+
+
+def test_flop_formula_gives_positive_counts(published):
+    family, model, _ = published
+    r1 = {"vision": "frozen", "projector": "frozen", "llm": "lora"}
+    r2 = {"vision": "full", "projector": "full", "llm": "frozen"}
+    grids = [[(16, 16)]]  # one 448x448 (Qwen3-VL: 512x512) image: 256 tokens
+    forward = flops_per_sample(model, family, r1, [(100, 256)], grids)
+    assert 0 < forward < flops_per_sample(model, family, r2, [(100, 256)], grids)
+    geometry = family.vision_geometry(model.config)
+    if model.config.model_type == "qwen2_5_vl":  # 4 of 32 layers full, the rest in 4x4-token windows
+        assert (geometry.window, geometry.full_attention_layers) == (4, 4)
+        assert geometry.attention_pairs(256, (16, 16)) < geometry.layers * 1024**2
+    else:
+        assert geometry.window is None
+
+
+# ---------------------------------------------------------------------------------- the tiny models
+
+
+def test_every_family_has_a_tiny_model_and_model_types_do_not_overlap():
+    assert {family.name for family in FAMILIES} == set(TINY_MODELS)
+    for family in FAMILIES:
+        assert TINY_MODELS[family.name] in family.demo_models
+    model_types = [t for family in FAMILIES for t in family.model_types]
+    assert len(model_types) == len(set(model_types)) and "qwen2_5_vl" in model_types
+
+
+# TRL's name for the template each family's checkpoints ship (Qwen2-VL's is byte-identical to Qwen2.5-VL's)
+TEMPLATES = {"qwen2-vl": "qwen2_5_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
+PROCESSORS = {
+    "qwen2-vl": "Qwen2VLProcessor",
+    "qwen2.5-vl": "Qwen2_5_VLProcessor",
+    "qwen3-vl": "Qwen3VLProcessor",
+}
+
+
+def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):
+    import trl.chat_template_utils as templates
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    family, model_dir = tiny_family
+    config = AutoConfig.from_pretrained(model_dir)
+    assert family_for_model_type(config.model_type) is family
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    assert type(processor).__name__ == PROCESSORS[family.name]
+    assert type(processor.video_processor).__name__.endswith("VideoProcessor")
+    # the template the real checkpoints ship, byte for byte: TRL recognises it and swaps in its training
+    # variant (generation markers for assistant-only loss)
+    assert processor.chat_template == getattr(templates, f"{TEMPLATES[family.name]}_chat_template")
+    assert has_generation_markers(get_training_chat_template(processor))
+    tok = processor.tokenizer
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert not params_by_role(model, family)["other"]
+    assert sum(p.numel() for p in model.parameters()) < 500_000
+
+
+def test_assistant_mask_covers_exactly_the_answer(tiny_family):
+    from trl.chat_template_utils import get_training_chat_template
+
+    _, model_dir = tiny_family
+    processor = AutoProcessor.from_pretrained(model_dir)
+    row = load_split("demo:train", "train", 1)[0][0]
+    batch = model_inputs(
+        processor,
+        [row],
+        chat_template=get_training_chat_template(processor),
+        return_assistant_tokens_mask=True,
+    )
+    mask = batch["assistant_masks"][0].bool()
+    positions = mask.nonzero().flatten().tolist()
+    assert positions == list(range(positions[0], len(mask))), "one span, to the end"
+    answer = row["messages"][1]["content"][0]["text"]
+    assert processor.tokenizer.decode(batch["input_ids"][0][mask]) == answer + "<|im_end|>\n"
+
+
+def test_pixel_bounds_reach_the_processor_and_lengths_match_it(tiny_family):
+    """data.min/max_pixels in the family's own units (Qwen3-VL: 32 px per merged token, not 28)."""
+    family, model_dir = tiny_family
+    processor = AutoProcessor.from_pretrained(model_dir)
+    side = processor.image_processor.patch_size * processor.image_processor.merge_size
+    processor = load_processor(
+        str(model_dir), DataSettings(min_pixels=side * side * 4, max_pixels=side * side * 9), family
+    )
+    ds, _ = load_split("demo:eval", "test", 4)
+    for row, expected in zip(ds, sample_lengths(ds, processor, family), strict=True):
+        out = model_inputs(processor, [row])
+        assert out["input_ids"].shape[1] == expected
+        assert 4 <= (out["image_grid_thw"].prod(-1) // 4).item() <= 9
+    # odd sizes and aspect ratios: the count from the size alone is the processor's
+    sizes = [(33, 33), (56, 200), (300, 90), (20, 400), (123, 77)]
+    processor.image_processor.size = {"shortest_edge": side * side * 4, "longest_edge": side * side * 64}
+    grids = processor.image_processor(images=[Image.new("RGB", (w, h)) for h, w in sizes])["image_grid_thw"]
+    assert family.image_token_counts(processor, sizes) == (grids.prod(-1) // 4).tolist()
+
+
+# ---------------------------------------------------------------- every seed recipe, end to end
+
+SEED_RECIPES = ("r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint")
+TINY_RUN = [
+    "--max-steps",
+    "2",
+    "training.per_device_batch_size=4",
+    "data.max_train_samples=8",
+    "data.max_eval_samples=4",
+    "evaluation.max_new_tokens=4",
+]
+
+
+def assert_stage_trained_its_roles(stage: dict, recipe_stage: dict, family) -> None:
+    """Frozen: bit-identical to the source. LoRA: only the adapted linear weights moved. Full: all moved."""
+
+    def weights(model_dir: str) -> dict[str, torch.Tensor]:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir)
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+    before, after = weights(stage["source"]), weights(stage["final_model"])
+    assert before.keys() == after.keys()
+    lora_weights = {f"{m}.weight" for m in read_json(Path(stage["dir"]) / "report.json")["lora_targets"]}
+    for name, old in before.items():
+        role, mode = family.role_of(name), recipe_stage["train"][family.role_of(name)]
+        changed = not torch.equal(old, after[name])
+        if mode == "frozen" or (mode == "lora" and name not in lora_weights):
+            assert not changed, f"{stage['name']}: {name} ({role}, {mode}) changed"
+        else:
+            assert changed, f"{stage['name']}: {name} ({role}, {mode}) did not change"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("tiny_family", ["qwen2.5-vl", "qwen3-vl"], indirect=True)
+@pytest.mark.parametrize("recipe", SEED_RECIPES)
+def test_seed_recipe_runs_end_to_end(tiny_family, recipe, tmp_path):
+    family, _ = tiny_family
+    model = f"model={TINY_MODELS[family.name]}"
+    args = ["--recipe", recipe, "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN, model]
+    assert main(args) == 0
+    manifest = read_json(tmp_path / recipe / "t" / "run.json")
+    assert manifest["status"] == "finished"
+    for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
+        assert (Path(stage["dir"]) / "DONE").is_file()
+        assert stage["steps"] == 2 and stage["eval_loss"] is not None
+        assert read_json(Path(stage["dir"]) / "report.json")["family"] == family.name
+        assert_stage_trained_its_roles(stage, recipe_stage, family)
