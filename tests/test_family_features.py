@@ -1,0 +1,150 @@
+"""The features tests elsewhere prove on Qwen2-VL, on the tiny Qwen2.5-VL and Qwen3-VL: one shared run per
+family, r3-two-stage as 2 DDP CPU processes (gloo) with the preprocessed sample cache, killed (SIGKILL)
+between its stages and resumed in one process. Each test below checks one feature on that run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_train
+
+from vlm_recipes.files import read_json
+
+pytestmark = pytest.mark.e2e
+
+NEW_FAMILIES = ["demo:tiny-qwen2.5-vl", "demo:tiny-qwen3-vl"]
+STAGES = ("stage-1-vision-full", "stage-2-llm-lora")
+TINY = [
+    "--max-steps",
+    "2",
+    "training.per_device_batch_size=4",  # 8 rows over 2 ranks: one step per epoch
+    "data.max_train_samples=8",
+    "data.max_eval_samples=4",
+    "evaluation.max_new_tokens=4",
+    "training.preprocessed_cache=true",
+]
+
+
+@dataclass
+class SharedRun:
+    model: str
+    run_dir: Path
+    killed: subprocess.CompletedProcess
+    resumed: subprocess.CompletedProcess
+    done_before: dict[str, str]  # stage directory -> its DONE marker when the run was killed
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def shared_run(request, tmp_path_factory, private_demo_cache) -> SharedRun:
+    from vlm_recipes.demo import ensure_demo_model
+
+    model = request.param
+    ensure_demo_model(model)  # built once here, not raced by the ranks
+    out = tmp_path_factory.mktemp(model.removeprefix("demo:"))
+    env = {**os.environ, "VLM_RECIPES_SPEEDUP_CACHE": str(out / "speedups")}  # cold: stage 1 writes it
+    killed = run_train(
+        "--recipe",
+        "r3-two-stage",
+        f"model={model}",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        "run",
+        *TINY,
+        env=env,
+        fault="between1",
+        timeout=300,
+    )
+    run_dir = out / "r3-two-stage" / "run"
+    done_before = {p.parent.name: p.read_text() for p in run_dir.glob("stage-*/DONE")}
+    # Resumed in one process: cheaper than relaunching two, and stage 2 still starts from the final/ and
+    # reads the cache entries the 2 ranks of stage 1 wrote.
+    resumed = run_train("--resume", str(run_dir), env=env, timeout=300)
+    return SharedRun(model, run_dir, killed, resumed, done_before)
+
+
+def decisions(stage_dir: Path) -> dict[str, str]:
+    return {d["guard"]: d["choice"] for d in read_json(stage_dir / "report.json")["decisions"]}
+
+
+def test_killed_between_stages_then_resumed_without_retraining_stage_1(shared_run):
+    run = shared_run
+    assert run.killed.returncode != 0, run.killed.stderr[-3000:]
+    assert "fault injection: SIGKILL at between1" in run.killed.stderr
+    assert list(run.done_before) == [STAGES[0]], "killed after stage 1, before stage 2"
+    assert run.resumed.returncode == 0, run.resumed.stderr[-3000:]
+    assert "`vision-full`: already done" in run.resumed.stderr
+    assert (run.run_dir / STAGES[0] / "DONE").read_text() == run.done_before[STAGES[0]]  # not retrained
+    manifest = read_json(run.run_dir / "run.json")
+    assert manifest["status"] == "finished" and len(manifest["stages"]) == 2
+    assert all((run.run_dir / stage / "DONE").is_file() for stage in STAGES)
+    assert [read_json(run.run_dir / s / "metrics.json")["steps"] for s in STAGES] == [2, 2]
+
+
+def test_stage_1_ran_as_ddp_on_two_ranks(shared_run):
+    launch = decisions(shared_run.run_dir / STAGES[0])
+    assert launch["same-start"] == "identical on 2 ranks"
+    assert launch["parallelism"].startswith("DistributedDataParallel")
+    assert "× 2 process(es)" in launch["batch"]
+    assert decisions(shared_run.run_dir / STAGES[1])["same-start"] == "one rank"  # resumed in one process
+
+
+def test_stage_2_read_the_samples_stage_1_preprocessed(shared_run):
+    first, second = (
+        read_json(shared_run.run_dir / stage / "metrics.json")["preprocessed_cache"] for stage in STAGES
+    )
+    assert first["misses"] > 0  # each rank wrote its shard
+    assert second["hits"] > 0 and second["misses"] == 0, "same processor settings: every row was ready"
+
+
+def test_freeze_audit_keeps_frozen_roles_identical(shared_run):
+    manifest = read_json(shared_run.run_dir / "run.json")
+    for stage, recipe_stage in zip(STAGES, manifest["resolved_recipe"]["stages"], strict=True):
+        audit = read_json(shared_run.run_dir / stage / "report.json")["freeze_audit"]
+        assert "other" not in audit, f"{stage}: parameters outside every role"
+        for role, mode in recipe_stage["train"].items():
+            if mode == "frozen":
+                assert audit[role]["changed"] == 0 and audit[role]["identical"] > 0, (stage, role)
+            else:
+                assert audit[role]["changed"] > 0, (stage, role, mode)
+
+
+def test_compare_script_tables_the_run(shared_run, tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "compare_recipes.py"),
+            str(shared_run.run_dir),
+            "--out",
+            str(tmp_path / "cmp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "r3-two-stage" in result.stdout and "llm-lora" in result.stdout
+    assert (tmp_path / "cmp" / "comparison.md").is_file()
+
+
+def test_doctor_puts_every_parameter_of_final_in_a_role(shared_run):
+    final = shared_run.run_dir / STAGES[1] / "final"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "inspect_checkpoint.py"), str(final)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    family = shared_run.model.removeprefix("demo:tiny-")
+    assert f": {family}, loaded none" in result.stdout
+    rows = {line.split()[0] for line in result.stdout.splitlines() if line.split()}
+    assert {"vision", "projector", "llm", "lm_head"} <= rows
+    assert "other" not in rows
