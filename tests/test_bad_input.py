@@ -4,7 +4,10 @@ One table, input → expected message fragment. Everything here fails before any
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import random
 import shutil
 import sys
 from pathlib import Path
@@ -75,6 +78,37 @@ def no_processor(tmp: Path) -> list[str]:
     return ["--recipe", "r1-llm-only", f"model={model}"]
 
 
+def binary_recipe(data: bytes):
+    """A recipe file holding `data` (not UTF-8 text)."""
+
+    def make(tmp: Path) -> list[str]:
+        (tmp / "bad.yaml").write_bytes(data)
+        return ["--recipe", str(tmp / "bad.yaml")]
+
+    return make
+
+
+HELD_LOCKS: list[int] = []  # closed after each case
+
+
+def run_in_use(tmp: Path) -> list[str]:
+    """The run directory `bad` is locked by another holder (as by a live process: its own open file)."""
+    run_dir = tmp / "runs" / "r1-llm-only" / "bad"
+    run_dir.mkdir(parents=True)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"pid": 4242, "host": "gpu-7", "since": "2026-01-01T00:00:00"}).encode())
+    HELD_LOCKS.append(fd)
+    return ["--recipe", "r1-llm-only"]
+
+
+def unreadable_run_record(tmp: Path) -> list[str]:
+    run_dir = tmp / "runs" / "r1-llm-only" / "old"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"resolved_recipe": ')
+    return ["--resume", str(run_dir)]
+
+
 def other_family(tmp: Path) -> list[str]:
     from transformers import GPT2Config
 
@@ -99,6 +133,84 @@ CASES = {
         lambda t: ["training.epochs=two"],
         "training.epochs: expected a number, got 'two'",
     ),
+    # numbers out of range: flags that set recipe keys are checked as the keys (the error names the flag)
+    "negative epochs": (
+        lambda t: ["--epochs", "-1"],
+        "stages[0].training.epochs: must be above 0, got -1.0 (set by --epochs -1)",
+    ),
+    "zero epochs": (lambda t: ["--epochs", "0"], "training.epochs: must be above 0, got 0.0"),
+    "epochs not finite": (lambda t: ["--epochs", "nan"], "training.epochs: must be a finite number"),
+    "zero max steps": (
+        lambda t: ["--max-steps", "0"],
+        "training.max_steps: must be -1 or at least 1, got 0 (set by --max-steps 0)",
+    ),
+    "negative seed": (
+        lambda t: ["--seeds", "-1"],
+        "training.seed: must be at least 0 and at most 4294967295 (numpy seeds are 32-bit), got -1 "
+        "(set by --seeds -1)",
+    ),
+    "seeds not numbers": (lambda t: ["--seeds", "0,one"], "--seeds 0,one: give whole numbers separated by"),
+    "seed twice": (lambda t: ["--seeds", "1,1"], "--seeds 1,1: a seed is given twice"),
+    "zero processes per node": (
+        lambda t: ["--nproc-per-node", "0"],
+        "--nproc-per-node 0: must be at least 1",
+    ),
+    "zero nodes": (lambda t: ["--nnodes", "0"], "--nnodes 0: must be at least 1"),
+    "node rank past the nodes": (
+        lambda t: ["--nnodes", "2", "--node-rank", "2"],
+        "--node-rank 2: with --nnodes 2, give 0 to 1",
+    ),
+    "negative node rank": (lambda t: ["--node-rank", "-1"], "--node-rank -1: must be at least 0"),
+    "port out of range": (
+        lambda t: ["--master-port", "70000"],
+        "--master-port 70000: must be at least 1 and at most 65535",
+    ),
+    "until-stage zero": (lambda t: ["--until-stage", "0"], "--until-stage 0: must be at least 1"),
+    "until-stage past the stages": (
+        lambda t: ["--until-stage", "3"],
+        "--until-stage 3: `r1-llm-only` has 1 stage(s)",
+    ),
+    "override out of range": (
+        lambda t: ["training.learning_rate=0"],
+        "training.learning_rate: must be above 0, got 0.0 (set by override `training.learning_rate=0`)",
+    ),
+    "override not finite": (lambda t: ["training.learning_rate=.inf"], "must be a finite number (above 0)"),
+    "per-role learning rate negative": (
+        lambda t: ["training.role_learning_rates.llm=-1e-4"],
+        "training.role_learning_rates.llm: must be above 0",
+    ),
+    "lora dropout of 1": (
+        lambda t: ["lora.dropout=1"],
+        "lora.dropout: must be at least 0 and below 1, got 1.0",
+    ),
+    "warm-up above 1": (lambda t: ["training.warmup_ratio=1.5"], "must be at least 0 and at most 1, got 1.5"),
+    "one checkpoint kept": (
+        lambda t: ["training.save_total_limit=1"],
+        "save_total_limit: must be at least 2 (one checkpoint stays complete while the next is written)",
+    ),
+    "max_length zero": (lambda t: ["data.max_length=0"], "data.max_length: must be at least 1, got 0"),
+    "eval every 0 steps": (
+        lambda t: ["evaluation.eval_steps=0"],
+        "evaluation.eval_steps: must be at least 1",
+    ),
+    "no new tokens": (lambda t: ["evaluation.max_new_tokens=0"], "max_new_tokens: must be at least 1"),
+    "negative tolerance": (
+        lambda t: ["evaluation.numeric_tolerance=-0.1"],
+        "numeric_tolerance: must be at least 0",
+    ),
+    "min pixels above max pixels": (
+        lambda t: ["data.min_pixels=200000", "data.max_pixels=3136"],
+        "data.min_pixels: 200000 is above data.max_pixels (3136): no image size fits",
+    ),
+    "resume changing the recipe": (
+        lambda t: ["--resume", str(t / "runs" / "r1-llm-only" / "old"), "--max-steps", "3", "lora.rank=4"],
+        "continues the run exactly as its run.json records it; --max-steps, key=value overrides cannot change",
+    ),
+    "resume from an unreadable run.json": (unreadable_run_record, "run.json: unreadable run record"),
+    "run directory in use": (
+        run_in_use,
+        "is in use by process 4242 on host gpu-7 since 2026-01-01T00:00:00. A run directory has one writer",
+    ),
     # recipe files
     "yaml syntax": (lambda t: ["--recipe", recipe(t, "stages: [\n")], "bad.yaml:3: YAML syntax error"),
     "unknown key": (
@@ -108,6 +220,29 @@ CASES = {
     "wrong type": (
         lambda t: ["--recipe", recipe(t, LLM_LORA + "    training: {epochs: [1]}\n")],
         "stages[0].training.epochs: expected a number",
+    ),
+    "range in a recipe file": (
+        lambda t: [
+            "--recipe",
+            recipe(t, LLM_LORA + "    lora: {rank: 0}\n    training: {seed: 4294967296}\n"),
+        ],
+        "stages[0].lora.rank: must be at least 1, got 0",
+    ),
+    "recipe of random bytes": (
+        binary_recipe(bytes(random.Random(0).randrange(256) for _ in range(200))),
+        "bad.yaml: not UTF-8 text",
+    ),
+    "recipe saved as UTF-16": (
+        binary_recipe("model: demo:tiny-qwen2-vl\n".encode("utf-16")),
+        "bad.yaml: not UTF-8 text: it looks like UTF-16 text",
+    ),
+    "recipe saved as UTF-16 without BOM": (
+        binary_recipe("model: demo:tiny-qwen2-vl\n".encode("utf-16-le")),
+        "bad.yaml: not UTF-8 text: it holds NUL bytes",
+    ),
+    "png renamed to .yaml": (
+        binary_recipe(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"),
+        "bad.yaml: not UTF-8 text: it looks like a PNG image",
     ),
     "missing stage name": (
         lambda t: ["--recipe", recipe(t, "stages:\n  - train: {llm: lora}\n")],
@@ -184,7 +319,7 @@ CASES = {
     "image tokens exceed max_length": (lambda t: ["data.max_length=8"], "longer than max_length"),
     # models
     "model dir missing": (lambda t: ["model=" + str(t / "nowhere")], "is not a model directory"),
-    "unsupported family": (other_family, "model type `gpt2` is not supported yet. Supported: qwen2_vl"),
+    "unsupported family": (other_family, "model type `gpt2` is not supported. Supported families: qwen2-vl"),
     "processor missing": (no_processor, "no usable processor in"),
 }
 
@@ -194,15 +329,24 @@ def test_bad_input_is_a_clear_error(name, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     make_args, message = CASES[name]
     args = make_args(tmp_path)
-    if "--recipe" not in args:
+    if "--recipe" not in args and "--resume" not in args:
         args = ["--recipe", "r1-llm-only", *args]
     out = tmp_path / "runs"
-    code = main([*args, "--output-dir", str(out), "--run-name", "bad"])
+    run = [] if "--resume" in args else ["--run-name", "bad"]  # --resume RUN_DIR names its run
+    try:
+        code = main([*args, "--output-dir", str(out), *run])
+    finally:
+        while HELD_LOCKS:
+            os.close(HELD_LOCKS.pop())
     err = capsys.readouterr().err
     assert code == 2, err
     assert message in err
     assert "Traceback" not in err
     assert not list(out.glob("**/DONE")), "no stage may look finished"
+    for record in out.glob("*/bad/run.json"):  # bad input found after the run began: the run says so
+        manifest = json.loads(record.read_text())
+        assert manifest["status"] == "failed", manifest["status"]
+        assert message in manifest["error"]
 
 
 def test_unknown_flag_is_rejected_by_the_parser(capsys):

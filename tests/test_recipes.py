@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 from conftest import REPO, write_recipe
 
-from vlm_recipes.recipes.load import RecipeError, available_recipes, load_recipe
+from vlm_recipes.recipes.load import available_recipes, load_recipe
+from vlm_recipes.recipes.schema import Recipe, Stage
+from vlm_recipes.recipes.validate import RecipeError
 
 SEEDS = ["r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint"]
 
@@ -210,3 +215,43 @@ def test_missing_model_or_demo_source_is_caught_before_loading(override, message
     with pytest.raises(RecipeError) as error:
         load_recipe("r1-llm-only", [override])
     assert message in str(error.value)
+
+
+def numeric_fields(cls, prefix=""):
+    """(key path, field) of every number in the schema, nested sections included."""
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from numeric_fields(hint, f"{prefix}{f.name}.")
+        elif {int, float} & {hint, *typing.get_args(hint)}:  # int, float | None, dict[str, float]
+            yield f"{prefix}{f.name}", f
+
+
+def test_every_numeric_key_declares_its_range_and_its_default_is_in_it():
+    fields = list(numeric_fields(Stage)) + list(numeric_fields(Recipe))
+    assert {"training.epochs", "lora.rank", "training.seed", "evaluation.max_new_tokens"} <= {
+        k for k, _ in fields
+    }
+    for key, f in fields:
+        bounds = f.metadata.get("range")
+        assert bounds is not None, f"{key}: a number without a range in schema.py"
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, int | float):
+            assert bounds.problem(default) is None, f"{key}: default {default} is outside [{bounds}]"
+
+
+def test_schema_listing_shows_the_ranges(capsys):
+    from vlm_recipes.cli.train import main
+
+    assert main(["--schema"]) == 0
+    out = capsys.readouterr().out
+    assert "epochs: 1.0  # passes over the training data [above 0]" in out
+    assert (
+        "max_steps: -1  # stop after this many optimizer steps; -1: run all epochs [-1 or at least 1]" in out
+    )
+
+
+def test_a_recipe_with_a_utf8_bom_loads(tmp_path):
+    path = tmp_path / "bom.yaml"
+    path.write_bytes(b"\xef\xbb\xbfmodel: demo:tiny-qwen2-vl\nstages:\n  - name: a\n    train: {llm: lora}\n")
+    assert load_recipe(str(path)).stages[0].name == "a"

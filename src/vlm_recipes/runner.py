@@ -1,7 +1,9 @@
 """Chain a recipe's stages: decide how each uses the devices, launch process groups where needed, skip
-finished stages, resume an interrupted one, and keep run.json current.
+finished stages, resume an interrupted one, and keep run.json current, to the end: a run that stops early
+records `failed` (with the error) or `interrupted` (Ctrl-C) in run.json, written by the process that stops.
 
-The run directory's layout is in `runs.py`; one stage's work is `stages.run.run_stage`.
+The run directory's layout and its one-writer lock are in `runs.py`; one stage's work is
+`stages.run.run_stage`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from vlm_recipes.files import read_json, write_json
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs import (
     FINAL_DIR,
+    LOCK_HELD_ENV,
     RunExistsError,
     RunOptions,
     describe_source,
+    held_lock_fd,
     is_done,
+    mark_run_ended,
     prepare_run_dir,
+    release_run_lock,
     resolve_source,
     run_dir_for,
     stage_dirs,
@@ -77,14 +83,18 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     """Run every stage of a recipe in order; returns the run directory.
 
     Stages that use one process run here; stages that need one process per device are run by child
-    processes this one launches (torchrun / accelerate), which continue the same run directory."""
-    if launched():  # a child of the launcher: train the stages it was given
-        return train_stages(recipe, options, process_state())
-    env = Environment.detect()
-    plans = plan_parallel(recipe, env, options)
-    if not any(plan.launches_processes for plan, _ in plans):
-        return train_stages(recipe, options, process_state(), plans)
-    return launch_stages(recipe, options, plans)
+    processes this one launches (torchrun / accelerate), which continue the same run directory. This
+    process holds the run directory's lock until it returns (its children share it)."""
+    try:
+        if launched():  # a child of the launcher: train the stages it was given
+            return train_stages(recipe, options, process_state())
+        env = Environment.detect()
+        plans = plan_parallel(recipe, env, options)
+        if not any(plan.launches_processes for plan, _ in plans):
+            return train_stages(recipe, options, process_state(), plans)
+        return launch_stages(recipe, options, plans)
+    finally:
+        release_run_lock()
 
 
 def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[ParallelPlan, Decision]]) -> Path:
@@ -101,20 +111,46 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
             groups[-1] = (index, plan, decision)
         else:
             groups.append((index, plan, decision))
-    for last, plan, decision in groups:
-        log.info("stages up to %d: %s", last, decision)
-        resumed = dataclasses.replace(options, resume=True, until_stage=last)
-        if not plan.launches_processes:
-            if node.node_rank == 0:
-                train_stages(recipe, resumed, process_state(), plans)
-            continue
-        command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
-        log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
-        child_env = {**os.environ, PARALLEL_ENV: f"{plan.mode}:{decision.choice}"}
-        code = subprocess.run(command, env=child_env).returncode
-        if code != 0:
-            raise LaunchFailed(code)
+    try:
+        for last, plan, decision in groups:
+            log.info("stages up to %d: %s", last, decision)
+            resumed = dataclasses.replace(options, resume=True, until_stage=last)
+            if not plan.launches_processes:
+                if node.node_rank == 0:
+                    train_stages(recipe, resumed, process_state(), plans)
+                continue
+            command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
+            log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
+            run_launched(command, run_dir, {PARALLEL_ENV: f"{plan.mode}:{decision.choice}"})
+    except BaseException as exc:
+        if node.node_rank == 0:  # what a child recorded (the error itself) is kept: it knows more
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            mark_run_ended(run_dir, status, exc, keep_recorded=True)
+        raise
     return run_dir
+
+
+def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    """Run a launcher command (torchrun / accelerate) to its end. The children are one writer with this
+    process: they are told this process holds the run's lock, and inherit the locked file, so the lock
+    stays held while any of them lives (even if this process is killed)."""
+    child_env = {**os.environ, **env}
+    lock_fd = held_lock_fd(run_dir)
+    if lock_fd is not None:
+        child_env[LOCK_HELD_ENV] = str(run_dir.resolve())
+    process = subprocess.Popen(command, env=child_env, pass_fds=(lock_fd,) if lock_fd is not None else ())
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:  # the children got the Ctrl-C too: let them save their checkpoint
+        log.warning("Ctrl-C: waiting for the launched processes to save and stop")
+        try:
+            process.wait(timeout=300)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+        raise
+    if code != 0:
+        raise LaunchFailed(code)
 
 
 class LaunchFailed(RuntimeError):
@@ -139,17 +175,31 @@ def train_stages(
     state: PartialState,
     plans: list[tuple[ParallelPlan, Decision]] | None = None,
 ) -> Path:
-    """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group)."""
-    # heavy imports (transformers, TRL, PEFT) only when training
-    from vlm_recipes.stages.checks import prepare_resume
-    from vlm_recipes.stages.context import StageContext
-    from vlm_recipes.stages.run import run_stage
-
+    """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group).
+    Rank 0 holds the run's lock (unless its launcher does) and records in run.json how the run ended."""
     env = Environment.detect()
     run_dir = prepare_run_dir(recipe, options) if state.is_main_process else run_dir_for(recipe, options)
     state.wait_for_everyone()
     dirs = stage_dirs(recipe, run_dir)
     manifest = write_manifest(recipe, run_dir, options, env) if state.is_main_process else {"stages": []}
+    try:
+        _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest)
+    except BaseException as exc:
+        if state.is_main_process:
+            from vlm_recipes.stages.resilience import StageInterrupted
+
+            interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
+            mark_run_ended(run_dir, "interrupted" if interrupted else "failed", exc)
+        raise
+    return run_dir
+
+
+def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -> None:
+    # heavy imports (transformers, TRL, PEFT) only when training
+    from vlm_recipes.stages.checks import prepare_resume
+    from vlm_recipes.stages.context import StageContext
+    from vlm_recipes.stages.run import run_stage
+
     if state.is_main_process:
         where = f"{state.num_processes} processes" if state.num_processes > 1 else "one process"
         log.info("run %s: %d stage(s) on %s, %s", run_dir, len(recipe.stages), env.describe(), where)
@@ -166,7 +216,9 @@ def train_stages(
         # Rank 0 looks at the disk and decides; every rank follows the same decision.
         done, resume_from = broadcast_from_main(
             state,
-            _stage_start(index, stage, stage_dir, retrained, prepare_resume) if state.is_main_process else None,
+            _stage_start(index, stage, stage_dir, retrained, prepare_resume)
+            if state.is_main_process
+            else None,
         )
         if done:
             metrics = read_json(stage_dir / "metrics.json")
@@ -205,7 +257,6 @@ def train_stages(
         manifest["final_model"] = str(dirs[-1] / FINAL_DIR)
         write_json(run_dir / "run.json", manifest)
     state.wait_for_everyone()
-    return run_dir
 
 
 def launched_plan(state: PartialState) -> tuple[ParallelPlan, Decision]:
@@ -232,5 +283,3 @@ def _stage_start(
             )
         shutil.rmtree(stage_dir, ignore_errors=True)
     return False, str(resume_from) if resume_from else None
-
-

@@ -1,0 +1,92 @@
+"""`vlm-recipes COMMAND [ARGS]`: one entry for every tool (the `vlm-recipes` console script).
+
+vlm-recipes train ...     run a recipe             (= python scripts/train_recipe.py ... = python -m vlm_recipes ...)
+vlm-recipes compare ...   compare finished runs    (= python scripts/compare_recipes.py ...)
+vlm-recipes predict ...   answer with a trained model (= python scripts/predict.py ...)
+vlm-recipes inspect ...   what the guards see in a model (= python scripts/inspect_checkpoint.py ...)
+vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ..., from a checkout)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+# command → (module with main(argv, prog), one line of help)
+COMMANDS = {
+    "train": ("vlm_recipes.cli.train", "run a recipe: stages, checkpoints, evaluation (`train --help`)"),
+    "compare": ("vlm_recipes.cli.compare", "compare finished runs: table, comparison.md, comparison.png"),
+    "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
+    "inspect": ("vlm_recipes.cli.doctor", "print what the guards see in a model directory"),
+    "bench": (
+        None,
+        "benchmark against a plain TRL script: runs scripts/benchmark.py, so only from a source checkout "
+        "(it needs benchmarks/baseline_trl.py beside it)",
+    ),
+}
+CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root, when installed from a checkout
+EXIT_BAD_INPUT = 2
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: vlm-recipes COMMAND [ARGS]   (vlm-recipes COMMAND --help for its options)",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `vlm-recipes COMMAND ARGS` to the command's own main."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        problem = f"unknown command `{argv[0]}`" if argv else "no command given"
+        print(f"vlm-recipes: error: {problem}\n\n{usage()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    command, rest = argv[0], argv[1:]
+    prog = f"vlm-recipes {command}"
+    if command == "bench":
+        return bench(rest, prog)
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(rest, prog=prog)
+
+
+def run_as_module(argv: list[str]) -> int:
+    """`python -m vlm_recipes ARGS`: `vlm-recipes train ARGS`, or `vlm-recipes ARGS` when ARGS start with
+    a command name. The launcher relaunches itself this way (`-m vlm_recipes --resume RUN_DIR ...`)."""
+    if argv and argv[0] in COMMANDS:
+        return main(argv)
+    from vlm_recipes.cli.train import main as train
+
+    return train(argv, prog="python -m vlm_recipes")
+
+
+def bench(argv: list[str], prog: str) -> int:
+    """scripts/benchmark.py's main, with `argv` as its command line."""
+    script = CHECKOUT / "scripts" / "benchmark.py"
+    baseline = CHECKOUT / "benchmarks" / "baseline_trl.py"
+    if not (script.is_file() and baseline.is_file()):
+        print(
+            f"{prog}: error: the benchmark runs from a source checkout: {script} and {baseline} are not "
+            "there (this vlm-recipes is installed without them). Clone the repository and run "
+            "`pip install -e .` there, or run `python scripts/benchmark.py` in the checkout.",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    spec = importlib.util.spec_from_file_location("vlm_recipes_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    saved = sys.argv
+    sys.argv = [prog, *argv]  # the script parses sys.argv
+    try:
+        return module.main()
+    finally:
+        sys.argv = saved

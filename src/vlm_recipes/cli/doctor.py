@@ -10,7 +10,7 @@ from vlm_recipes.stages.doctor import format_inspection, inspect_model
 from vlm_recipes.stages.guards import Environment, GuardError, decide_precision
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> int:
     """Load a model directory (a stage's final/, or a hub id where reachable) and print the inspection."""
 
     from vlm_recipes.demo import resolve_model_source
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_recipes.stages.build import detect_family, load_model
     from vlm_recipes.stages.guards import DTYPES, place_tensors, verify_quantization_scope
 
-    parser = argparse.ArgumentParser(prog="inspect_checkpoint.py", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("path", help="model directory, demo:tiny-qwen2-vl, or a hub id")
     parser.add_argument("--quantization", choices=["none", "4bit", "8bit"], default="none")
     parser.add_argument(

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from vlm_recipes.files import read_json, write_jsonl
-from vlm_recipes.runs import FINAL_DIR
+from vlm_recipes.runs import FINAL_DIR, run_state
 
 
 def resolve_model_dir(path: str) -> str:
@@ -19,15 +19,16 @@ def resolve_model_dir(path: str) -> str:
     if (candidate / "run.json").is_file():
         manifest = read_json(candidate / "run.json")
         if "final_model" not in manifest:
-            raise FileNotFoundError(f"{path}: the run has not finished, so it has no final model yet")
+            _, why = run_state(candidate)
+            raise FileNotFoundError(f"{path}: the run has no final model: {why or 'it has not finished'}")
         return manifest["final_model"]
     if (candidate / FINAL_DIR / "config.json").is_file():
         return str(candidate / FINAL_DIR)
     return resolve_model_source(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="predict.py", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--model", required=True, help="run dir, stage dir, model dir, or model id")
     parser.add_argument("--image", type=Path, action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--prompt", help="the question")

@@ -1,4 +1,9 @@
-"""`python scripts/train_recipe.py`: parse arguments, load the recipe, plan or run it."""
+"""`vlm-recipes train` (also `python scripts/train_recipe.py`, `python -m vlm_recipes`): parse arguments,
+load the recipe, plan or run it.
+
+Every value given on the command line is checked before anything trains: flags that set recipe keys
+(--epochs, --max-steps, --seeds, --parallel) become overrides and are checked against the schema with them
+(an error names the flag); the others are checked here (FLAG_RANGES)."""
 
 from __future__ import annotations
 
@@ -16,11 +21,19 @@ DEFAULT_RECIPE = "r3-two-stage"
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
+# Numeric flags that are not recipe keys: (attribute, flag, lowest, highest or None)
+FLAG_RANGES = [
+    ("nproc_per_node", "--nproc-per-node", 1, None),
+    ("nnodes", "--nnodes", 1, None),
+    ("node_rank", "--node-rank", 0, None),  # and below --nnodes
+    ("master_port", "--master-port", 1, 65535),
+    ("until_stage", "--until-stage", 1, None),  # and at most the number of stages
+]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "train_recipe.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="train_recipe.py",
+        prog=prog,
         allow_abbrev=False,  # `--epoch` must not silently mean `--epochs`
         description="Run a multi-stage VLM fine-tuning recipe.",
         epilog="Overrides: key=value, e.g. model=Qwen/Qwen2-VL-2B-Instruct training.learning_rate=1e-4 "
@@ -76,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_recipes() -> str:
-    from vlm_recipes.recipes.load import RecipeError, available_recipes, load_recipe
+    from vlm_recipes.recipes.load import available_recipes, load_recipe
+    from vlm_recipes.recipes.validate import RecipeError
 
     lines = []
     for name, path in available_recipes().items():
@@ -103,7 +117,9 @@ def describe_schema() -> str:
                 out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
                 out += walk(hint, indent + "  ")
             else:
-                out.append(f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}")
+                bounds = f.metadata.get("range")
+                allowed = f" [{bounds}]" if bounds else ""
+                out.append(f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}{allowed}")
         return out
 
     lines = ["# recipe file (top level)"] + walk(Recipe, "")
@@ -141,9 +157,64 @@ def select_gpus(spec: str) -> None:
 
 def resume_command(args, run_name: str) -> str:
     if isinstance(args.resume, str):
-        return f"python scripts/train_recipe.py --resume {args.resume}"
+        return f"{args.command} --resume {args.resume}"
     recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
-    return f"python scripts/train_recipe.py --resume {args.output_dir / recipe / run_name}"
+    return f"{args.command} --resume {args.output_dir / recipe / run_name}"
+
+
+def check_flags(args) -> None:
+    """The command line's own numbers and combinations (recipe keys are checked with the recipe)."""
+    from vlm_recipes.recipes.validate import Problem, RecipeError
+
+    problems = []
+    for attr, flag, low, high in FLAG_RANGES:
+        value = getattr(args, attr)
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"at least {low}" + (f" and at most {high}" if high is not None else "")
+            problems.append(Problem(f"{flag} {value}", f"must be {bound}"))
+    if args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
+        problems.append(
+            Problem(
+                f"--node-rank {args.node_rank}", f"with --nnodes {args.nnodes}, give 0 to {args.nnodes - 1}"
+            )
+        )
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",")]
+        except ValueError:
+            seeds = []
+        if not seeds:
+            problems.append(
+                Problem(f"--seeds {args.seeds}", "give whole numbers separated by commas, e.g. 0,1,2")
+            )
+        elif len(set(seeds)) != len(seeds):
+            problems.append(
+                Problem(f"--seeds {args.seeds}", "a seed is given twice (its runs would collide)")
+            )
+    if isinstance(args.resume, str):
+        given = [
+            flag
+            for flag, value in (
+                ("--epochs", args.epochs),
+                ("--max-steps", args.max_steps),
+                ("--seeds", args.seeds),
+                ("--parallel", args.parallel),
+                ("--run-name", args.run_name),
+                ("--all", args.all or None),
+                ("key=value overrides", args.overrides or None),
+            )
+            if value is not None
+        ]
+        if given:
+            problems.append(
+                Problem(
+                    f"--resume {args.resume}",
+                    f"continues the run exactly as its run.json records it; {', '.join(given)} cannot change "
+                    "it. Leave them out, or start a new run with them",
+                )
+            )
+    if problems:
+        raise RecipeError(problems, "Bad command line")
 
 
 def build_jobs(args, names: list[str], base_name: str) -> list:
@@ -151,26 +222,47 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
     from vlm_recipes.recipes.load import load_recipe, load_recipe_from_run
 
     if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
-        return [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
-    overrides = list(args.overrides)
-    if args.epochs is not None:
-        overrides.append(f"training.epochs={args.epochs}")
-    if args.max_steps is not None:
-        overrides.append(f"training.max_steps={args.max_steps}")
-    if args.parallel is not None:
-        overrides.append(f"parallel={args.parallel}")
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
-    jobs = []
-    for name in names:
-        for seed in seeds:
-            extra = [f"training.seed={seed}"] if seed is not None else []
-            run_name = base_name if seed is None else f"{base_name}-seed{seed}"
-            jobs.append((load_recipe(name, overrides + extra), run_name))
+        jobs = [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
+    else:
+        overrides = list(args.overrides)
+        labels = {}  # override → the flag the user typed, for errors
+        for flag, key, value in (
+            ("--epochs", "training.epochs", args.epochs),
+            ("--max-steps", "training.max_steps", args.max_steps),
+            ("--parallel", "parallel", args.parallel),
+        ):
+            if value is not None:
+                overrides.append(f"{key}={value}")
+                labels[overrides[-1]] = f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+        jobs = []
+        for name in names:
+            for seed in seeds:
+                extra = [f"training.seed={seed}"] if seed is not None else []
+                if extra:
+                    labels[extra[0]] = f"--seeds {args.seeds}"
+                run_name = base_name if seed is None else f"{base_name}-seed{seed}"
+                jobs.append((load_recipe(name, overrides + extra, labels), run_name))
+    if args.until_stage is not None:
+        from vlm_recipes.recipes.validate import Problem, RecipeError
+
+        for recipe, _ in jobs:
+            if args.until_stage > len(recipe.stages):
+                raise RecipeError(
+                    [
+                        Problem(
+                            f"--until-stage {args.until_stage}",
+                            f"`{recipe.name}` has {len(recipe.stages)} stage(s)",
+                        )
+                    ],
+                    "Bad command line",
+                )
     return jobs
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after options
+def main(argv: list[str] | None = None, prog: str = "train_recipe.py") -> int:
+    args = build_parser(prog).parse_intermixed_args(argv)  # overrides may come before or after options
+    args.command = "python scripts/train_recipe.py" if prog == "train_recipe.py" else prog
     setup_logging()
     if args.list:
         print(list_recipes())
@@ -181,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from vlm_recipes.data.rows import DataError
     from vlm_recipes.families import LoraTargetError, UnsupportedModelError
-    from vlm_recipes.recipes.load import RecipeError, available_recipes
+    from vlm_recipes.recipes.load import available_recipes
+    from vlm_recipes.recipes.validate import RecipeError
     from vlm_recipes.runner import LaunchFailed, run_recipe
     from vlm_recipes.runs import RunExistsError, RunOptions, format_summary
     from vlm_recipes.stages.build import MissingProcessorError
@@ -206,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     base_name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
     run_dirs: list[Path] = []
     try:
+        check_flags(args)
         if args.gpu is not None:
             select_gpus(args.gpu)
         if args.nnodes > 1 and not (args.run_name or args.resume):

@@ -2,17 +2,25 @@
 
 Runs of one recipe with different seeds are aggregated (mean ± std), so a difference smaller than the
 seed noise shows as such. Runs measured on different eval sets are never put in one table: each eval
-set gets its own, and the split is flagged.
+set gets its own, and the split is flagged. Only finished runs are compared: a failed, interrupted or
+still running one is skipped with the reason (found under a runs directory) or refused (named).
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlm_recipes.files import read_json
+from vlm_recipes.runs import run_state
+
+
+class RunNotComparable(ValueError):
+    """A named run cannot be compared: it has not finished (failed, interrupted, running, killed)."""
 
 
 @dataclass
@@ -35,9 +43,11 @@ class RunSummary:
 
 
 def load_run(run_dir: Path) -> RunSummary:
+    """A finished run's numbers; RunNotComparable (a ValueError) says why another run has none."""
+    status, why = run_state(run_dir)
+    if status != "finished":
+        raise RunNotComparable(f"{run_dir}: cannot compare this run: {why}")
     manifest = read_json(run_dir / "run.json")
-    if manifest.get("status") != "finished":
-        raise ValueError(f"{run_dir}: the run is not finished (status {manifest.get('status')})")
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
     curve, offset, boundaries = [], 0, []
@@ -75,16 +85,37 @@ def _peak_gb(peak: dict | None) -> float | None:
     return peak.get("allocated_gb", peak.get("rss_gb"))
 
 
-def find_runs(output_dir: Path, latest: bool) -> list[Path]:
-    """Finished runs under output_dir (`<recipe>/<run>/run.json`); with `latest`, the newest per recipe."""
+def _say_skipped(run_dir: Path, why: str) -> None:
+    print(f"skipped {run_dir}: {why}", file=sys.stderr)
+
+
+def find_runs(
+    output_dir: Path, latest: bool, on_skip: Callable[[Path, str], None] | None = _say_skipped
+) -> list[Path]:
+    """Finished runs under output_dir (`<recipe>/<run>/run.json`), oldest first; with `latest`, the newest
+    finished run per recipe. Each run left out for not being finished is passed to `on_skip` with the
+    reason (default: said on stderr); with `latest`, only those newer than the run picked instead."""
     runs = sorted(output_dir.glob("*/*/run.json"), key=lambda p: p.stat().st_mtime)
-    finished = [p.parent for p in runs if read_json(p).get("status") == "finished"]
-    if not latest:
-        return finished
-    newest: dict[str, Path] = {}
-    for run in finished:
-        newest[run.parent.name] = run
-    return list(newest.values())
+    finished: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    for path in runs:
+        status, why = run_state(path.parent)
+        if status == "finished":
+            finished.append(path.parent)
+        else:
+            skipped.append((path.parent, why))
+    if latest:
+        newest: dict[str, Path] = {}
+        for run in finished:
+            newest[run.parent.name] = run
+        finished = list(newest.values())
+        order = {p.parent: i for i, p in enumerate(runs)}
+        picked = {run.parent.name: order[run] for run in finished}
+        skipped = [(run, why) for run, why in skipped if order[run] > picked.get(run.parent.name, -1)]
+    if on_skip is not None:
+        for run, why in skipped:
+            on_skip(run, why)
+    return finished
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The recipe schema: every key a recipe may contain, its type, default and meaning.
 
-This file is the documentation of the recipe format (one fact, one place). `recipe.py`
-turns YAML into these dataclasses; `python scripts/train_recipe.py --schema` prints them.
+This file is the documentation of the recipe format (one fact, one place): `load.py` turns YAML into
+these dataclasses, `validate.py` checks every value against its type and its `Range` here, and
+`vlm-recipes train --schema` prints them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,11 +21,58 @@ ROLES = ("vision", "projector", "llm")
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
 
 
-def doc(text: str, default=None, factory=None):
-    """A dataclass field carrying its help text (shown by `--schema`)."""
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: from `low` to `high` (either may be open-ended), plus `also`
+    (values with a special meaning outside the range, e.g. -1 for "no limit"). Floats must be finite."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # `low` itself is not allowed
+    high_open: bool = False  # `high` itself is not allowed
+    also: tuple[float, ...] = ()
+    why: str = ""  # said after the bounds in an error
+
+    def __str__(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'above' if self.low_open else 'at least'} {_number(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'below' if self.high_open else 'at most'} {_number(self.high)}")
+        text = " and ".join(parts) or "any number"
+        return " or ".join([*(_number(v) for v in self.also), text])
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is out of range (None when it is fine)."""
+        if value in self.also:
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number ({self}), got {value!r}"
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if not (too_low or too_high):
+            return None
+        why = f" ({self.why})" if self.why else ""
+        return f"must be {self}{why}, got {value!r}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+AT_LEAST_1 = Range(1)
+AT_LEAST_0 = Range(0)
+ABOVE_0 = Range(0, low_open=True)
+SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
+
+
+def doc(text: str, default=None, factory=None, range: Range | None = None):
+    """A dataclass field carrying its help text and, for a number, its allowed range (both shown by
+    `--schema`; the range is checked when a recipe is loaded)."""
+    metadata = {"help": text, "range": range}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -37,9 +86,9 @@ class TrainModes:
 
 @dataclass
 class LoraSettings:
-    rank: int = doc("LoRA rank; higher: more capacity and memory", 16)
-    alpha: int = doc("LoRA scaling numerator (scale = alpha / rank)", 32)
-    dropout: float = doc("dropout on the LoRA input", 0.05)
+    rank: int = doc("LoRA rank; higher: more capacity and memory", 16, range=AT_LEAST_1)
+    alpha: int = doc("LoRA scaling numerator (scale = alpha / rank)", 32, range=AT_LEAST_1)
+    dropout: float = doc("dropout on the LoRA input", 0.05, range=Range(0, 1, high_open=True))
     targets: dict[str, list[str]] = doc(
         "per role, module-name suffixes to adapt (e.g. {llm: [q_proj, v_proj]}); "
         "a role in lora mode that is not listed adapts all its linear layers",
@@ -67,15 +116,18 @@ class DataSettings:
     eval: str | None = doc("held-out data, same forms as train; null for none", "demo:eval")
     train_split: str = doc("split name when `train` is a hub dataset id", "train")
     eval_split: str = doc("split name when `eval` is a hub dataset id", "test")
-    max_train_samples: int | None = doc("use only the first N training rows (quick runs)", None)
-    max_eval_samples: int | None = doc("use only the first N eval rows", None)
+    max_train_samples: int | None = doc(
+        "use only the first N training rows (quick runs)", None, range=AT_LEAST_1
+    )
+    max_eval_samples: int | None = doc("use only the first N eval rows", None, range=AT_LEAST_1)
     min_pixels: int | None = doc(
-        "image processor lower bound on pixels per image; null: the model's own", None
+        "image processor lower bound on pixels per image; null: the model's own", None, range=AT_LEAST_1
     )
     max_pixels: int | None = doc(
         "image processor upper bound on pixels per image (28*28*256 = 256 visual tokens for Qwen2-VL); "
         "null: the model's own",
         None,
+        range=AT_LEAST_1,
     )
     on_bad_sample: Literal["fail", "skip"] = doc(
         "a row that cannot be trained on: fail (list the first bad rows and stop) or skip (count per reason "
@@ -83,19 +135,23 @@ class DataSettings:
         "fail",
     )
     allow_remote_images: bool = doc("download images given as http(s) URLs (off: a URL is a bad row)", False)
-    max_length: int | None = doc("longest tokenized sample, image tokens included; null: no limit", 2048)
+    max_length: int | None = doc(
+        "longest tokenized sample, image tokens included; null: no limit", 2048, range=AT_LEAST_1
+    )
 
 
 @dataclass
 class TrainingSettings:
-    epochs: float = doc("passes over the training data", 1.0)
-    max_steps: int = doc("stop after this many optimizer steps; -1: run all epochs", -1)
-    learning_rate: float = doc("peak learning rate", 2e-4)
-    role_learning_rates: dict[str, float] = doc(
-        "per-role learning rate overriding learning_rate (e.g. {vision: 2.0e-5})", factory=dict
+    epochs: float = doc("passes over the training data", 1.0, range=ABOVE_0)
+    max_steps: int = doc(
+        "stop after this many optimizer steps; -1: run all epochs", -1, range=Range(1, also=(-1,))
     )
-    per_device_batch_size: int = doc("samples per device per step", 4)
-    gradient_accumulation_steps: int = doc("steps summed before each optimizer step", 1)
+    learning_rate: float = doc("peak learning rate", 2e-4, range=ABOVE_0)
+    role_learning_rates: dict[str, float] = doc(
+        "per-role learning rate overriding learning_rate (e.g. {vision: 2.0e-5})", factory=dict, range=ABOVE_0
+    )
+    per_device_batch_size: int = doc("samples per device per step", 4, range=AT_LEAST_1)
+    gradient_accumulation_steps: int = doc("steps summed before each optimizer step", 1, range=AT_LEAST_1)
     group_by_length: bool = doc(
         "batch samples of similar length (image tokens counted): less padding, faster steps; off: random order",
         False,
@@ -121,25 +177,29 @@ class TrainingSettings:
         False,
     )
     dataloader_workers: int = doc(
-        "processes preparing batches while the model trains; 0: in the main process", 0
+        "processes preparing batches while the model trains; 0: in the main process", 0, range=AT_LEAST_0
     )
     gradient_checkpointing: bool = doc("recompute activations in backward: less memory, ~30% slower", False)
-    warmup_ratio: float = doc("fraction of steps with linear warm-up", 0.0)
+    warmup_ratio: float = doc("fraction of steps with linear warm-up", 0.0, range=Range(0, 1))
     lr_scheduler: str = doc("transformers scheduler name: cosine, linear, constant, ...", "cosine")
-    weight_decay: float = doc("AdamW weight decay", 0.0)
-    max_grad_norm: float = doc("gradient clipping norm", 1.0)
-    logging_steps: int = doc("log train loss every N optimizer steps", 5)
+    weight_decay: float = doc("AdamW weight decay", 0.0, range=AT_LEAST_0)
+    max_grad_norm: float = doc("gradient clipping norm", 1.0, range=AT_LEAST_0)
+    logging_steps: int = doc("log train loss every N optimizer steps", 5, range=AT_LEAST_1)
     save_steps: int = doc(
-        "save a checkpoint to resume from every N optimizer steps; 0: none (Ctrl-C still saves one)", 200
+        "save a checkpoint to resume from every N optimizer steps; 0: none (Ctrl-C still saves one)",
+        200,
+        range=AT_LEAST_0,
     )
     save_total_limit: int = doc(
-        "checkpoints kept (at least 2: one stays complete while the next is written)", 2
+        "checkpoints kept (at least 2: one stays complete while the next is written)",
+        2,
+        range=Range(2, why="one checkpoint stays complete while the next is written"),
     )
     nan_policy: Literal["stop", "skip_step"] = doc(
         "NaN/inf loss or gradients: stop the stage (weights untouched by the bad step), or skip that step",
         "stop",
     )
-    eval_batch_size: int = doc("samples per device when evaluating", 4)
+    eval_batch_size: int = doc("samples per device when evaluating", 4, range=AT_LEAST_1)
     max_memory_per_gpu: str | None = doc(
         "model-parallel only: cap per GPU for device_map sharding, e.g. 20GiB (leaves room for activations)",
         None,
@@ -147,7 +207,7 @@ class TrainingSettings:
     trainable_dtype: Literal["fp32", "compute"] = doc(
         "dtype of fully trained parameters: fp32 master weights, or the compute dtype (less memory)", "fp32"
     )
-    seed: int = doc("random seed for weights init of adapters, data order and dropout", 42)
+    seed: int = doc("random seed for weights init of adapters, data order and dropout", 42, range=SEED)
     report_to: list[str] = doc(
         "logging integrations: tensorboard (offline, under checkpoints/runs/), wandb, mlflow, none",
         factory=lambda: ["tensorboard"],
@@ -157,11 +217,13 @@ class TrainingSettings:
 @dataclass
 class EvaluationSettings:
     generate: bool = doc("after the stage, generate answers for the eval split and score them", True)
-    max_new_tokens: int = doc("longest generated answer", 64)
-    batch_size: int = doc("prompts per generation batch", 8)
-    numeric_tolerance: float = doc("relative tolerance when comparing numbers in JSON answers", 0.01)
+    max_new_tokens: int = doc("longest generated answer", 64, range=AT_LEAST_1)
+    batch_size: int = doc("prompts per generation batch", 8, range=AT_LEAST_1)
+    numeric_tolerance: float = doc(
+        "relative tolerance when comparing numbers in JSON answers", 0.01, range=AT_LEAST_0
+    )
     eval_steps: int | None = doc(
-        "also compute eval loss every N optimizer steps; null: at the end only", None
+        "also compute eval loss every N optimizer steps; null: at the end only", None, range=AT_LEAST_1
     )
 
 

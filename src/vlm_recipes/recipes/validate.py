@@ -1,0 +1,261 @@
+"""Validate a resolved recipe: every value against its schema type and range, then what types cannot say
+(impossible combinations, references to stages and models that do not exist).
+
+Every problem found is collected, each naming the file and key path, and raised as one RecipeError, so a
+user fixes them all in one go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlm_recipes.demo import DEMO_MODEL_IDS
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, ROLES, Range, Recipe
+
+STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+DEMO_DATA = ("demo:train", "demo:eval", "demo:bench")
+
+
+@dataclass
+class Problem:
+    where: str  # file (and key path) the problem is in
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class RecipeError(ValueError):
+    """A recipe (or an override of it, or a command-line value) is not valid. Carries every problem found."""
+
+    def __init__(self, problems: list[Problem], title: str = "Recipe is not valid"):
+        self.problems = problems
+        lines = [f"{title} ({len(problems)} problem{'s' if len(problems) != 1 else ''}):"]
+        lines += [f"  - {p}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean `{match[0]}`?" if match else ""
+
+
+def key_path(where: str, key: str) -> str:
+    """`file: stages[0]` + `lora` → `file: stages[0].lora`; the top level `file:` + `model` → `file: model`."""
+    return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed conversion: mapping → dataclasses, collecting every problem
+
+
+def convert(hint: Any, value: Any, where: str, problems: list[Problem], bounds: Range | None = None) -> Any:
+    """Check `value` against a type hint (and a number against its schema range) and return it converted
+    (dataclasses built, numbers coerced)."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _convert_dataclass(hint, value, where, problems)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return convert(inner, value, where, problems, bounds)
+    if origin is typing.Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            hint_text = did_you_mean(str(value), [str(c) for c in choices])
+            problems.append(
+                Problem(where, f"must be one of {' | '.join(map(str, choices))}, got {value!r}{hint_text}")
+            )
+        return value
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):  # `report_to: tensorboard` reads as a one-item list
+            value = [value]
+        if not isinstance(value, list):
+            problems.append(Problem(where, f"expected a list, got {value!r}"))
+            return []
+        return [convert(item, v, f"{where}[{i}]", problems, bounds) for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            problems.append(Problem(where, f"expected a mapping, got {value!r}"))
+            return {}
+        return {str(k): convert(item, v, f"{where}.{k}", problems, bounds) for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            problems.append(Problem(where, f"expected true or false, got {value!r}"))
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(Problem(where, f"expected a whole number, got {value!r}"))
+            return value
+        return _in_range(value, bounds, where, problems)
+    if hint is float:
+        if isinstance(value, str):  # YAML reads 2e-4 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append(Problem(where, f"expected a number, got {value!r}"))
+            return value
+        return _in_range(float(value), bounds, where, problems)
+    if hint is str:
+        if not isinstance(value, str):
+            problems.append(Problem(where, f"expected text, got {value!r}"))
+        return value
+    raise TypeError(f"schema type {hint!r} is not supported by the recipe loader")
+
+
+def _in_range(value: float, bounds: Range | None, where: str, problems: list[Problem]) -> float:
+    if bounds is not None and (problem := bounds.problem(value)):
+        problems.append(Problem(where, problem))
+    return value
+
+
+def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem]) -> Any:
+    if not isinstance(value, dict):
+        problems.append(Problem(where, f"expected a mapping of keys, got {value!r}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    bounds = {f.name: f.metadata.get("range") for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, item in value.items():
+        at = key_path(where, str(key))
+        if key not in hints or key == "source_file":
+            problems.append(Problem(at, f"unknown key{did_you_mean(str(key), hints)}"))
+            continue
+        kwargs[key] = convert(hints[key], item, at, problems, bounds[key])
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantic checks: what types cannot say
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why a model source cannot be found, judged without touching the network."""
+    if source.startswith("demo:") and source not in DEMO_MODEL_IDS:
+        return f"unknown demo model `{source}`: the demo models are {', '.join(DEMO_MODEL_IDS)}"
+    looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
+    if looks_local and not (Path(source).expanduser() / "config.json").is_file():
+        return f"`{source}` is not a model directory (no config.json there)"
+    return None
+
+
+def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
+    """Problems of a typed recipe that no single key shows (ranges and types are checked by `convert`)."""
+    problems: list[Problem] = []
+    if not recipe.model:
+        problems.append(Problem(f"{where}: model", "no model given: set `model:` (e.g. demo:tiny-qwen2-vl)"))
+    elif problem := model_source_problem(recipe.model):
+        problems.append(Problem(f"{where}: model", problem))
+    seen: list[str] = []
+    for i, stage in enumerate(recipe.stages):
+        at = f"{where}: stages[{i}]"
+        if not STAGE_NAME_RE.match(stage.name or ""):
+            problems.append(
+                Problem(
+                    f"{at}.name", f"a stage needs a name of letters, digits, - and _ (got {stage.name!r})"
+                )
+            )
+        elif stage.name in seen:
+            problems.append(Problem(f"{at}.name", f"stage name `{stage.name}` is used twice"))
+        modes = {role: getattr(stage.train, role) for role in ROLES}
+        if all(mode == "frozen" for mode in modes.values()):
+            problems.append(
+                Problem(
+                    f"{at}.train",
+                    "every role is frozen, nothing would be trained: "
+                    "set vision, projector or llm to lora or full",
+                )
+            )
+        problems += _source_problems(recipe, stage, at, seen)
+        problems += _quantization_problems(stage, modes, at)
+        for section, mapping in (
+            ("lora.targets", stage.lora.targets),
+            ("training.role_learning_rates", stage.training.role_learning_rates),
+        ):
+            for role in mapping:
+                if role not in ROLES:
+                    problems.append(
+                        Problem(
+                            f"{at}.{section}.{role}",
+                            f"unknown role{did_you_mean(role, ROLES)} Roles: {', '.join(ROLES)}",
+                        )
+                    )
+        data = stage.data
+        if data.min_pixels is not None and data.max_pixels is not None and data.min_pixels > data.max_pixels:
+            problems.append(
+                Problem(
+                    f"{at}.data.min_pixels",
+                    f"{data.min_pixels} is above data.max_pixels ({data.max_pixels}): no image size fits",
+                )
+            )
+        vision_side = {role: modes[role] for role in ("vision", "projector") if modes[role] != "frozen"}
+        if stage.training.vision_feature_cache and vision_side:
+            trained = ", ".join(f"{role}: {mode}" for role, mode in vision_side.items())
+            problems.append(
+                Problem(
+                    f"{at}.training.vision_feature_cache",
+                    f"needs a frozen vision tower and projector, but this stage trains them ({trained}): "
+                    "their features change every step. Set it to false for this stage",
+                )
+            )
+        seen.append(stage.name)
+    return problems
+
+
+def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Problem]:
+    """init_from and demo data references that point nowhere."""
+    problems = []
+    init = stage.init_from
+    if init.startswith("stage:"):
+        ref = init.removeprefix("stage:")
+        if ref not in seen:
+            later = ref in [s.name for s in recipe.stages]
+            why = "comes later; a stage can only start from an earlier one" if later else "does not exist"
+            problems.append(Problem(f"{at}.init_from", f"stage `{ref}` {why}{did_you_mean(ref, seen)}"))
+    is_model_source = init not in ("base", "previous") and not init.startswith("stage:")
+    if is_model_source and (problem := model_source_problem(init)):
+        problems.append(Problem(f"{at}.init_from", problem))
+    for key in ("train", "eval"):
+        source = getattr(stage.data, key)
+        if source and source.startswith("demo:") and source not in DEMO_DATA:
+            problems.append(
+                Problem(f"{at}.data.{key}", f"unknown demo data `{source}`: use demo:train or demo:eval")
+            )
+    return problems
+
+
+def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
+    problems = []
+    quant = stage.quantization
+    for part in quant.skip_roles:
+        if part not in QUANT_SKIPPABLE:
+            problems.append(
+                Problem(
+                    f"{at}.quantization.skip_roles",
+                    f"unknown part `{part}`"
+                    f"{did_you_mean(part, QUANT_SKIPPABLE)} Parts: {', '.join(QUANT_SKIPPABLE)}",
+                )
+            )
+    if quant.mode != "none":
+        for role, mode in modes.items():
+            if mode == "full" and role not in quant.skip_roles:
+                problems.append(
+                    Problem(
+                        f"{at}.train.{role}",
+                        f"`full` training of a {quant.mode} quantized "
+                        f"role is impossible: use lora, or add `{role}` to quantization.skip_roles",
+                    )
+                )
+    return problems

@@ -1,0 +1,93 @@
+"""One console entry: `vlm-recipes train|compare|predict|inspect|bench`, and `python -m vlm_recipes`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from vlm_recipes.cli import COMMANDS
+from vlm_recipes.cli import main as vlm_recipes
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "vlm-recipes"  # what `pip install -e .` puts beside python
+
+
+def test_train_lists_recipes(capsys, in_repo):
+    assert vlm_recipes(["train", "--list"]) == 0
+    assert "r1-llm-only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["frobnicate", "--x"], []], ids=["unknown", "none"])
+def test_unknown_or_missing_command_lists_the_commands(argv, capsys):
+    assert vlm_recipes(argv) == 2
+    err = capsys.readouterr().err
+    assert ("unknown command `frobnicate`" if argv else "no command given") in err
+    for command in ("train", "compare", "predict", "inspect", "bench"):
+        assert f"\n  {command} " in err
+    assert "Traceback" not in err
+
+
+def test_help_lists_the_commands(capsys):
+    assert vlm_recipes(["--help"]) == 0
+    assert set(COMMANDS) == {"train", "compare", "predict", "inspect", "bench"}
+    assert "only from a source checkout" in capsys.readouterr().out
+
+
+def test_inspect_a_demo_model(capsys, demo_model_dir):
+    assert vlm_recipes(["inspect", "demo:tiny-qwen2-vl"]) == 0
+    out = capsys.readouterr().out
+    assert "guards:" in out and "qwen2" in out.lower()
+
+
+def test_compare_of_nothing_is_a_clear_error(tmp_path, capsys):
+    assert vlm_recipes(["compare", str(tmp_path / "nope")]) == 2
+    assert "no run found" in capsys.readouterr().err
+
+
+def test_bench_runs_the_checkout_script(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        vlm_recipes(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vlm-recipes bench") and "--speedups" in out
+
+
+def test_train_usage_names_its_command(capsys):
+    with pytest.raises(SystemExit):
+        vlm_recipes(["train", "--help"])
+    assert capsys.readouterr().out.startswith("usage: vlm-recipes train")
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.skipif(not CONSOLE_SCRIPT.is_file(), reason="the package is not installed with its scripts")
+def test_console_script():
+    listed = run([str(CONSOLE_SCRIPT), "train", "--list"])
+    assert listed.returncode == 0 and "r4-joint" in listed.stdout, listed.stderr[-2000:]
+    unknown = run([str(CONSOLE_SCRIPT), "trian"])
+    assert unknown.returncode == 2 and "unknown command `trian`" in unknown.stderr
+
+
+def test_python_dash_m_is_train_and_dispatches_commands():
+    listed = run([sys.executable, "-m", "vlm_recipes", "--list"])  # python -m vlm_recipes ARGS = train ARGS
+    assert listed.returncode == 0 and "r2-vision-only" in listed.stdout, listed.stderr[-2000:]
+    compare = run([sys.executable, "-m", "vlm_recipes", "compare", "--help"])
+    assert compare.returncode == 0 and compare.stdout.startswith("usage: vlm-recipes compare")
+
+
+def test_a_launched_stage_relaunches_the_module(monkeypatch):
+    """`vlm-recipes train` and `python -m vlm_recipes` relaunch their DDP children as `-m vlm_recipes`,
+    which trains (the children get `--resume RUN_DIR --until-stage N`)."""
+    from vlm_recipes.stages.parallel import NodeSettings, ParallelPlan, launch_command
+
+    for argv0 in (str(CONSOLE_SCRIPT), "python -m vlm_recipes"):  # what each entry leaves in sys.argv[0]
+        monkeypatch.setattr(sys, "argv", [argv0, "--recipe", "r1-llm-only"])
+        command = launch_command(
+            ParallelPlan("ddp", 2), ["--resume", "runs/x/y", "--until-stage", "1"], NodeSettings()
+        )
+        assert command[-6:] == ["-m", "vlm_recipes", "--resume", "runs/x/y", "--until-stage", "1"]

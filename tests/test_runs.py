@@ -1,0 +1,211 @@
+"""Run directories: one writer each (a lock the kernel drops when its holder dies), run.json saying how a run
+ended, and comparison taking finished runs only."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TRAIN
+
+from vlm_recipes.cli.compare import main as compare_main
+from vlm_recipes.cli.train import main
+from vlm_recipes.evaluation.compare import find_runs
+from vlm_recipes.files import read_json
+from vlm_recipes.runs import LOCK_HELD_ENV, RunBusyError, lock_run_dir, release_run_lock, run_state
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "vlm-recipes"
+# r2's stage, short: a complete checkpoint every 2 steps, no generation (this is about the run directory)
+QUICK = [
+    "--recipe",
+    "r2-vision-only",
+    "--max-steps",
+    "16",
+    "training.save_steps=2",
+    "training.per_device_batch_size=2",
+    "data.max_eval_samples=4",
+    "evaluation.generate=false",
+]
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen:
+    """A process with its output in a file (a pipe nobody reads would stall it)."""
+    with log.open("w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_one_writer_per_run_dir_and_a_killed_run_resumes(tmp_path, private_demo_cache, demo_model_dir):
+    run_dir = tmp_path / "r2-vision-only" / "same"
+    args = [*QUICK, "--output-dir", str(tmp_path), "--run-name", "same"]
+    entries = [
+        [str(CONSOLE_SCRIPT), "train"] if CONSOLE_SCRIPT.is_file() else TRAIN,
+        [sys.executable, "-m", "vlm_recipes"],
+    ]
+    # Two processes, the same run, started together (through both entries): one trains, one refuses.
+    both = [start([*entry, *args], tmp_path / f"start-{i}.log") for i, entry in enumerate(entries)]
+    wait_until(lambda: any(p.poll() is not None for p in both), 120, "one of the two to stop")
+    loser = next(p for p in both if p.poll() is not None)
+    winner = next(p for p in both if p is not loser)
+    said = (tmp_path / f"start-{both.index(loser)}.log").read_text()
+    assert loser.returncode == 2, said[-3000:]
+    assert f"run directory {run_dir} is in use by process {winner.pid} on host" in said
+    assert "Traceback" not in said
+
+    # The one training is killed outright once a checkpoint is complete: it cannot say so, the lock can.
+    checkpoints = run_dir / "stage-1-vision-full" / "checkpoints"
+    wait_until(
+        lambda: list(checkpoints.glob("checkpoint-*/COMPLETE")) or winner.poll() is not None,
+        120,
+        "a checkpoint",
+    )
+    assert winner.poll() is None, "the run ended before it could be killed"
+    winner.kill()
+    winner.wait()
+    assert read_json(run_dir / "run.json")["status"] == "running"
+    status, why = run_state(run_dir)
+    assert status == "dead" and f"process {winner.pid}" in why and "--resume" in why
+
+    # Two --resume at once: the kernel dropped the dead process's lock, so one continues; the other refuses.
+    resumes = [start([*TRAIN, "--resume", str(run_dir)], tmp_path / f"resume-{i}.log") for i in range(2)]
+    for process in resumes:
+        process.wait(timeout=180)
+    logs = [(tmp_path / f"resume-{i}.log").read_text() for i in range(2)]
+    codes = [p.returncode for p in resumes]
+    assert sorted(codes) == [0, 2], "\n".join(log[-2000:] for log in logs)
+    refused = logs[codes.index(2)]
+    assert f"is in use by process {resumes[codes.index(0)].pid} on host" in refused
+    assert "resuming from" in logs[codes.index(0)]
+    manifest = read_json(run_dir / "run.json")
+    assert manifest["status"] == "finished" and manifest["stages"][0]["steps"] == 16
+
+
+def test_the_lock_is_reentrant_refuses_others_and_is_shared_with_launched_children(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock_run_dir(run_dir)
+    lock_run_dir(run_dir)  # the launcher, then its in-process stages: one holder
+    assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+    other = os.open(run_dir / ".lock", os.O_RDWR)  # another open file: as another process sees it
+    with pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    release_run_lock(run_dir)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free for the next holder
+    with pytest.raises(RunBusyError, match=f"in use by process {os.getpid()} on host"):
+        lock_run_dir(run_dir)
+    monkeypatch.setenv(LOCK_HELD_ENV, str(run_dir.resolve()))  # a child of the launcher holding it
+    lock_run_dir(run_dir)
+    os.close(other)
+
+
+def failing_stage(error: BaseException):
+    def run_stage(ctx, resume_from):
+        raise error
+
+    return run_stage
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "status", "recorded"),
+    [
+        (RuntimeError("boom"), None, "failed", "RuntimeError: boom"),
+        ("diverged", 3, "failed", "TrainingDiverged: stopped at step 3: loss is NaN"),
+        (KeyboardInterrupt(), 130, "interrupted", "KeyboardInterrupt"),
+        ("interrupted", 130, "interrupted", "StageInterrupted: stage 1 interrupted; checkpoint-2 saved"),
+    ],
+    ids=["crash", "nan-stop", "ctrl-c", "ctrl-c-saved"],
+)
+def test_a_run_that_stops_early_says_so(tmp_path, monkeypatch, capsys, error, code, status, recorded):
+    import vlm_recipes.stages.run as stage_run
+    from vlm_recipes.stages.resilience import StageInterrupted, TrainingDiverged
+
+    error = {
+        "diverged": TrainingDiverged("stopped at step 3: loss is NaN"),
+        "interrupted": StageInterrupted("stage 1 interrupted; checkpoint-2 saved"),
+    }.get(error, error)
+    monkeypatch.setattr(stage_run, "run_stage", failing_stage(error))
+    args = [*QUICK, "--output-dir", str(tmp_path), "--run-name", "x"]
+    if code is None:  # a crash is a bug: its traceback is kept, and run.json still says what happened
+        with pytest.raises(RuntimeError, match="boom"):
+            main(args)
+    else:
+        assert main(args) == code
+    manifest = read_json(tmp_path / "r2-vision-only" / "x" / "run.json")
+    assert manifest["status"] == status and manifest["error"] == recorded and manifest["ended_at"]
+    capsys.readouterr()
+    assert find_runs(tmp_path, latest=True) == []
+    assert f"skipped {tmp_path / 'r2-vision-only' / 'x'}: it {'failed' if status == 'failed' else 'was'}" in (
+        capsys.readouterr().err
+    )
+
+
+def fake_run(output_dir: Path, recipe: str, name: str, status: str, **extra) -> Path:
+    """A run directory as a run leaves it, with one stage's metrics."""
+    run_dir = output_dir / recipe / name
+    stage_dir = run_dir / "stage-1-s"
+    stage_dir.mkdir(parents=True)
+    metrics = {
+        "loss_curve": [{"step": 1, "loss": 2.0}],
+        "steps": 1,
+        "final_train_loss": 2.0,
+        "eval_loss": 2.1,
+    }
+    (stage_dir / "metrics.json").write_text(json.dumps(metrics))
+    stages = [{"name": "s", "dir": str(stage_dir)}]
+    (run_dir / "run.json").write_text(
+        json.dumps({"recipe": recipe, "status": status, "stages": stages, **extra})
+    )
+    time.sleep(0.02)  # distinct modification times: the newest run is the last written
+    return run_dir
+
+
+def test_compare_takes_finished_runs_and_says_what_it_skipped(tmp_path, capsys):
+    done = fake_run(tmp_path, "r1", "a", "finished", seeds=[0])
+    failed = fake_run(tmp_path, "r1", "b", "failed", error="DataError: data file not found: x.jsonl")
+    interrupted = fake_run(tmp_path, "r1", "c", "interrupted", error="KeyboardInterrupt")
+    dead = fake_run(tmp_path, "r2", "d", "running")
+    (dead / ".lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))
+    live = fake_run(tmp_path, "r2", "e", "running")
+    (live / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    holding = os.open(live / ".lock", os.O_RDONLY)
+    fcntl.flock(holding, fcntl.LOCK_EX)  # as the live run holds it
+
+    try:
+        assert compare_main(["--latest", "--output-dir", str(tmp_path), "--out", str(tmp_path / "cmp")]) == 0
+    finally:
+        os.close(holding)
+    captured = capsys.readouterr()
+    assert "r1" in captured.out and (tmp_path / "cmp" / "comparison.md").is_file()
+    err = captured.err
+    assert f"skipped {failed}: it failed: DataError: data file not found: x.jsonl" in err
+    assert f"skipped {interrupted}: it was interrupted (KeyboardInterrupt); continue it with --resume" in err
+    assert f"skipped {dead}: it stopped without finishing" in err
+    assert f"skipped {live}: it is still running (process {os.getpid()}" in err
+
+    assert compare_main([str(done), str(failed), str(dead)]) == 2  # named runs must all be finished
+    err = capsys.readouterr().err
+    assert "only finished runs can be compared" in err
+    assert f"{failed}: it failed: DataError" in err and f"{dead}: it stopped without finishing" in err
+    assert "Traceback" not in err
+
+
+def test_latest_skips_only_runs_newer_than_the_one_it_picks(tmp_path, capsys):
+    fake_run(tmp_path, "r1", "old-failure", "failed", error="boom")
+    newest_done = fake_run(tmp_path, "r1", "done", "finished")
+    assert find_runs(tmp_path, latest=True) == [newest_done]
+    assert capsys.readouterr().err == ""  # an older failure was never a candidate
+    assert find_runs(tmp_path, latest=False, on_skip=None) == [newest_done]
