@@ -11,6 +11,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two workers share the cores: torch's OpenMP threads from both would fight over them (steps 50x
+    # slower seen). One thread each, inherited by the runs the tests start.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_demo_cache(tmp_path_factory) -> Path:

@@ -75,6 +75,19 @@ def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
 
 
 @pytest.mark.e2e
+def test_bad_data_found_by_ddp_ranks_exits_2_like_a_single_process(tmp_path, private_demo_cache):
+    """torchrun reports any failed rank as its own failure (exit 1, its traceback): the launcher gives the
+    exit code of the error the ranks recorded."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')
+    result = run_quick_r3(tmp_path, "bad", "--nproc-per-node", "2", f"data.train={bad}")
+    assert result.returncode == 2, result.stderr[-4000:]
+    manifest = read_json(tmp_path / "r3-two-stage" / "bad" / "run.json")
+    assert manifest["status"] == "failed" and manifest["error"].startswith("DataError")
+    assert "the row needs a `messages` list" in manifest["error"]
+
+
+@pytest.mark.e2e
 def test_two_nodes_on_localhost_complete_a_stage(tmp_path, private_demo_cache):
     port = str(free_port())
     nodes = [

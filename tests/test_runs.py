@@ -26,7 +26,7 @@ QUICK = [
     "--recipe",
     "r2-vision-only",
     "--max-steps",
-    "16",
+    "60",  # long enough to be killed after its first checkpoint, however fast the machine
     "training.save_steps=2",
     "training.per_device_batch_size=2",
     "data.max_eval_samples=4",
@@ -91,7 +91,7 @@ def test_one_writer_per_run_dir_and_a_killed_run_resumes(tmp_path, private_demo_
     assert f"is in use by process {resumes[codes.index(0)].pid} on host" in refused
     assert "resuming from" in logs[codes.index(0)]
     manifest = read_json(run_dir / "run.json")
-    assert manifest["status"] == "finished" and manifest["stages"][0]["steps"] == 16
+    assert manifest["status"] == "finished" and manifest["stages"][0]["steps"] == 60
 
 
 def test_the_lock_is_reentrant_refuses_others_and_is_shared_with_launched_children(tmp_path, monkeypatch):

@@ -150,15 +150,23 @@ def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None
             process.wait()
         raise
     if code != 0:
-        raise LaunchFailed(code)
+        raise LaunchFailed(code, run_dir)
 
 
 class LaunchFailed(RuntimeError):
-    """A launched process group failed; its processes printed why."""
+    """A launched process group failed; its processes printed why, and rank 0 recorded it in run.json."""
 
-    def __init__(self, code: int):
+    def __init__(self, code: int, run_dir: Path):
         super().__init__(f"the launched processes exited with code {code}")
         self.code = code
+        self.run_dir = run_dir
+
+    def recorded_error(self) -> str:
+        """The error a child recorded in run.json ("DataError: ..."), or "" when none did."""
+        try:
+            return read_json(self.run_dir / "run.json").get("error") or ""
+        except (OSError, ValueError):
+            return ""
 
 
 def wait_for(path: Path, seconds: float) -> None:

@@ -327,7 +327,12 @@ def main(argv: list[str] | None = None, prog: str = "train_recipe.py") -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except LaunchFailed as exc:  # the launched processes printed their own error
-        return exc.code
+        # torchrun reports any failed child as its own failure (exit 1): the kind of error a child
+        # recorded gives the exit code a single process would have
+        kind = exc.recorded_error().split(":", 1)[0]
+        if kind in {cls.__name__ for cls in bad_input}:
+            return EXIT_BAD_INPUT
+        return EXIT_DIVERGED if kind == TrainingDiverged.__name__ else exc.code
     except TrainingDiverged as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

@@ -46,7 +46,9 @@ _NUTRITION_QUESTION = "Extract the nutrition facts as JSON."
 
 def ensure_demo_dataset() -> Path:
     """Return the directory holding ``train.jsonl``, ``eval.jsonl`` and ``images/``; builds it if missing."""
-    return build_dir_atomically(cache_dir() / VERSION / _DATA_DIRNAME, _DATA_FILES, _build_dataset, "demo dataset")
+    return build_dir_atomically(
+        cache_dir() / VERSION / _DATA_DIRNAME, _DATA_FILES, _build_dataset, "demo dataset"
+    )
 
 
 def ensure_bench_dataset() -> Path:
@@ -232,7 +234,6 @@ def _build_dataset(out: Path) -> None:
         + "\n",
         encoding="utf-8",
     )
-
 
 
 # --------------------------------------------------------------------------- tokenizer corpus

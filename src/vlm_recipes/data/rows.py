@@ -240,5 +240,3 @@ def undecoded(ds: datasets.Dataset) -> datasets.Dataset:
     if "images" not in ds.column_names:
         return ds
     return ds.cast_column("images", datasets.List(datasets.Image(decode=False)))
-
-

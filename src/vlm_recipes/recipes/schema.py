@@ -124,8 +124,8 @@ class DataSettings:
         "image processor lower bound on pixels per image; null: the model's own", None, range=AT_LEAST_1
     )
     max_pixels: int | None = doc(
-        "image processor upper bound on pixels per image (28*28*256 = 256 visual tokens for Qwen2-VL); "
-        "null: the model's own",
+        "image processor upper bound on pixels per image (200704 = 448x448: 256 visual tokens on "
+        "Qwen2-VL and Qwen2.5-VL, 28 px each; 196 on Qwen3-VL, 32 px each); null: the model's own",
         None,
         range=AT_LEAST_1,
     )

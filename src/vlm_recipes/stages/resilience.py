@@ -71,6 +71,11 @@ class CheckpointCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
+        if state.max_steps and state.global_step >= state.max_steps:
+            # A checkpoint of the last step is never resumed from: transformers 5.23 resuming at
+            # global_step == max_steps still trains one more step (17 of 16). Left without COMPLETE, a
+            # stage killed after its last step resumes from the checkpoint before and ends identical.
+            return
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
         (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
