@@ -17,7 +17,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_recipes.families.base import VisionGeometry
-from vlm_recipes.families.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, Qwen2VLFamily, save_tiny_model
+from vlm_recipes.families.qwen2_vl import (
+    QWEN_VL_ROLES,
+    QWEN_VL_SPECIAL_TOKENS,
+    Qwen2VLFamily,
+    qwen_text_config,
+    qwen_vision_token_ids,
+    save_tiny_model,
+)
 from vlm_recipes.families.tiny import qwen_tokenizer
 
 _MIN_PIXELS, _MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # 4..16 merged image tokens per image: fast on CPU
@@ -85,20 +92,15 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),  # rounded up; tok never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "max_window_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        text_config=qwen_text_config(
+            dims,
+            len(tok),
+            ids,
+            max_window_layers=dims["layers"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+        ),
         vision_config={
             "depth": dims["vision_depth"],
             "hidden_size": dims["vision_dim"],
@@ -112,10 +114,7 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             "fullatt_block_indexes": dims["fullatt_block_indexes"],
             "tokens_per_second": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, Qwen2_5_VLForConditionalGeneration, config, processor, ids, dims)
@@ -124,11 +123,7 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
 QWEN2_5_VL = Qwen2_5_VLFamily(
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
-    role_prefixes={
-        "vision": ("model.visual",),
-        "projector": ("model.visual.merger",),
-        "llm": ("model.language_model", "lm_head"),
-    },
+    role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
     demo_models={"demo:tiny-qwen2.5-vl": _TINY},
 )

@@ -171,22 +171,16 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2VLConfig(
-        text_config={
-            # round up; the extra rows are never produced by tok
-            "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "max_window_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 4096,
+        text_config=qwen_text_config(
+            dims,
+            len(tok),
+            ids,
+            max_window_layers=dims["layers"],
             # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+        ),
         vision_config={
             "depth": dims["vision_depth"],
             "embed_dim": dims["vision_dim"],
@@ -197,10 +191,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, Qwen2VLForConditionalGeneration, config, processor, ids, dims)
@@ -221,14 +212,44 @@ def save_tiny_model(out: Path, model_class, config, processor, ids: dict[str, in
     processor.save_pretrained(out)  # tokenizer, image/video processor config and chat_template.jinja
 
 
+def qwen_text_config(dims: dict, vocab: int, ids: dict[str, int], **extra) -> dict:
+    """The text model config every tiny Qwen-VL shares; `extra` adds or replaces keys."""
+    return {
+        "vocab_size": dims.get(
+            "vocab", -(-vocab // 64) * 64
+        ),  # rounded up; the tokenizer never yields the rest
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["intermediate"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "max_position_embeddings": 4096,
+        "pad_token_id": ids["<|endoftext|>"],
+        **extra,
+    }
+
+
+def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The model config's ids of the image, video and vision start/end tokens."""
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+# Qwen2-VL and Qwen2.5-VL name their modules alike (Qwen3-VL adds DeepStack mergers to the projector)
+QWEN_VL_ROLES = {
+    "vision": ("model.visual",),
+    "projector": ("model.visual.merger",),
+    "llm": ("model.language_model", "lm_head"),
+}
+
 QWEN2_VL = Qwen2VLFamily(
     name="qwen2-vl",
     model_types=("qwen2_vl",),
-    role_prefixes={
-        "vision": ("model.visual",),
-        "projector": ("model.visual.merger",),
-        "llm": ("model.language_model", "lm_head"),
-    },
+    role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
     demo_models={
         "demo:tiny-qwen2-vl": _TINY,

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from vlm_recipes.families.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, Qwen2VLFamily, save_tiny_model
+from vlm_recipes.families.qwen2_vl import (
+    QWEN_VL_SPECIAL_TOKENS,
+    Qwen2VLFamily,
+    qwen_text_config,
+    qwen_vision_token_ids,
+    save_tiny_model,
+)
 from vlm_recipes.families.tiny import qwen_tokenizer
 
 # Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
@@ -114,23 +120,18 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),  # rounded up; tok never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["head_dim"],
-            "max_position_embeddings": 4096,
-            "rope_parameters": {
+        text_config=qwen_text_config(
+            dims,
+            len(tok),
+            ids,
+            head_dim=dims["head_dim"],
+            rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 5e6,
                 "mrope_section": dims["mrope"],
                 "mrope_interleaved": True,
             },
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        ),
         vision_config={
             "depth": dims["vision_depth"],
             "hidden_size": dims["vision_dim"],
@@ -143,10 +144,7 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, ids, dims)
