@@ -61,6 +61,17 @@ def ensure_bench_dataset() -> Path:
     )
 
 
+def ensure_preference_dataset() -> Path:
+    """``train.jsonl`` / ``eval.jsonl`` preference rows (method: dpo) over the demo tasks' images: chosen is
+    the right answer, rejected a plausible wrong one."""
+    return build_dir_atomically(
+        cache_dir() / VERSION / "preference-data",
+        ("train.jsonl", "eval.jsonl", "dataset_info.json"),
+        _build_preference_dataset,
+        "demo preference dataset",
+    )
+
+
 def resolve_data_source(source: str) -> str:
     """Map ``demo:train`` / ``demo:eval`` / ``demo:bench`` to the demo JSONL files; anything else unchanged.
 
@@ -72,8 +83,10 @@ def resolve_data_source(source: str) -> str:
     split = source[len(DEMO_DATA_PREFIX) :]
     if split == "bench":
         return str(ensure_bench_dataset() / "bench.jsonl")
+    if split.startswith(_PREFERENCE_PREFIX) and split[len(_PREFERENCE_PREFIX) :] in _SPLITS:
+        return str(ensure_preference_dataset() / f"{split[len(_PREFERENCE_PREFIX) :]}.jsonl")
     if split not in _SPLITS:
-        valid = ", ".join(DEMO_DATA_PREFIX + s for s in _SPLITS)
+        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in ("", _PREFERENCE_PREFIX) for s in _SPLITS)
         raise ValueError(f"Unknown demo data source {source!r}; valid demo sources are: {valid}")
     return str(ensure_demo_dataset() / f"{split}.jsonl")
 
@@ -234,6 +247,56 @@ def _build_dataset(out: Path) -> None:
         + "\n",
         encoding="utf-8",
     )
+
+
+# --------------------------------------------------------------------------- preference pairs
+
+_PREFERENCE_PREFIX = "preference-"
+_PREFERENCE_SEEDS = {"train": 2468, "eval": 1357}
+_OTHER_SIDE = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+
+
+def _wrong_answer(rng: random.Random, task: str, answer: str) -> str:
+    """A plausible wrong answer: another colour, another count, the other side, one nutrition value off."""
+    if task == "nutrition":
+        facts = json.loads(answer)
+        key = rng.choice(list(facts))
+        facts[key] += (
+            rng.choice([-1, 1]) * rng.randint(1, 5) * (10 if key in ("calories", "sodium_mg") else 1)
+        )
+        facts[key] = abs(facts[key]) if facts[key] else 1
+        return json.dumps(facts, separators=(",", ":"))
+    if answer in _OTHER_SIDE:
+        return _OTHER_SIDE[answer]
+    if answer.isdigit():
+        return rng.choice([str(n) for n in range(1, 5) if str(n) != answer])
+    return rng.choice([c for c in _COLOURS if c != answer])
+
+
+def _build_preference_dataset(out: Path) -> None:
+    """The demo splits' prompts and images (same generator, same bytes) as prompt / chosen / rejected rows."""
+    (out / "images").mkdir()
+    info: dict[str, Any] = {"version": VERSION, "seeds": _PREFERENCE_SEEDS, "splits": {}}
+    for split in _SPLITS:
+        rng = random.Random(_PREFERENCE_SEEDS[split])
+        samples = _generate_split(split)
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for row, img in samples:
+                img.save(out / row["images"][0], format="PNG")
+                prompt, answer = row["messages"]
+                right = answer["content"][0]["text"]
+                wrong = _wrong_answer(rng, row["task"], right)
+                pair = {
+                    "id": row["id"],
+                    "task": row["task"],
+                    "prompt": [prompt],
+                    "chosen": [answer],
+                    "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
+                    "images": row["images"],
+                }
+                f.write(json.dumps(pair, ensure_ascii=False) + "\n")
+        info["splits"][split] = {"rows": len(samples)}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- tokenizer corpus

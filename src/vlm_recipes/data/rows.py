@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, l
     return ds, None, [f"{source}[{split}] row {i}" for i in range(len(ds))], []
 
 
-def _count_image_parts(messages: list) -> int:
+def count_image_parts(messages: list) -> int:
     count = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -139,25 +140,37 @@ def row_problem(
     if "assistant" not in roles:
         return "no assistant turn", "nothing to learn from"
     images = row.get("images") or []
-    placeholders = _count_image_parts(messages)
+    placeholders = count_image_parts(messages)
     if placeholders != len(images):
         return "image count mismatch", f"{placeholders} image parts in messages but {len(images)} images"
     for image in images:
-        if not isinstance(image, str):
-            continue  # already decoded (hub datasets)
-        if is_remote(image):
-            if not allow_remote_images:
-                return "remote image", f"{image}: set data.allow_remote_images: true to download images"
-            continue
-        path = Path(image) if image_root is None else image_root / image
-        if not path.is_file():
-            return "image not found", str(path)
-        try:
-            with Image.open(path) as opened:
-                opened.verify()  # reads the file through: catches corrupt and truncated images
-        except Exception as exc:  # PIL raises many types for broken files
-            return "corrupt image", f"{path}: {exc}"
+        if problem := image_problem(image, image_root, allow_remote_images):
+            return problem
     return None
+
+
+def image_problem(image, image_root: Path | None, allow_remote_images: bool) -> tuple[str, str] | None:
+    """(reason, detail) for an image a row names that cannot be used, or None."""
+    if not isinstance(image, str):
+        return None  # already decoded (hub datasets)
+    if is_remote(image):
+        if not allow_remote_images:
+            return "remote image", f"{image}: set data.allow_remote_images: true to download images"
+        return None
+    path = Path(image) if image_root is None else image_root / image
+    if not path.is_file():
+        return "image not found", str(path)
+    try:
+        with Image.open(path) as opened:
+            opened.verify()  # reads the file through: catches corrupt and truncated images
+    except Exception as exc:  # PIL raises many types for broken files
+        return "corrupt image", f"{path}: {exc}"
+    return None
+
+
+# A row format: its check, (reason, detail) or None for a row, and the columns kept.
+RowFormat = tuple[Callable[[dict, Path | None, bool], tuple[str, str] | None], tuple[str, ...]]
+MESSAGES: RowFormat = (row_problem, ("messages", "images"))
 
 
 def load_split(
@@ -166,16 +179,19 @@ def load_split(
     max_samples: int | None,
     on_bad_sample: str = "fail",
     allow_remote_images: bool = False,
+    row_format: RowFormat | None = None,
 ) -> tuple[datasets.Dataset, dict[str, int]]:
-    """Load one split, check every row, and turn image paths into decodable Image features.
+    """Load one split, check every row (`messages` rows, or another format such as preference.PREFERENCE
+    for method dpo), and turn image paths into decodable Image features.
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
+    check, columns = row_format or MESSAGES
     resolved = resolve_data_source(source)
     ds, image_root, where, bad = _load_any(resolved, split)
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     for index, row in enumerate(ds):
-        if problem := row_problem(row, image_root, allow_remote_images):
+        if problem := check(row, image_root, allow_remote_images):
             bad.append(BadRow(where[index], *problem))
     skipped = fail_or_skip(bad, on_bad_sample, source)
     if skipped:
@@ -191,7 +207,7 @@ def load_split(
             desc="image paths",
         )
         ds = ds.cast_column("images", datasets.List(datasets.Image()))
-    keep = [c for c in ("messages", "images") if c in ds.column_names]
+    keep = [c for c in columns if c in ds.column_names]
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
     return (ds.remove_columns(extra) if extra else ds), skipped
 
@@ -202,16 +218,16 @@ def _holds_paths(ds: datasets.Dataset) -> bool:
     return isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")
 
 
-def load_stage_data(settings: DataSettings) -> StageData:
+def load_stage_data(settings: DataSettings, row_format: RowFormat | None = None) -> StageData:
     """Both splits, checked; all of it before any model loads."""
     policy, remote = settings.on_bad_sample, settings.allow_remote_images
     train, skipped_train = load_split(
-        settings.train, settings.train_split, settings.max_train_samples, policy, remote
+        settings.train, settings.train_split, settings.max_train_samples, policy, remote, row_format
     )
     eval_ds, skipped = None, {"train": skipped_train} if skipped_train else {}
     if settings.eval:
         eval_ds, skipped_eval = load_split(
-            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote
+            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote, row_format
         )
         if skipped_eval:
             skipped["eval"] = skipped_eval
@@ -223,7 +239,9 @@ def load_stage_data(settings: DataSettings) -> StageData:
 def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
     """Identifies an eval set, so runs measured on different data are never compared as equals."""
     digest = hashlib.sha256()
-    for row in ds.select_columns([c for c in ("id", "messages") if c in ds.column_names]):
+    for row in ds.select_columns(
+        [c for c in ("id", "messages", "prompt", "chosen", "rejected") if c in ds.column_names]
+    ):
         digest.update(json.dumps(row, sort_keys=True, default=str).encode())
     return f"{source}|{len(ds)} rows|{digest.hexdigest()[:12]}"
 

@@ -15,6 +15,24 @@ Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
+# How a stage trains; each value has its trainer in stages/methods.py (GRPO later: one more value there).
+Method = Literal["sft", "dpo"]
+DpoLoss = Literal[
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+]
 
 ROLES = ("vision", "projector", "llm")
 # Parts a quantized load can leave in full precision: the training roles plus the output head.
@@ -228,6 +246,27 @@ class EvaluationSettings:
 
 
 @dataclass
+class DpoSettings:
+    """Preference training (method: dpo): TRL's DPOTrainer on prompt / chosen / rejected rows."""
+
+    beta: float = doc(
+        "strength of the pull towards the reference model (the stage's start); lower: the policy may drift "
+        "further from it",
+        0.1,
+        range=ABOVE_0,
+    )
+    loss_type: DpoLoss = doc(
+        "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
+    )
+    max_length: int | None = doc(
+        "longest prompt + answer (chosen or rejected) in tokens, image tokens included; a longer pair is a "
+        "data error, never cut; null: data.max_length",
+        None,
+        range=AT_LEAST_1,
+    )
+
+
+@dataclass
 class Stage:
     name: str = doc("stage name, unique in the recipe; its directory is stage-<i>-<name>", "")
     description: str = doc("one line on what this stage does", "")
@@ -235,6 +274,11 @@ class Stage:
         "where the weights come from: `base` (the recipe's model), `previous` (the stage before; "
         "the first stage's previous is base), `stage:<name>`, or a model id / local directory",
         "previous",
+    )
+    method: Method = doc(
+        "how the stage trains: sft (supervised, `messages` rows) or dpo (preference pairs: `prompt`, "
+        "`chosen`, `rejected` rows; see the dpo section)",
+        "sft",
     )
     train: TrainModes = doc("training mode per module role", factory=TrainModes)
     lora: LoraSettings = doc("LoRA settings, used by roles in lora mode", factory=LoraSettings)
@@ -251,6 +295,7 @@ class Stage:
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
+    dpo: DpoSettings = doc("preference-training settings, used when method is dpo", factory=DpoSettings)
 
 
 @dataclass
@@ -268,6 +313,15 @@ class Recipe:
 
 
 # Stage sections a recipe file may also set at its top level, as defaults for every stage.
-STAGE_DEFAULT_SECTIONS = ("data", "training", "evaluation", "precision", "quantization", "lora", "parallel")
+STAGE_DEFAULT_SECTIONS = (
+    "data",
+    "training",
+    "evaluation",
+    "precision",
+    "quantization",
+    "lora",
+    "parallel",
+    "dpo",
+)
 # Every key a recipe file may hold at its top level.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

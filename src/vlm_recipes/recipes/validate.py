@@ -21,7 +21,7 @@ from vlm_recipes.demo import DEMO_MODEL_IDS
 from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, ROLES, Range, Recipe
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
-DEMO_DATA = ("demo:train", "demo:eval", "demo:bench")
+DEMO_DATA = ("demo:train", "demo:eval", "demo:bench", "demo:preference-train", "demo:preference-eval")
 
 
 @dataclass
@@ -231,7 +231,11 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
         source = getattr(stage.data, key)
         if source and source.startswith("demo:") and source not in DEMO_DATA:
             problems.append(
-                Problem(f"{at}.data.{key}", f"unknown demo data `{source}`: use demo:train or demo:eval")
+                Problem(
+                    f"{at}.data.{key}",
+                    f"unknown demo data `{source}`: use demo:train or demo:eval "
+                    "(demo:preference-train or demo:preference-eval for method: dpo)",
+                )
             )
     return problems
 

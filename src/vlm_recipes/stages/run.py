@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import transformers
 
-from vlm_recipes.data.lengths import check_lengths
 from vlm_recipes.data.rows import StageData, dataset_signature, has_text_only_rows, load_stage_data
 from vlm_recipes.evaluation.timing import StepTimer
 from vlm_recipes.families.base import count_params_by_role
@@ -39,12 +38,13 @@ from vlm_recipes.stages.guards import (
     place_tensors,
     verify_quantization_scope,
 )
+from vlm_recipes.stages.methods import method_of
 from vlm_recipes.stages.metrics import collect_metrics, evaluate_stage, peak_memory, reset_peak_memory
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
 from vlm_recipes.stages.parallel import batch_decision, broadcast_from_main
 from vlm_recipes.stages.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
-from vlm_recipes.stages.speedups import speed_up_frozen_vision, speed_up_model, wrap_collator
-from vlm_recipes.stages.trainer import RecipeTrainer, build_sft_config, build_trainer
+from vlm_recipes.stages.speedups import speed_up_frozen_vision, speed_up_model
+from vlm_recipes.stages.trainer import RecipeTrainer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     a bad row or an unsupported model costs seconds, not a model load."""
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
-    data = load_stage_data(stage.data)
+    method = method_of(stage)
+    data = load_stage_data(stage.data, method.row_format)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes)]
@@ -87,12 +88,12 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
         ctx.decisions.append(backend)
     family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
-    policy, max_length = stage.data.on_bad_sample, stage.data.max_length
+    policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
     if data.eval is not None:
         splits["eval"] = (data.eval, data.eval_source or "")
     for split, (rows, source) in splits.items():
-        rows, lengths, skipped = check_lengths(rows, processor, family, max_length, source, policy)
+        rows, lengths, skipped = method.check_lengths(rows, processor, family, max_length, source, policy)
         if skipped:
             data.skipped.setdefault(split, {}).update(skipped)
         if stage.training.group_by_length:  # Trainer groups eval batches by length too
@@ -208,9 +209,10 @@ def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
 def make_trainer(
     ctx: StageContext, built: BuiltModel, data: StageData, precision: Decision
 ) -> tuple[RecipeTrainer, dict]:
-    """The stage's SFTTrainer with its callbacks (checkpoints, NaN/inf, Ctrl-C, step timing) and the
-    speed-ups that change how batches are made."""
-    args = build_sft_config(
+    """The stage's trainer for its method (SFTTrainer, DPOTrainer) with its callbacks (checkpoints, NaN/inf,
+    Ctrl-C, step timing) and the speed-ups that change how batches are made."""
+    method = method_of(ctx.stage)
+    args = method.build_config(
         ctx.stage,
         ctx.stage_dir / "checkpoints",
         precision.choice,
@@ -225,8 +227,7 @@ def make_trainer(
         "interrupt": InterruptCallback(),
         "timer": StepTimer(),
     }
-    trainer = build_trainer(built, ctx.stage, args, data, ctx.decisions, list(callbacks.values()))
-    wrap_collator(trainer, built, ctx.stage)
+    trainer = method.build_trainer(built, ctx.stage, args, data, ctx.decisions, list(callbacks.values()))
     return trainer, callbacks
 
 
@@ -257,6 +258,7 @@ def measure(
     """Eval loss, the loss curve, throughput, peak memory, skipped steps and cache hits."""
     eval_metrics = trainer.evaluate() if data.eval is not None else {}
     metrics = collect_metrics(trainer, train_output, eval_metrics, started)
+    metrics.update(method_of(ctx.stage).eval_metrics(eval_metrics))
     metrics["peak_memory"] = peak_memory(ctx.env)
     metrics["params_by_role"] = count_params_by_role(built.model, built.family)
     metrics["skipped_steps"] = callbacks["nonfinite"].skipped_steps
@@ -283,7 +285,8 @@ def finish(
     FSDP and DeepSpeed hold the weights in shards: gathering them is a collective, on every rank, and a
     sharded model generates only with every rank taking part, so its answers come from final/ instead."""
     sharded = ctx.parallel.mode in ("fsdp", "deepspeed")
-    generate = data.eval is not None and ctx.stage.evaluation.generate and ctx.is_main
+    generates = method_of(ctx.stage).generates  # dpo: no generation on a preference split
+    generate = data.eval is not None and ctx.stage.evaluation.generate and generates and ctx.is_main
     if generate and not sharded:
         metrics["eval"] = evaluate_stage(trainer.model, built, ctx.stage, data, ctx.stage_dir)
     gathered = gather_sharded_state(trainer) if sharded else None

@@ -32,8 +32,27 @@ def build_sft_config(
     distributed: bool = False,
     unused_possible: bool = True,
 ) -> SFTConfig:
-    t = stage.training
     return SFTConfig(
+        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
+        # Lengths are checked before training (data.check_lengths): the collator must never truncate
+        # through image tokens.
+        max_length=None,
+        assistant_only_loss=True,
+    )
+
+
+def common_training_args(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
+) -> dict:
+    """The recipe's training settings as TrainingArguments keywords, shared by every method's config."""
+    t = stage.training
+    return dict(
         output_dir=str(output_dir),
         num_train_epochs=t.epochs,
         max_steps=t.max_steps,
@@ -64,10 +83,6 @@ def build_sft_config(
         report_to=[r for r in t.report_to if r != "none"] or "none",
         activation_checkpointing=t.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
-        # Lengths are checked before training (data.check_lengths): the collator must never truncate
-        # through image tokens.
-        max_length=None,
-        assistant_only_loss=True,
         dataloader_num_workers=t.dataloader_workers,
         remove_unused_columns=False,
         # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for images.
@@ -97,9 +112,10 @@ def role_parameter_groups(
     return groups
 
 
-class RecipeTrainer(SFTTrainer):
-    """SFTTrainer whose resume restores the trainable tensors from the runner's own checkpoint file
-    (see resilience.CheckpointCallback); optimizer, scheduler, RNG and data position come from Trainer."""
+class RecipeTrainerMixin:
+    """What every method's trainer shares (put before the TRL trainer in the bases): resume restores the
+    trainable tensors from the runner's own checkpoint file (see resilience.CheckpointCallback; optimizer,
+    scheduler, RNG and data position come from Trainer), and the per-role optimizer groups."""
 
     sample_cache: PreprocessedSampleCollator | None = None  # training.preprocessed_cache
     role_groups: Callable[[set[str]], list[dict]] | None = None  # training.role_learning_rates
@@ -118,6 +134,10 @@ class RecipeTrainer(SFTTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
+
+
+class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
+    """The SFT stage's trainer."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
@@ -150,13 +170,18 @@ def build_trainer(
         processing_class=built.processor,
         callbacks=callbacks,
     )
+    return prepare_trainer(trainer, built, stage, decisions, "after SFTTrainer was built")
+
+
+def prepare_trainer(
+    trainer: RecipeTrainerMixin, built: BuiltModel, stage: Stage, decisions: list[Decision] | None, when: str
+):
+    """Per-role learning rates and the trainable-dtype guard (the TRL trainer may have cast adapters)."""
     if stage.training.role_learning_rates:
         trainer.role_groups = lambda decay_names: role_parameter_groups(
             trainer.model, built.family, stage, decay_names
         )
-    decision = apply_trainable_dtype(
-        trainer.model, stage.training.trainable_dtype, built.compute_dtype, "after SFTTrainer was built"
-    )
+    decision = apply_trainable_dtype(trainer.model, stage.training.trainable_dtype, built.compute_dtype, when)
     log.info("  %s", decision)
     if decisions is not None:
         decisions.append(decision)

@@ -1,0 +1,106 @@
+"""Preference rows (method: dpo), in TRL's conversational preference format:
+
+    {"prompt":   [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "…"}]}],
+     "chosen":   [{"role": "assistant", "content": [{"type": "text", "text": "the right answer"}]}],
+     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "a plausible wrong one"}]}],
+     "images":   ["images/0001.png"]}         # paths relative to the data file, one per image part
+
+Checked like SFT rows (rows.py), before the model loads; the length check counts prompt + each answer.
+"""
+
+from __future__ import annotations
+
+import datasets
+
+from vlm_recipes.data.lengths import sample_lengths
+from vlm_recipes.data.rows import (
+    BadRow,
+    DataError,
+    RowFormat,
+    count_image_parts,
+    fail_or_skip,
+    image_problem,
+    undecoded,
+)
+from vlm_recipes.families import Family
+
+
+def _messages_problem(value, key: str, answer: bool) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"the row needs a `{key}` list of messages"
+    roles = [m.get("role") if isinstance(m, dict) else None for m in value]
+    allowed = ("assistant",) if answer else ("system", "user", "assistant")
+    if any(r not in allowed for r in roles) or (answer and len(roles) != 1):
+        want = "one assistant message" if answer else "system/user/assistant messages"
+        return f"`{key}` must hold {want}, got roles {roles}"
+    if not answer and roles[-1] != "user":
+        return f"`{key}` must end with a user message (the answer follows it), got roles {roles}"
+    return None
+
+
+def preference_row_problem(
+    row: dict, image_root, allow_remote_images: bool = False
+) -> tuple[str, str] | None:
+    """(reason, detail) for a preference row that cannot be trained on, or None."""
+    for key, answer in (("prompt", False), ("chosen", True), ("rejected", True)):
+        if row.get(key) is None:
+            return f"no {key}", f"the row needs `{key}` (preference rows: prompt, chosen, rejected, images)"
+        if detail := _messages_problem(row[key], key, answer):
+            return f"bad {key}", detail
+    images = row.get("images") or []
+    placeholders = count_image_parts(row["prompt"])
+    if count_image_parts(row["chosen"]) + count_image_parts(row["rejected"]):
+        return "image in answer", "images belong in the prompt, not in chosen or rejected"
+    if placeholders != len(images):
+        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
+    for image in images:
+        if problem := image_problem(image, image_root, allow_remote_images):
+            return problem
+    return None
+
+
+PREFERENCE: RowFormat = (preference_row_problem, ("prompt", "chosen", "rejected", "images"))
+
+
+def check_preference_lengths(
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    max_length: int | None,
+    source: str,
+    on_bad_sample: str = "fail",
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """Refuse pairs whose prompt + chosen or prompt + rejected is longer than max_length (image tokens
+    counted): DPOTrainer would cut the answer, comparing truncated log-probabilities.
+
+    Returns the dataset (without too-long rows under `skip`), each row's longer side, and the skip count."""
+    plain = undecoded(ds)
+    images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
+    sides = {}
+    for answer in ("chosen", "rejected"):
+        messages = [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)]
+        sides[answer] = sample_lengths(
+            datasets.Dataset.from_dict({"messages": messages, "images": images}), processor, family
+        )
+    lengths = [max(c, r) for c, r in zip(sides["chosen"], sides["rejected"], strict=True)]
+    if max_length is None:
+        return ds, lengths, {}
+    ids = plain["id"] if "id" in plain.column_names else list(range(len(plain)))
+    bad = [
+        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
+        for i, n in enumerate(lengths)
+        if n > max_length
+    ]
+    skipped = fail_or_skip(
+        bad,
+        on_bad_sample,
+        source,
+        "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
+        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
+    )
+    if not skipped:
+        return ds, lengths, {}
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if not keep:
+        raise DataError(f"{source}: every pair is longer than max_length={max_length}")
+    return ds.select(keep), [lengths[i] for i in keep], skipped

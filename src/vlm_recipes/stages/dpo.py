@@ -1,0 +1,112 @@
+"""The DPO stage's trainer: TRL's DPOTrainer on preference rows, with the family's processor, the
+recipe's resume and per-role learning rates (RecipeTrainerMixin), and no second model for the reference
+when the stage trains LoRA: the reference pass is the same model with its adapter switched off."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from trl import DPOConfig, DPOTrainer
+
+from vlm_recipes.data.rows import StageData
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.stages.build import BuiltModel
+from vlm_recipes.stages.guards import Decision, Environment, GuardError, apply_parallelism
+from vlm_recipes.stages.trainer import RecipeTrainerMixin, common_training_args, prepare_trainer
+
+log = logging.getLogger(__name__)
+
+REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
+
+
+def dpo_max_length(stage: Stage) -> int | None:
+    """Longest prompt + answer: dpo.max_length, else data.max_length."""
+    return stage.dpo.max_length if stage.dpo.max_length is not None else stage.data.max_length
+
+
+def build_dpo_config(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
+) -> DPOConfig:
+    return DPOConfig(
+        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
+        beta=stage.dpo.beta,
+        loss_type=[stage.dpo.loss_type],
+        # Lengths are checked before training (preference.check_preference_lengths): never cut.
+        max_length=None,
+    )
+
+
+class RecipeDPOTrainer(RecipeTrainerMixin, DPOTrainer):
+    """DPOTrainer whose LoRA reference is the adapter switched off. The stage's adapter is fresh (B = 0),
+    so TRL's "ref" copy of it would compute exactly what the base computes; without the copy, TRL disables
+    the adapters for the reference pass. That also holds on resume, where the restored adapter has moved."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.ref_model is None and REF_ADAPTER in getattr(model, "peft_config", {}):
+            model.delete_adapter(REF_ADAPTER)
+
+
+def check_reference(built: BuiltModel, stage: Stage) -> Decision:
+    """A LoRA stage's reference is the model with the adapter off: exactly the stage's start only when
+    nothing else trains. A stage without LoRA gets a reference copy loaded from its source."""
+    modes = {role: getattr(stage.train, role) for role in ("vision", "projector", "llm")}
+    lora = [r for r, m in modes.items() if m == "lora"]
+    full = [r for r, m in modes.items() if m == "full"]
+    if lora and full:
+        raise GuardError(
+            f"stage {stage.name!r} (method: dpo) trains {', '.join(lora)} with LoRA and {', '.join(full)} "
+            "fully: the reference (the model with its adapter off) would move with the fully trained roles. "
+            "Train every role with LoRA, or none."
+        )
+    if lora:
+        return Decision(
+            "dpo-reference", "the model with its LoRA adapter switched off", "no second model copy"
+        )
+    return Decision(
+        "dpo-reference", f"a frozen copy loaded from {built.source}", "full fine-tune: no adapter"
+    )
+
+
+def build_dpo_trainer(
+    built: BuiltModel,
+    stage: Stage,
+    args: DPOConfig,
+    data: StageData,
+    decisions: list[Decision] | None = None,
+    callbacks: list | None = None,
+) -> RecipeDPOTrainer:
+    """The stage's DPOTrainer (ref_model=None), with the parallelism and trainable-dtype guards applied."""
+    reference = check_reference(built, stage)
+    if decisions is not None:
+        decisions.append(reference)
+    for key in ("padding_free", "preprocessed_cache"):
+        if getattr(stage.training, key):
+            log.warning("  training.%s is not used by method dpo (TRL's preference collator)", key)
+    apply_parallelism(args)
+    trainer = RecipeDPOTrainer(
+        model=built.model,
+        ref_model=None,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        callbacks=callbacks,
+    )
+    return prepare_trainer(trainer, built, stage, decisions, "after DPOTrainer was built")
+
+
+def dpo_eval_metrics(eval_metrics: dict) -> dict:
+    """Eval reward accuracy (chosen scored above rejected) and margin, from TRL's eval logs."""
+    return {
+        "eval_reward_accuracy": eval_metrics.get("eval_rewards/accuracies"),
+        "eval_reward_margin": eval_metrics.get("eval_rewards/margins"),
+    }
