@@ -69,6 +69,26 @@ def check_lengths(
 
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
     lengths = sample_lengths(undecoded(ds), processor, family)
+    return refuse_too_long(
+        ds,
+        lengths,
+        max_length,
+        source,
+        on_bad_sample,
+        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer tokens)",
+    )
+
+
+def refuse_too_long(
+    ds: datasets.Dataset,
+    lengths: list[int],
+    max_length: int | None,
+    source: str,
+    on_bad_sample: str,
+    what: str,
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """The rows whose length exceeds max_length: an error listing them (`fail`), or dropped and counted
+    (`skip`). Returns the dataset, the lengths kept and the skip count."""
     if max_length is None:
         return ds, lengths, {}
     ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
@@ -77,16 +97,10 @@ def check_lengths(
         for i, n in enumerate(lengths)
         if n > max_length
     ]
-    skipped = fail_or_skip(
-        bad,
-        on_bad_sample,
-        source,
-        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels "
-        "so images take fewer tokens)",
-    )
+    skipped = fail_or_skip(bad, on_bad_sample, source, what)
     if not skipped:
         return ds, lengths, {}
     keep = [i for i, n in enumerate(lengths) if n <= max_length]
     if not keep:
-        raise DataError(f"{source}: every sample is longer than data.max_length={max_length}")
+        raise DataError(f"{source}: every row is longer than max_length={max_length}")
     return ds.select(keep), [lengths[i] for i in keep], skipped

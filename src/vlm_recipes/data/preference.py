@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import sample_lengths
+from vlm_recipes.data.lengths import refuse_too_long, sample_lengths
 from vlm_recipes.data.rows import (
-    BadRow,
-    DataError,
     RowFormat,
     count_image_parts,
-    fail_or_skip,
     image_problem,
     undecoded,
 )
@@ -83,24 +80,12 @@ def check_preference_lengths(
             datasets.Dataset.from_dict({"messages": messages, "images": images}), processor, family
         )
     lengths = [max(c, r) for c, r in zip(sides["chosen"], sides["rejected"], strict=True)]
-    if max_length is None:
-        return ds, lengths, {}
-    ids = plain["id"] if "id" in plain.column_names else list(range(len(plain)))
-    bad = [
-        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
-        for i, n in enumerate(lengths)
-        if n > max_length
-    ]
-    skipped = fail_or_skip(
-        bad,
-        on_bad_sample,
+    return refuse_too_long(
+        ds,
+        lengths,
+        max_length,
         source,
+        on_bad_sample,
         "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
         "data.max_length, or lower data.max_pixels so images take fewer tokens)",
     )
-    if not skipped:
-        return ds, lengths, {}
-    keep = [i for i, n in enumerate(lengths) if n <= max_length]
-    if not keep:
-        raise DataError(f"{source}: every pair is longer than max_length={max_length}")
-    return ds.select(keep), [lengths[i] for i in keep], skipped
