@@ -21,7 +21,7 @@ from vlm_recipes.families.qwen2_vl import (
     QWEN_VL_ROLES,
     QWEN_VL_SPECIAL_TOKENS,
     Qwen2VLFamily,
-    qwen_text_config,
+    qwen2_text_config,
     qwen_vision_token_ids,
     save_tiny_model,
 )
@@ -92,15 +92,7 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2_5_VLConfig(
-        text_config=qwen_text_config(
-            dims,
-            len(tok),
-            ids,
-            max_window_layers=dims["layers"],
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
-        ),
+        text_config=qwen2_text_config(dims, len(tok), ids),
         vision_config={
             "depth": dims["vision_depth"],
             "hidden_size": dims["vision_dim"],

@@ -171,16 +171,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2VLConfig(
-        text_config=qwen_text_config(
-            dims,
-            len(tok),
-            ids,
-            max_window_layers=dims["layers"],
-            # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
-        ),
+        text_config=qwen2_text_config(dims, len(tok), ids),
         vision_config={
             "depth": dims["vision_depth"],
             "embed_dim": dims["vision_dim"],
@@ -227,6 +218,20 @@ def qwen_text_config(dims: dict, vocab: int, ids: dict[str, int], **extra) -> di
         "pad_token_id": ids["<|endoftext|>"],
         **extra,
     }
+
+
+def qwen2_text_config(dims: dict, vocab: int, ids: dict[str, int]) -> dict:
+    """Qwen2's text model, as Qwen2-VL and Qwen2.5-VL configure it."""
+    return qwen_text_config(
+        dims,
+        vocab,
+        ids,
+        max_window_layers=dims["layers"],
+        # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
+        bos_token_id=None,
+        eos_token_id=ids["<|im_end|>"],
+    )
 
 
 def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
