@@ -4,24 +4,29 @@ adapter switched off (no second model), and bad preference rows are clear errors
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_recipe
+from conftest import TINY_MODELS, run_train, write_recipe
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
+from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.preference import PREFERENCE
 from vlm_recipes.data.rows import DataError, load_split, load_stage_data
+from vlm_recipes.evaluation.compare import compare_runs, format_comparison, load_run
 from vlm_recipes.files import read_json
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
+from vlm_recipes.runs import format_summary
 from vlm_recipes.stages.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.stages.dpo import build_dpo_config, build_dpo_trainer
 from vlm_recipes.stages.guards import Environment
 
 CPU = Environment(device="cpu", gpu_count=0, bf16_supported=False)
+FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}
 
 
 def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache):
@@ -37,13 +42,56 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache):
     metrics = read_json(dpo / "metrics.json")
     assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0 and metrics["eval_reward_margin"] is not None
     assert metrics["steps"] == 2
-    assert not (dpo / "predictions.jsonl").exists()  # no generation on a preference split
+    # Answers generated from each prompt and scored against its chosen answer, as after an SFT stage.
+    assert metrics["eval"]["all"]["rows"] == 8
+    assert len((dpo / "predictions.jsonl").read_text().splitlines()) == 8
     report = read_json(dpo / "report.json")
     assert report["data"]["train"] == "demo:preference-train"
+    reference = {d["guard"]: d["choice"] for d in report["decisions"]}["dpo-reference"]
+    assert reference == "the model with its LoRA adapter switched off"
     audit = report["freeze_audit"]
     assert audit is not None  # frozen roles identical to stage 2's final/, LoRA merged into final/
     provenance = read_json(dpo / "final" / "provenance.json")
     assert "stage-2-llm-lora" in json.dumps(provenance)
+
+    # The comparison shows DPO's reward accuracy and margin beside the generation metrics.
+    summary = load_run(run)
+    assert summary.reward_accuracy == metrics["eval_reward_accuracy"]
+    assert summary.reward_margin == metrics["eval_reward_margin"]
+    table = format_comparison(compare_runs([summary]))
+    assert "reward acc" in table and f"{metrics['eval_reward_accuracy']:.3f}" in table
+    assert "reward acc" in format_summary(run)  # the end-of-run table too
+
+
+@pytest.mark.parametrize("model", list(TINY_MODELS.values()))
+def test_a_dpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
+    """One DPO stage (LoRA on the language model) per family: guards, freeze audit, merged final/, reward
+    metrics and generated answers."""
+    recipe = write_recipe(
+        tmp_path,
+        "dpo",
+        f"model: {model}\n"
+        "stages:\n"
+        "  - name: dpo\n"
+        "    method: dpo\n"
+        "    train: {llm: lora}\n"
+        "    data: {train: demo:preference-train, eval: demo:preference-eval, max_train_samples: 8, "
+        "max_eval_samples: 4}\n"
+        "    evaluation: {max_new_tokens: 4}\n"
+        "    training: {per_device_batch_size: 4, learning_rate: 1.0e-3}\n",
+    )
+    code = main(
+        ["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "t", "--max-steps", "2"]
+    )
+    assert code == 0
+    stage = tmp_path / "dpo" / "t" / "stage-1-dpo"
+    metrics, report = read_json(stage / "metrics.json"), read_json(stage / "report.json")
+    assert report["family"] == FAMILIES_BY_MODEL[model]
+    assert metrics["steps"] == 2 and metrics["eval"]["all"]["rows"] == 4
+    assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0
+    audit = report["freeze_audit"]
+    assert audit["vision"]["changed"] == 0 and audit["projector"]["changed"] == 0
+    assert audit["llm"]["changed"] > 0  # the merged adapter
 
 
 def _dpo_stage(**training) -> Stage:
@@ -109,6 +157,52 @@ def test_lora_reference_is_the_adapter_switched_off(tmp_path, demo_model_dir):
     assert not layer.disable_adapters  # switched back on after the reference pass
 
 
+def _weight_bytes(*modules) -> int:
+    """Bytes of the distinct tensors (parameters and buffers) the modules hold: a shared one counts once."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        if module is None:
+            continue
+        for tensor in [*module.parameters(), *module.buffers()]:
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_the_lora_reference_holds_no_second_copy_of_the_weights(tmp_path, demo_model_dir):
+    """The weights a DPO trainer holds: with LoRA exactly the policy's (base + one adapter); a full
+    fine-tune holds the policy and a reference copy, twice as much, which is what this test would see."""
+    lora, _ = _dpo_trainer(tmp_path / "lora", demo_model_dir, _dpo_stage(max_steps=1))
+    policy = lora.accelerator.unwrap_model(lora.model)
+    assert _weight_bytes(policy, lora.ref_model) == _weight_bytes(policy)
+    adapters = {n.split(".")[-2] for n, _ in policy.named_parameters() if "lora_" in n}
+    assert adapters == {"default"}  # no "ref" adapter copy beside the stage's own
+
+    stage = _dpo_stage(max_steps=1)
+    stage.train = TrainModes(projector="full")
+    full, _ = _dpo_trainer(tmp_path / "full", demo_model_dir, stage)
+    assert full.ref_model is not None
+    held = _weight_bytes(full.model, full.ref_model)
+    assert held >= 1.9 * _weight_bytes(full.model)
+
+
+def test_dpo_with_lora_beside_a_fully_trained_role_is_refused(tmp_path, capsys, private_demo_cache):
+    recipe = write_recipe(
+        tmp_path,
+        "mixed",
+        "model: demo:tiny-qwen2-vl\n"
+        "stages:\n"
+        "  - name: dpo\n"
+        "    method: dpo\n"
+        "    train: {projector: full, llm: lora}\n"
+        "    data: {train: demo:preference-train, eval: null}\n",
+    )
+    code = main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "mixed.yaml: stages[0].train: method dpo trains llm with LoRA and projector fully" in err
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
 def _write_rows(tmp_path: Path, rows: list[dict]) -> Path:
     Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "red.png")
     path = tmp_path / "prefs.jsonl"
@@ -163,3 +257,42 @@ def test_bad_preference_data_exits_2(tmp_path, capsys, private_demo_cache):
     err = capsys.readouterr().err
     assert code == 2, err
     assert "prefs.jsonl:line 2: no rejected" in err and "Traceback" not in err
+
+
+@pytest.mark.e2e
+def test_a_killed_dpo_stage_resumes_to_the_uninterrupted_result(tmp_path, private_demo_cache):
+    """SIGKILL after step 3 of 4 (checkpoint at step 2), then --resume: the final weights equal an
+    uninterrupted run's exactly, and the resumed reference is still the adapter switched off."""
+    recipe = write_recipe(
+        tmp_path,
+        "dpo",
+        "model: demo:tiny-qwen2-vl\n"
+        "stages:\n"
+        "  - name: dpo\n"
+        "    method: dpo\n"
+        "    train: {llm: lora}\n"
+        "    data: {train: demo:preference-train, eval: null, max_train_samples: 16}\n"
+        "    training: {per_device_batch_size: 4, save_steps: 2, learning_rate: 1.0e-3}\n",
+    )
+
+    def train(name: str, fault: str | None = None):
+        return run_train(
+            "--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", name, fault=fault
+        )
+
+    def final_weights(name: str) -> dict[str, torch.Tensor]:
+        model = AutoModelForImageTextToText.from_pretrained(tmp_path / "dpo" / name / "stage-1-dpo" / "final")
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    uninterrupted = train("whole")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    killed = train("killed", fault="stage1:step3")
+    assert killed.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "dpo" / "killed"
+    resumed = run_train("--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run_dir / 'stage-1-dpo' / 'checkpoints' / 'checkpoint-2'}" in resumed.stderr
+    assert "dpo-reference: the model with its LoRA adapter switched off" in resumed.stderr
+    whole, again = final_weights("whole"), final_weights("killed")
+    for name, value in whole.items():
+        assert torch.equal(again[name], value), name

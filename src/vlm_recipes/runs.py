@@ -371,6 +371,7 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
     return {
         "index": index,
         "name": stage.name,
+        "method": stage.method,
         "dir": str(stage_dir),
         "source": source,
         "final_model": str(stage_dir / FINAL_DIR),
@@ -378,24 +379,25 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
             k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
         },
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
+        "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
     }
 
 
 def format_summary(run_dir: Path) -> str:
-    """The table printed at the end of a run."""
+    """The table printed at the end of a run (with DPO's eval reward accuracy when a stage has one)."""
     manifest = read_json(run_dir / "run.json")
-    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11} {'time':>7}"
-    lines = [
-        f"Recipe {manifest['recipe']} finished: {len(manifest['stages'])} stage(s)",
-        "",
-        header,
-        "-" * len(header),
-    ]
-    for s in manifest["stages"]:
-        lines.append(
+    stages = manifest["stages"]
+    rewards = any(s.get("eval_reward_accuracy") is not None for s in stages)
+    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
+    header += f" {'reward acc':>10}" * rewards + f" {'time':>7}"
+    lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
+    for s in stages:
+        line = (
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "
-            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11} {(s['wall_time_s'] or 0):>6.1f}s"
+            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11}"
         )
+        line += f" {_num(s.get('eval_reward_accuracy'), 3):>10}" * rewards
+        lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
     return "\n".join(lines)
 

@@ -34,6 +34,8 @@ class RunSummary:
     eval_loss: float | None  # last stage's eval loss
     exact_match: float | None
     json_f1: float | None
+    reward_accuracy: float | None  # a DPO last stage: chosen scored above rejected on the eval pairs
+    reward_margin: float | None
     time_s: float
     samples_per_s: float | None
     peak_memory_gb: float | None
@@ -70,6 +72,8 @@ def load_run(run_dir: Path) -> RunSummary:
         eval_loss=last.get("eval_loss"),
         exact_match=overall.get("exact_match"),
         json_f1=(overall.get("json_fields") or {}).get("f1"),
+        reward_accuracy=last.get("eval_reward_accuracy"),
+        reward_margin=last.get("eval_reward_margin"),
         time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
@@ -175,6 +179,8 @@ COLUMNS = [
     ("eval loss", "eval_loss", "{:.4f}"),
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
+    ("reward acc", "reward_accuracy", "{:.3f}"),
+    ("reward margin", "reward_margin", "{:.3f}"),
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("peak mem GB", "peak_memory_gb", "{:.2f}"),
@@ -211,7 +217,8 @@ def format_markdown(comparison: Comparison, png_name: str | None) -> str:
         lines += ["", "Runs: " + ", ".join(f"`{run.run_dir}`" for row in rows for run in row.runs), ""]
     lines.append(
         "Values are mean ± std over seeds where a recipe ran more than once. Losses and metrics are "
-        "the last stage's."
+        "the last stage's; a DPO stage's eval loss is its preference loss, its exact match scores the "
+        "chosen answers."
     )
     if png_name:
         lines += ["", f"![loss curves and metrics]({png_name})"]
@@ -233,7 +240,7 @@ def plot_comparison(comparison: Comparison, path: Path) -> Path:
 
 def comparison_figure(comparison: Comparison):
     """Three panels: train-loss curves (steps counted across stages, stage boundaries dashed), eval loss,
-    and task metrics (exact match, JSON field F1), with error bars over seeds."""
+    and task metrics (exact match, JSON field F1, DPO's reward accuracy), with error bars over seeds."""
     import matplotlib.pyplot as plt
 
     rows = [row for group in comparison.groups.values() for row in group]
@@ -263,12 +270,14 @@ def comparison_figure(comparison: Comparison):
     losses.set(title="eval loss, last stage (lower is better)", ylabel="loss (error bars: std over seeds)")
     losses.set_ylim(0, max(means, default=1.0) * 1.15 or 1.0)
 
-    width = 0.4
+    metrics = [("exact_match", "exact match"), ("json_f1", "JSON field F1")]
+    if any(row.values("reward_accuracy") for row in rows):
+        metrics.append(("reward_accuracy", "reward accuracy (DPO)"))
+    width = 0.8 / len(metrics)
     positions = range(len(rows))
-    for shift, (attr, label) in zip(
-        (-width / 2, width / 2), (("exact_match", "exact match"), ("json_f1", "JSON field F1")), strict=True
-    ):
+    for k, (attr, label) in enumerate(metrics):
         means, errors = _mean_and_std(rows, attr)
+        shift = (k - (len(metrics) - 1) / 2) * width
         tasks.bar([p + shift for p in positions], means, width, yerr=errors, capsize=3, label=label)
     tasks.set_xticks(list(positions), names)
     tasks.set(title="task metrics on the eval set (higher is better)", ylim=(0, 1), ylabel="score")

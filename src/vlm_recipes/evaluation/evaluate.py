@@ -192,10 +192,11 @@ def _text_of(content) -> str:
 
 
 def prompts_from_rows(rows: Iterable[dict]) -> list[Prompt]:
-    """Split each conversation before its last assistant turn: the prompt, and the reference answer."""
+    """Split each conversation before its last assistant turn: the prompt, and the reference answer.
+    A preference row (method: dpo) is scored as its prompt followed by the chosen answer."""
     prompts = []
     for index, row in enumerate(rows):
-        messages = row["messages"]
+        messages = row["messages"] if "messages" in row else row["prompt"] + row["chosen"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         context = attach_images(messages[:last], row.get("images"))
         user_text = " ".join(_text_of(m["content"]) for m in messages[:last] if m["role"] == "user")

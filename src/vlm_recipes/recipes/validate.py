@@ -180,6 +180,7 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
             )
         problems += _source_problems(recipe, stage, at, seen)
         problems += _quantization_problems(stage, modes, at)
+        problems += _method_problems(stage, modes, at)
         for section, mapping in (
             ("lora.targets", stage.lora.targets),
             ("training.role_learning_rates", stage.training.role_learning_rates),
@@ -263,3 +264,20 @@ def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Proble
                     )
                 )
     return problems
+
+
+def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
+    """A DPO stage that trains LoRA takes the model with its adapter off as the reference: a role trained
+    fully beside it would move the reference too."""
+    lora = [role for role, mode in modes.items() if mode == "lora"]
+    full = [role for role, mode in modes.items() if mode == "full"]
+    if stage.method != "dpo" or not (lora and full):
+        return []
+    return [
+        Problem(
+            f"{at}.train",
+            f"method dpo trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the reference "
+            "(the model with its adapter off) would move with the fully trained roles. Train every role "
+            "with LoRA, or every trained role fully",
+        )
+    ]

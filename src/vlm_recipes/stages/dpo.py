@@ -12,7 +12,7 @@ from trl import DPOConfig, DPOTrainer
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Decision, Environment, GuardError, apply_parallelism
+from vlm_recipes.stages.guards import Decision, Environment, apply_parallelism
 from vlm_recipes.stages.trainer import RecipeTrainerMixin, common_training_args, prepare_trainer
 
 log = logging.getLogger(__name__)
@@ -55,24 +55,17 @@ class RecipeDPOTrainer(RecipeTrainerMixin, DPOTrainer):
             model.delete_adapter(REF_ADAPTER)
 
 
-def check_reference(built: BuiltModel, stage: Stage) -> Decision:
-    """A LoRA stage's reference is the model with the adapter off: exactly the stage's start only when
-    nothing else trains. A stage without LoRA gets a reference copy loaded from its source."""
-    modes = {role: getattr(stage.train, role) for role in ("vision", "projector", "llm")}
-    lora = [r for r, m in modes.items() if m == "lora"]
-    full = [r for r, m in modes.items() if m == "full"]
-    if lora and full:
-        raise GuardError(
-            f"stage {stage.name!r} (method: dpo) trains {', '.join(lora)} with LoRA and {', '.join(full)} "
-            "fully: the reference (the model with its adapter off) would move with the fully trained roles. "
-            "Train every role with LoRA, or none."
-        )
-    if lora:
+def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
+    """A LoRA stage's reference is the model with the adapter off (validation refuses LoRA beside a fully
+    trained role); a stage without LoRA gets a frozen copy, which TRL loads from the stage's source."""
+    if "lora" in (stage.train.vision, stage.train.projector, stage.train.llm):
         return Decision(
             "dpo-reference", "the model with its LoRA adapter switched off", "no second model copy"
         )
     return Decision(
-        "dpo-reference", f"a frozen copy loaded from {built.source}", "full fine-tune: no adapter"
+        "dpo-reference",
+        f"a frozen copy loaded from {built.source}",
+        "full fine-tune: no adapter to switch off",
     )
 
 
@@ -85,7 +78,8 @@ def build_dpo_trainer(
     callbacks: list | None = None,
 ) -> RecipeDPOTrainer:
     """The stage's DPOTrainer (ref_model=None), with the parallelism and trainable-dtype guards applied."""
-    reference = check_reference(built, stage)
+    reference = reference_decision(built, stage)
+    log.info("  %s", reference)
     if decisions is not None:
         decisions.append(reference)
     for key in ("padding_free", "preprocessed_cache"):

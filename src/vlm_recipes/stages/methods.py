@@ -27,7 +27,6 @@ class TrainingMethod:
     check_lengths: Callable
     max_length: Callable[[Stage], int | None]
     eval_metrics: Callable[[dict], dict]  # trainer.evaluate()'s output -> extra keys of metrics.json
-    generates: bool  # answers generated and scored on the eval split after the stage
 
 
 def _build_sft_trainer(built, stage, args, data, decisions=None, callbacks=None):
@@ -45,9 +44,8 @@ METHODS: dict[str, TrainingMethod] = {
         check_lengths=check_lengths,
         max_length=lambda stage: stage.data.max_length,
         eval_metrics=lambda eval_metrics: {},
-        generates=True,
     ),
-    # Preference rows have no single answer to generate and score: eval reward accuracy and margin instead.
+    # Besides the generated answers (scored against `chosen`): eval reward accuracy and margin.
     "dpo": TrainingMethod(
         name="dpo",
         row_format=PREFERENCE,
@@ -56,7 +54,6 @@ METHODS: dict[str, TrainingMethod] = {
         check_lengths=check_preference_lengths,
         max_length=dpo_max_length,
         eval_metrics=dpo_eval_metrics,
-        generates=False,
     ),
 }
 

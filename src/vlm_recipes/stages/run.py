@@ -63,6 +63,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
         write_json(ctx.stage_dir / "report.json", report)
 
     trainer, callbacks = make_trainer(ctx, built, data, precision)
+    report["decisions"] = [d.to_dict() for d in ctx.decisions]  # with the trainer's own (dpo-reference)
     train_output = train(ctx, trainer, callbacks, resume_from)
 
     metrics = measure(ctx, built, trainer, train_output, data, callbacks, started)
@@ -285,8 +286,7 @@ def finish(
     FSDP and DeepSpeed hold the weights in shards: gathering them is a collective, on every rank, and a
     sharded model generates only with every rank taking part, so its answers come from final/ instead."""
     sharded = ctx.parallel.mode in ("fsdp", "deepspeed")
-    generates = method_of(ctx.stage).generates  # dpo: no generation on a preference split
-    generate = data.eval is not None and ctx.stage.evaluation.generate and generates and ctx.is_main
+    generate = data.eval is not None and ctx.stage.evaluation.generate and ctx.is_main
     if generate and not sharded:
         metrics["eval"] = evaluate_stage(trainer.model, built, ctx.stage, data, ctx.stage_dir)
     gathered = gather_sharded_state(trainer) if sharded else None
