@@ -40,7 +40,9 @@ class RunSummary:
     samples_per_s: float | None
     peak_memory_gb: float | None
     eval_signature: str | None
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across stages
+    last_method: str = "sft"  # the last stage's method: a dpo stage's losses are preference losses
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
+    preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
     stage_boundaries: list[int] = field(default_factory=list)
 
 
@@ -52,9 +54,11 @@ def load_run(run_dir: Path) -> RunSummary:
     manifest = read_json(run_dir / "run.json")
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
-    curve, offset, boundaries = [], 0, []
-    for metrics in stage_metrics:
-        curve += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+    methods = [s.get("method", "sft") for s in manifest["stages"]]
+    curves: dict[str, list[tuple[int, float]]] = {"sft": [], "dpo": []}
+    offset, boundaries = 0, []
+    for method, metrics in zip(methods, stage_metrics, strict=True):
+        curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
         offset += metrics["steps"]
         boundaries.append(offset)
     overall = (last.get("eval") or {}).get("all", {})
@@ -78,7 +82,9 @@ def load_run(run_dir: Path) -> RunSummary:
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
         eval_signature=last.get("eval_signature"),
-        loss_curve=curve,
+        last_method=methods[-1],
+        loss_curve=curves["sft"],
+        preference_curve=curves["dpo"],
         stage_boundaries=boundaries[:-1],
     )
 
@@ -180,7 +186,7 @@ COLUMNS = [
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
     ("reward acc", "reward_accuracy", "{:.3f}"),
-    ("reward margin", "reward_margin", "{:.3f}"),
+    ("reward margin", "reward_margin", "{:.4f}"),
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("peak mem GB", "peak_memory_gb", "{:.2f}"),
@@ -246,30 +252,36 @@ def comparison_figure(comparison: Comparison):
     rows = [row for group in comparison.groups.values() for row in group]
     colors = [f"C{i % 10}" for i in range(len(rows))]
     fig, (curves, losses, tasks) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
+    preference = curves.twinx() if any(run.preference_curve for row in rows for run in row.runs) else None
     for row, color in zip(rows, colors, strict=True):
         for k, run in enumerate(row.runs):
-            steps, values = zip(*run.loss_curve, strict=True) if run.loss_curve else ((), ())
-            curves.plot(
-                steps,
-                values,
-                color=color,
-                marker="." if len(steps) < 30 else None,
-                alpha=0.9 if k == 0 else 0.35,
-                label=row.recipe if k == 0 else None,
-            )
+            style = {"color": color, "alpha": 0.9 if k == 0 else 0.35}
+            for axis, points, line in ((curves, run.loss_curve, "-"), (preference, run.preference_curve, ":")):
+                if points:
+                    steps, values = zip(*points, strict=True)
+                    marker = "." if len(steps) < 30 else None
+                    label = row.recipe if k == 0 and axis is curves else None
+                    axis.plot(steps, values, line, marker=marker, label=label, **style)
             for boundary in run.stage_boundaries:
                 curves.axvline(boundary, color=color, linestyle="--", linewidth=0.8, alpha=0.5)
     curves.set(
-        title="train loss (dashed: stage boundaries)", xlabel="optimizer step, all stages", ylabel="loss"
+        title="train loss (dashed: stage boundaries)", xlabel="optimizer step, all stages", ylabel="SFT loss"
     )
+    if preference is not None:
+        preference.set_ylabel("DPO loss (dotted)")
     curves.legend(fontsize=8)
 
-    names = [r.recipe for r in rows]
-    means, errors = _mean_and_std(rows, "eval_loss")
-    losses.bar(names, means, yerr=errors, capsize=4, color=colors)
-    losses.set(title="eval loss, last stage (lower is better)", ylabel="loss (error bars: std over seeds)")
+    # A DPO last stage's eval loss is a preference loss: not a bar beside cross-entropies.
+    sft_rows = [row for row in rows if row.runs[0].last_method == "sft"]
+    means, errors = _mean_and_std(sft_rows, "eval_loss")
+    sft_colors = [c for row, c in zip(rows, colors, strict=True) if row in sft_rows]
+    losses.bar([r.recipe for r in sft_rows], means, yerr=errors, capsize=4, color=sft_colors)
+    losses.set(
+        title="eval loss, last stage if SFT (lower is better)", ylabel="loss (error bars: std over seeds)"
+    )
     losses.set_ylim(0, max(means, default=1.0) * 1.15 or 1.0)
 
+    names = [r.recipe for r in rows]
     metrics = [("exact_match", "exact match"), ("json_f1", "JSON field F1")]
     if any(row.values("reward_accuracy") for row in rows):
         metrics.append(("reward_accuracy", "reward accuracy (DPO)"))
