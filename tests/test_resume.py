@@ -53,11 +53,8 @@ def reference(tmp_path_factory, private_demo_cache) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("fault", "expect_resume"),
     [
-        ("stage1:step3", "stage-1-vision-full/checkpoints/checkpoint-2"),  # during stage 1
-        (
-            "stage1:checkpoint4",
-            "stage-1-vision-full/checkpoints/checkpoint-2",
-        ),  # while checkpoint 4 is written
+        # during stage 1, while checkpoint 4 is written (killed after step 3 is the same resume, from 2)
+        ("stage1:checkpoint4", "stage-1-vision-full/checkpoints/checkpoint-2"),
         ("between1", None),  # stage 1 done, stage 2 not started
         ("stage2:step5", "stage-2-llm-lora/checkpoints/checkpoint-4"),  # during stage 2
     ],
