@@ -18,6 +18,7 @@ from PIL import Image
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.demo_data import ensure_demo_dataset
+from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import ensure_demo_model
 
 ROW = {
@@ -317,6 +318,10 @@ CASES = {
         "the dataset is empty after skipping 1 bad rows",
     ),
     "image tokens exceed max_length": (lambda t: ["data.max_length=8"], "longer than max_length"),
+    "a key with values of different kinds": (
+        lambda t: case_data(t, [ROW, {**ROW, "images": "a.png"}]),
+        "train.jsonl:line 2: `images` is a string but a list of a string on line 1",
+    ),
     # models
     "model dir missing": (lambda t: ["model=" + str(t / "nowhere")], "is not a model directory"),
     "unsupported family": (other_family, "model type `gpt2` is not supported. Supported families: qwen2-vl"),
@@ -385,3 +390,12 @@ def test_skip_policy_trains_without_bad_rows_and_counts_them(tmp_path, capsys):
 
 def test_demo_dataset_is_clean(private_demo_cache):
     assert (ensure_demo_dataset() / "train.jsonl").is_file()
+
+
+def test_text_content_as_a_string_or_as_parts_mixes_in_one_file(tmp_path):
+    """`"content": "text"` in one row and `[{"type": "text", ...}]` in another, both valid chat messages,
+    load into one table as parts (Arrow alone refuses to mix them)."""
+    text_only = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
+    ds, _ = load_split(data_file(tmp_path, [ROW, text_only]), "train", None)
+    assert ds[1]["messages"][1]["content"] == [{"type": "text", "text": "hi"}]
+    assert ds[0]["messages"][1]["content"] == [{"type": "text", "text": "red"}]

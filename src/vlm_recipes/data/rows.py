@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 from PIL import Image
 
 from vlm_recipes.data.demo_data import resolve_data_source
@@ -87,9 +88,52 @@ def read_jsonl(path: Path) -> tuple[list[dict], list[int], list[BadRow]]:
             if not isinstance(row, dict):
                 bad.append(BadRow(f"{path}:line {number}", "unreadable JSON", "not an object"))
                 continue
-            rows.append(row)
+            rows.append(_text_content_as_parts(row))
             lines.append(number)
     return rows, lines, bad
+
+
+def _text_content_as_parts(row: dict) -> dict:
+    """`"content": "text"` as `[{"type": "text", "text": "text"}]`, in every message list of the row: both
+    forms are valid chat messages (TRL, LLaMA-Factory), but one Arrow column cannot hold strings and lists,
+    and the chat templates of vision-language models render both alike."""
+    for key in ("messages", "prompt", "chosen", "rejected"):
+        messages = row.get(key)
+        if isinstance(messages, list):
+            for message in messages:
+                if isinstance(message, dict) and isinstance(message.get("content"), str):
+                    message["content"] = [{"type": "text", "text": message["content"]}]
+    return row
+
+
+def _dataset_from_rows(rows: list[dict], path: Path, lines: list[int]) -> datasets.Dataset:
+    """One Arrow table of the rows; rows that give a key values of different kinds are a DataError naming
+    the first line that differs from the file's first row."""
+    try:
+        return datasets.Dataset.from_list(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        first = {key: _json_kind(value) for key, value in rows[0].items()}
+        for row, number in zip(rows[1:], lines[1:], strict=True):
+            for key, value in row.items():
+                if key in first and _json_kind(value) != first[key]:
+                    raise DataError(
+                        f"{path}:line {number}: `{key}` is {_json_kind(value)} but {first[key]} on line "
+                        f"{lines[0]}: give `{key}` the same kind of value in every row"
+                    ) from exc
+        raise DataError(
+            f"{path}: rows cannot be read as one table ({exc}): check that every row has the "
+            "same keys with the same kinds of values"
+        ) from exc
+
+
+def _json_kind(value) -> str:
+    """The shape of a JSON value, nested lists and objects included (a list of strings vs of objects)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_json_kind(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        kinds = sorted({_json_kind(v) for v in value})
+        return f"a list of {' or '.join(kinds)}" if kinds else "a list"
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "null")
 
 
 def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, list[str], list[BadRow]]:
@@ -101,7 +145,7 @@ def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, l
             raise DataError(f"data file not found: {path} (check data.train / data.eval)")
         if path.suffix == ".jsonl":
             rows, lines, bad = read_jsonl(path)
-            ds = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({})
+            ds = _dataset_from_rows(rows, path, lines) if rows else datasets.Dataset.from_dict({})
             return ds, path.parent, [f"{path}:line {n}" for n in lines], bad
         ds = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         return ds, path.parent, [f"{path} row {i}" for i in range(len(ds))], []
@@ -203,7 +247,7 @@ def load_split(
     if "images" in ds.column_names and image_root is not None and _holds_paths(ds):
         root = str(image_root)
         ds = ds.map(
-            lambda row: {"images": [p if is_remote(p) else str(Path(root) / p) for p in row["images"]]},
+            lambda row: {"images": [p if is_remote(p) else str(Path(root) / p) for p in row["images"] or []]},
             desc="image paths",
         )
         ds = ds.cast_column("images", datasets.List(datasets.Image()))
