@@ -114,7 +114,8 @@ def test_the_last_steps_checkpoint_is_never_resumed_from(tmp_path):
     assert not (checkpoints / "checkpoint-2" / "COMPLETE").exists()
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, stop):
     command = [
         *TRAIN,
         *r2_command(
@@ -127,7 +128,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     while not (stage_dir / "report.json").exists() and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)  # inside the training loop
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-3000:]
     assert f"--resume {tmp_path / 'r2-vision-only' / 'run'}" in stderr
@@ -135,6 +136,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
     assert len(checkpoints) == 1 and not (stage_dir / "DONE").exists()
     step = int(checkpoints[0].parent.name.rsplit("-", 1)[1])
     assert 0 < step < 400
+    assert read_json(tmp_path / "r2-vision-only" / "run" / "run.json")["status"] == "interrupted"
 
 
 def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -141,8 +142,12 @@ def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None
     process = subprocess.Popen(command, env=child_env, pass_fds=(lock_fd,) if lock_fd is not None else ())
     try:
         code = process.wait()
-    except KeyboardInterrupt:  # the children got the Ctrl-C too: let them save their checkpoint
-        log.warning("Ctrl-C: waiting for the launched processes to save and stop")
+    except KeyboardInterrupt as exc:  # the children got Ctrl-C too; SIGTERM only this process: pass it on
+        if exc.args == ("SIGTERM",):
+            process.send_signal(signal.SIGTERM)  # torchrun and accelerate pass it to their workers
+        log.warning(
+            "%s: waiting for the launched processes to save and stop", exc.args[0] if exc.args else "Ctrl-C"
+        )
         try:
             process.wait(timeout=300)
         except (KeyboardInterrupt, subprocess.TimeoutExpired):

@@ -8,9 +8,12 @@ Every value given on the command line is checked before anything trains: flags t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
@@ -260,7 +263,31 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
     return jobs
 
 
+@contextlib.contextmanager
+def sigterm_stops_like_ctrl_c():
+    """SIGTERM (a scheduler stopping the job, `kill`, `docker stop`) stops the run as Ctrl-C does: the
+    stage in training saves a checkpoint first (resilience.InterruptCallback), and run.json says
+    `interrupted`, instead of the process vanishing with the run still marked `running`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None, prog: str = "train_recipe.py") -> int:
+    with sigterm_stops_like_ctrl_c():
+        return _main(argv, prog)
+
+
+def _main(argv: list[str] | None, prog: str) -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides may come before or after options
     args.command = "python scripts/train_recipe.py" if prog == "train_recipe.py" else prog
     setup_logging()

@@ -1,4 +1,4 @@
-"""What keeps a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C handling.
+"""What keeps a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C and SIGTERM handling.
 (The crash tests kill runs at chosen points with tests/fault_injection.py, outside the package.)
 
 A Trainer checkpoint is written in place (model, optimizer, scheduler, RNG, trainer state, in that
@@ -27,7 +27,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class StageInterrupted(RuntimeError):
-    """Ctrl-C: a checkpoint was saved and the stage stopped."""
+    """Ctrl-C or SIGTERM: a checkpoint was saved and the stage stopped."""
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -123,26 +123,31 @@ class NonFiniteCallback(TrainerCallback):
         control.should_save = False  # never checkpoint a diverged state
 
 
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: a scheduler's or `kill`'s stop
+
+
 class InterruptCallback(TrainerCallback):
-    """First Ctrl-C: finish the current step, save a checkpoint, stop. A second one stops at once."""
+    """First Ctrl-C or SIGTERM: finish the current step, save a checkpoint, stop. A second one stops at once."""
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous: dict = {}
 
     def install(self) -> None:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(STOP_SIGNALS[signum])
         self.requested = True
-        log.warning("Ctrl-C: saving a checkpoint after this step (press again to stop without saving)")
+        log.warning(
+            "%s: saving a checkpoint after this step (another one stops without saving)", STOP_SIGNALS[signum]
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.requested:
