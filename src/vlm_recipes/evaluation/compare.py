@@ -256,7 +256,10 @@ def comparison_figure(comparison: Comparison):
     for row, color in zip(rows, colors, strict=True):
         for k, run in enumerate(row.runs):
             style = {"color": color, "alpha": 0.9 if k == 0 else 0.35}
-            for axis, points, line in ((curves, run.loss_curve, "-"), (preference, run.preference_curve, ":")):
+            for axis, points, line in (
+                (curves, run.loss_curve, "-"),
+                (preference, run.preference_curve, ":"),
+            ):
                 if points:
                     steps, values = zip(*points, strict=True)
                     marker = "." if len(steps) < 30 else None
