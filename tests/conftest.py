@@ -39,6 +39,9 @@ TINY_MODELS = {
     "qwen2-vl": "demo:tiny-qwen2-vl",
     "qwen2.5-vl": "demo:tiny-qwen2.5-vl",
     "qwen3-vl": "demo:tiny-qwen3-vl",
+    "smolvlm": "demo:tiny-smolvlm",
+    "gemma3": "demo:tiny-gemma3",
+    "llava-onevision": "demo:tiny-llava-onevision",
 }
 
 

@@ -22,7 +22,8 @@ from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
-from vlm_recipes.families.base import lora_target_modules, params_by_role
+from vlm_recipes.families.base import LoraTargetError, lora_target_modules, params_by_role
+from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 from vlm_recipes.files import read_json
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.stages.build import load_processor
@@ -131,6 +132,109 @@ def qwen3_vl_config(
     }
 
 
+def smolvlm2_config() -> dict:
+    """HuggingFaceTB/SmolVLM2-2.2B-Instruct's config.json: SigLIP-so400m tower (384 px tiles of 14 px
+    patches), pixel shuffle 3x3, SmolLM2-1.7B (Llama) text model."""
+    return {
+        "model_type": "smolvlm",
+        "scale_factor": 3,
+        "image_token_id": 49190,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "head_dim": 64,
+            "vocab_size": 49280,
+            "max_position_embeddings": 16384,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 273768.0,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "image_size": 384,
+            "patch_size": 14,
+        },
+    }
+
+
+def gemma3_config() -> dict:
+    """google/gemma-3-4b-it's config.json: SigLIP tower (896 px, 14 px patches, pooled to 256 tokens),
+    Gemma 3 text model (the fields config.json leaves out are Gemma3TextConfig's defaults: 8 heads, 4 KV
+    heads, head_dim 256, vocab 262208)."""
+    return {
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "image_token_index": 262144,
+        "eos_token_id": [1, 106],
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+
+
+def llava_onevision_config() -> dict:
+    """llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json: SigLIP-so400m tower with its last layer
+    dropped (26 layers, 384 px, 14 px patches, no head), a two-layer MLP projector and image_newline,
+    Qwen2-7B (vocab grown by <image> and <video>, padded to 152128). image_grid_pinpoints are the config's
+    default (384..2304 px in steps of 384)."""
+    return {
+        "model_type": "llava_onevision",
+        "image_token_index": 151646,
+        "video_token_index": 151647,
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+        "vision_aspect_ratio": "anyres_max_9",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen2",
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152128,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 16,
+            "image_size": 384,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+    }
+
+
 # From each model's config.json on the Hugging Face hub (huggingface.co/Qwen/<name>/blob/main/config.json),
 # the fields that shape the model; with the parameter count the hub shows for its safetensors, which the
 # meta-device build must reproduce (a check that the fields were copied right).
@@ -147,7 +251,23 @@ PUBLISHED = {
     "Qwen3-VL-4B": (qwen3_vl_config(2560, 9728, True, 24, 1024, 4096, [5, 11, 17]), 4_437_815_808),
     # Qwen/Qwen3-VL-8B-Instruct: 8.77B
     "Qwen3-VL-8B": (qwen3_vl_config(4096, 12288, False, 27, 1152, 4304, [8, 16, 24]), 8_767_123_696),
+    # HuggingFaceTB/SmolVLM2-2.2B-Instruct: 2.25B
+    "SmolVLM2-2.2B": (smolvlm2_config(), 2_246_784_880),
+    # google/gemma-3-4b-it: 4.30B
+    "Gemma3-4B": (gemma3_config(), 4_300_079_472),
+    # llava-hf/llava-onevision-qwen2-7b-ov-hf: 8.03B
+    "LLaVA-OneVision-7B": (llava_onevision_config(), 8_030_807_584),
 }
+
+
+VISION_QKV = {
+    "smolvlm": "q_proj",
+    "gemma3": "q_proj",
+    "llava-onevision": "q_proj",
+}  # the vision tower's attention input projection (Qwen: one fused qkv)
+
+
+BARE_PROJECTOR = {"gemma3"}  # families whose projector has no nn.Linear (Gemma 3: pool, norm, one matrix)
 
 
 @pytest.fixture(scope="module", params=list(PUBLISHED))
@@ -183,16 +303,22 @@ def test_every_parameter_has_exactly_one_role(published):
 
 def test_lora_targets_resolve_for_each_role(published):
     family, model, _ = published
-    everything = lora_target_modules(model, family, dict.fromkeys(ROLES, []))
-    by_role = {role: [t for t in everything if family.role_of(t) == role] for role in ROLES}
+    roles = ROLES
+    if family.name in BARE_PROJECTOR:  # a bare weight matrix, no linear layer: LoRA on it is refused
+        with pytest.raises(LoraTargetError, match="no module of `projector`"):
+            lora_target_modules(model, family, {"projector": []})
+        roles = ("vision", "llm")
+    everything = lora_target_modules(model, family, dict.fromkeys(roles, []))
+    by_role = {role: [t for t in everything if family.role_of(t) == role] for role in roles}
     assert all(by_role.values()) and len(everything) == len(set(everything))
     assert not any(family.is_lm_head(t) for t in everything)
     modules = dict(model.named_modules())
     assert all(isinstance(modules[t], nn.Linear) for t in everything)
     # the suffixes a recipe would name (lora.targets) reach the right role only
-    named = lora_target_modules(model, family, {"llm": ["q_proj", "v_proj"], "vision": ["qkv"]})
+    vision_qkv = VISION_QKV.get(family.name, "qkv")
+    named = lora_target_modules(model, family, {"llm": ["q_proj", "v_proj"], "vision": [vision_qkv]})
     layers = model.config.get_text_config().num_hidden_layers
-    assert sum(t.endswith(".q_proj") for t in named) == layers
+    assert sum(t.endswith(".q_proj") and family.role_of(t) == "llm" for t in named) == layers
     assert {family.role_of(t) for t in named} == {"llm", "vision"}
 
 
@@ -218,6 +344,12 @@ def test_flop_formula_gives_positive_counts(published):
     if model.config.model_type == "qwen2_5_vl":  # 4 of 32 layers full, the rest in 4x4-token windows
         assert (geometry.window, geometry.full_attention_layers) == (4, 4)
         assert geometry.attention_pairs(256, (16, 16)) < geometry.layers * 1024**2
+    elif model.config.model_type == "smolvlm":  # each 384 px tile (9x9 tokens of 3x3 patches) on its own
+        assert (geometry.window, geometry.full_attention_layers) == (9, 0)
+        assert geometry.attention_pairs(81 * 5) == 5 * geometry.layers * 729**2
+    elif model.config.model_type == "llava_onevision":  # each 384 px tile (27x27 patches) on its own
+        assert (geometry.window, geometry.full_attention_layers) == (27, 0)
+        assert geometry.attention_pairs(729 * 5) == 5 * geometry.layers * 729**2
     else:
         assert geometry.window is None
 
@@ -234,12 +366,32 @@ def test_every_family_has_a_tiny_model_and_model_types_do_not_overlap():
 
 
 # TRL's name for the template each family's checkpoints ship (Qwen2-VL's is byte-identical to Qwen2.5-VL's)
-TEMPLATES = {"qwen2-vl": "qwen2_5_vl", "qwen2.5-vl": "qwen2_5_vl", "qwen3-vl": "qwen3_vl"}
+TEMPLATES = {
+    "qwen2-vl": "qwen2_5_vl",
+    "qwen2.5-vl": "qwen2_5_vl",
+    "qwen3-vl": "qwen3_vl",
+    "smolvlm": "smolvlm",
+}
+TEMPLATES["gemma3"] = "gemma3"
 PROCESSORS = {
     "qwen2-vl": "Qwen2VLProcessor",
     "qwen2.5-vl": "Qwen2_5_VLProcessor",
     "qwen3-vl": "Qwen3VLProcessor",
+    "smolvlm": "SmolVLMProcessor",
+    "gemma3": "Gemma3Processor",
+    "llava-onevision": "LlavaOnevisionProcessor",
 }
+QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
+TOKENS = {
+    "smolvlm": ("<end_of_utterance>", "<|im_end|>", "<image>"),
+    "gemma3": ("<eos>", "<pad>", "<image_soft_token>"),
+    "llava-onevision": ("<|im_end|>", "<|endoftext|>", "<image>"),
+}
+# what the assistant mask covers: the answer and the end of the turn (SmolVLM's template: "Assistant: ...")
+ASSISTANT_SPANS = {"smolvlm": " {answer}<end_of_utterance>\n", "gemma3": "{answer}<end_of_turn>\n"}
+NO_VIDEO = {"gemma3"}  # families whose processor takes images only
+# templates TRL does not ship, as the checkpoints do (llava-hf's: transformers' conversion script writes it)
+PUBLISHED_TEMPLATES = {"llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE}
 
 
 def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):
@@ -252,15 +404,22 @@ def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     processor = AutoProcessor.from_pretrained(model_dir)
     assert type(processor).__name__ == PROCESSORS[family.name]
-    assert type(processor.video_processor).__name__.endswith("VideoProcessor")
+    if family.name not in NO_VIDEO:
+        assert type(processor.video_processor).__name__.endswith("VideoProcessor")
     # the template the real checkpoints ship, byte for byte: TRL recognises it and swaps in its training
     # variant (generation markers for assistant-only loss)
-    assert processor.chat_template == getattr(templates, f"{TEMPLATES[family.name]}_chat_template")
-    assert has_generation_markers(get_training_chat_template(processor))
+    if family.name in TEMPLATES:
+        assert processor.chat_template == getattr(templates, f"{TEMPLATES[family.name]}_chat_template")
+    else:  # TRL ships none: the family module holds the published text
+        assert processor.chat_template == PUBLISHED_TEMPLATES[family.name]
+    training = family.training_chat_template(processor) or get_training_chat_template(processor)
+    assert has_generation_markers(training)
     tok = processor.tokenizer
-    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
-    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
-    assert model.generation_config.eos_token_id == tok.eos_token_id
+    eos, pad, image = TOKENS.get(family.name, QWEN_TOKENS)
+    assert tok.eos_token == eos and tok.pad_token == pad
+    assert model.config.image_token_id == tok.convert_tokens_to_ids(image)
+    eos_ids = model.generation_config.eos_token_id  # Gemma 3: <eos> and <end_of_turn>, as published
+    assert tok.eos_token_id in (eos_ids if isinstance(eos_ids, list) else [eos_ids])
     assert not params_by_role(model, family)["other"]
     assert sum(p.numel() for p in model.parameters()) < 500_000
 
@@ -268,26 +427,32 @@ def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):
 def test_assistant_mask_covers_exactly_the_answer(tiny_family):
     from trl.chat_template_utils import get_training_chat_template
 
-    _, model_dir = tiny_family
+    family, model_dir = tiny_family
     processor = AutoProcessor.from_pretrained(model_dir)
     row = load_split("demo:train", "train", 1)[0][0]
     batch = model_inputs(
         processor,
         [row],
-        chat_template=get_training_chat_template(processor),
+        # what a stage trains with: the family's training template (load_processor) or TRL's
+        chat_template=family.training_chat_template(processor) or get_training_chat_template(processor),
         return_assistant_tokens_mask=True,
     )
     mask = batch["assistant_masks"][0].bool()
     positions = mask.nonzero().flatten().tolist()
     assert positions == list(range(positions[0], len(mask))), "one span, to the end"
     answer = row["messages"][1]["content"][0]["text"]
-    assert processor.tokenizer.decode(batch["input_ids"][0][mask]) == answer + "<|im_end|>\n"
+    span = ASSISTANT_SPANS.get(family.name, "{answer}<|im_end|>\n").format(answer=answer)
+    assert processor.tokenizer.decode(batch["input_ids"][0][mask]) == span
 
 
 def test_pixel_bounds_reach_the_processor_and_lengths_match_it(tiny_family):
     """data.min/max_pixels in the family's own units (Qwen3-VL: 32 px per merged token, not 28)."""
     family, model_dir = tiny_family
     processor = AutoProcessor.from_pretrained(model_dir)
+    if not hasattr(processor.image_processor, "merge_size"):
+        pytest.skip(
+            "pixel bounds in patches of the Qwen line; SmolVLM's: tests/test_family_smolvlm.py, Gemma 3 has none: tests/test_family_gemma3.py, nor has LLaVA-OneVision: tests/test_family_llava_onevision.py"
+        )
     side = processor.image_processor.patch_size * processor.image_processor.merge_size
     processor = load_processor(
         str(model_dir), DataSettings(min_pixels=side * side * 4, max_pixels=side * side * 9), family
@@ -325,19 +490,26 @@ def assert_stage_trained_its_roles(stage: dict, recipe_stage: dict, family) -> N
         return {name: p.detach() for name, p in model.named_parameters()}
 
     before, after = weights(stage["source"]), weights(stage["final_model"])
+    # weights the forward never reads stay frozen in a full role (LLaVA-OneVision: the tower's post_layernorm)
+    unread = set(family.unread_parameters(AutoModelForImageTextToText.from_pretrained(stage["source"])))
     assert before.keys() == after.keys()
-    lora_weights = {f"{m}.weight" for m in read_json(Path(stage["dir"]) / "report.json")["lora_targets"]}
+    report = read_json(Path(stage["dir"]) / "report.json")
+    lora_weights = {f"{m}.weight" for m in report["lora_targets"]}
+    modes = dict(recipe_stage["train"])
+    for decision in report["decisions"]:  # a LoRA role without linear layers (Gemma 3's projector)
+        if decision["guard"] == "lora-role":
+            modes[decision["choice"].removesuffix(" trained fully")] = "full"
     for name, old in before.items():
-        role, mode = family.role_of(name), recipe_stage["train"][family.role_of(name)]
+        role, mode = family.role_of(name), modes[family.role_of(name)]
         changed = not torch.equal(old, after[name])
-        if mode == "frozen" or (mode == "lora" and name not in lora_weights):
+        if mode == "frozen" or (mode == "lora" and name not in lora_weights) or name in unread:
             assert not changed, f"{stage['name']}: {name} ({role}, {mode}) changed"
         else:
             assert changed, f"{stage['name']}: {name} ({role}, {mode}) did not change"
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tiny_family", ["qwen2.5-vl", "qwen3-vl"], indirect=True)
+@pytest.mark.parametrize("tiny_family", [f for f in TINY_MODELS if f != "qwen2-vl"], indirect=True)
 @pytest.mark.parametrize("recipe", SEED_RECIPES)
 def test_seed_recipe_runs_end_to_end(tiny_family, recipe, tmp_path):
     family, _ = tiny_family

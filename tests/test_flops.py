@@ -3,6 +3,8 @@ every matmul, convolution and attention each family's tiny model runs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import model_inputs
@@ -26,9 +28,28 @@ def test_flop_coefficients_follow_the_gradient():
     assert flop_coefficients(projector_only) == {"vision": 2, "projector": 6, "llm": 4}
 
 
-def merged_grids(inputs, merge: int) -> list[list[tuple[int, int]]]:
+def merged_grids(inputs, model, family) -> list[list[tuple[int, int]]]:
     """One sample's images as merged (height, width) token grids, as flops_per_sample takes them."""
+    if hasattr(model.config, "mm_tokens_per_image"):  # Gemma 3: every image one square of pooled tokens
+        side = math.isqrt(model.config.mm_tokens_per_image)
+        return [[(side, side)] * len(inputs["pixel_values"])]
+    if "image_sizes" in inputs:  # LLaVA-OneVision: every real tile a square of `window` x `window` tokens
+        side = family.vision_geometry(model.config).window
+        tiles = sum(pixels.shape[0] for pixels, _ in family.image_units(*image_inputs(inputs)))
+        return [[(side, side)] * tiles]
+    if "image_grid_thw" not in inputs:  # SmolVLM: every tile a square of `window` x `window` tokens
+        side = family.vision_geometry(model.config).window
+        return [[(side, side)] * len(family.image_units(*image_inputs(inputs)))]
+    merge = model.config.vision_config.spatial_merge_size
     return [[(int(h) // merge, int(w) // merge) for _, h, w in inputs["image_grid_thw"].tolist()]]
+
+
+def image_inputs(inputs) -> tuple:
+    """The (pixel_values, second argument) of `get_image_features`: Qwen's image grids, SmolVLM's pixel
+    attention mask."""
+    second = inputs.get("image_grid_thw", inputs.get("pixel_attention_mask", inputs.get("image_sizes")))
+    # Gemma 3: pixels only
+    return (inputs["pixel_values"],) if second is None else (inputs["pixel_values"], second)
 
 
 @pytest.mark.parametrize("mode", ["frozen", "full"])
@@ -49,7 +70,7 @@ def test_formula_matches_torchs_flop_count(tiny_family, mode):
             logits.float().pow(2).mean().backward()
     modes = dict.fromkeys(("vision", "projector", "llm"), mode)
     geometry = family.vision_geometry(model.config)
-    grids = merged_grids(inputs, model.config.vision_config.spatial_merge_size)
+    grids = merged_grids(inputs, model, family)
     predicted = flops_per_sample(model, family, modes, [counts], grids)
     if mode == "frozen":
         assert predicted == pytest.approx(counter.get_total_flops(), rel=0.01)
@@ -57,7 +78,7 @@ def test_formula_matches_torchs_flop_count(tiny_family, mode):
     # Training: the formula, like the usual 6N, also counts an input gradient for the patch embedding
     # (torch skips it: pixels need none; +4-6 % on these tiny towers, ~0.1 % on 2B), taken out here, and
     # counts attention backward as 2x its forward (torch's flash backward: 2.5x).
-    patch_embed = next(m for m in model.modules() if isinstance(m, torch.nn.Conv3d))
+    patch_embed = next(m for m in model.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.Conv2d))
     input_gradient = 2 * patch_embed.weight.numel() * counts[1] * geometry.patches_per_token
     assert predicted - input_gradient == pytest.approx(counter.get_total_flops(), rel=0.03)
 
@@ -73,14 +94,17 @@ def test_vision_tower_forward_is_counted_exactly_windows_included(tiny_family):
     inputs = model_inputs(processor, [dict(r) for r in rows])
     geometry = family.vision_geometry(model.config)
     params = matmul_params_by_role(model, family)
-    grids = merged_grids(inputs, model.config.vision_config.spatial_merge_size)[0]
+    grids = merged_grids(inputs, model, family)[0]
     tokens = sum(h * w for h, w in grids)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        family.image_encoder_owner(model).get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        family.image_encoder_owner(model).get_image_features(*image_inputs(inputs))
     pairs = sum(geometry.attention_pairs(h * w, (h, w)) for h, w in grids)
     expected = 2 * params["vision"] * tokens * geometry.patches_per_token + 2 * params["projector"] * tokens
     assert counter.get_total_flops() == expected + 4 * pairs * geometry.width
     unwindowed = sum(geometry.layers * (h * w * geometry.patches_per_token) ** 2 for h, w in grids)
+    if "image_grid_thw" not in inputs and geometry.window:  # SmolVLM: its tiles, one window each
+        assert pairs == unwindowed == geometry.attention_pairs(tokens), "from the token count alone too"
+        return
     assert (pairs < unwindowed) == (geometry.window is not None), "windows are counted as windows"
 
 

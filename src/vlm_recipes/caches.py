@@ -58,12 +58,26 @@ def content_digest(*parts: str | bytes | torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+# Gemma 3's; LLaVA-OneVision's (tokens per tile, the anyres_max_N scale-down, CLS dropped or not)
+PROCESSOR_OWN_SETTINGS = (
+    "images_kwargs",
+    "image_seq_length",
+    "num_image_tokens",
+    "vision_aspect_ratio",
+    "vision_feature_select_strategy",
+)
+
+
 def processor_digest(processor, chat_template: str | None = None) -> str:
-    """The processor as it shapes samples: image settings, chat template, tokenizer."""
+    """The processor as it shapes samples: image settings, chat template, tokenizer, and the settings a
+    processor passes on every call where it has them (Gemma 3: images_kwargs with pan-and-scan, tokens per
+    image; the Qwen processors have none, so their digests are as they were)."""
+    own = {k: getattr(processor, k) for k in PROCESSOR_OWN_SETTINGS if hasattr(processor, k)}
     return content_digest(
         processor.image_processor.to_json_string(),
         str(chat_template or processor.chat_template),
         processor.tokenizer.backend_tokenizer.to_str(),
+        *([json.dumps(own, sort_keys=True, default=str)] if own else []),
     )
 
 
@@ -181,6 +195,39 @@ def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[
             for i, (tensor, n) in enumerate(zip(present, lengths, strict=True)):
                 out[i, :n] = tensor[0]
             batch[key] = out
+        elif key == "pixel_values" and any("image_sizes" in s for s in samples):
+            batch[key] = _pad_tiles(present)
+        elif key in PER_SAMPLE_IMAGE_KEYS and all(
+            t.dim() >= PER_SAMPLE_IMAGE_KEYS[key] and t.shape[0] == 1 for t in present
+        ):
+            batch[key] = _pad_image_slots(samples, key)
         else:
             batch[key] = torch.cat(present)
     return batch
+
+
+# Images kept per sample, [1, images, ..., H, W] (SmolVLM's tiles and their pixel masks): the processor pads
+# a batch to its most images (all-zero images, which the model drops) and its largest H and W (zeros).
+# Their least number of dimensions so: Gemma 3's pixel_values are [images, 3, H, W], concatenated.
+PER_SAMPLE_IMAGE_KEYS = {"pixel_values": 5, "pixel_attention_mask": 4}
+
+
+def _pad_tiles(present: list[torch.Tensor]) -> torch.Tensor:
+    """Images as tiles, [images, tiles, 3, H, W] with `image_sizes` (LLaVA-OneVision's anyres): the
+    processor pads every image to the batch's most tiles (all-zero tiles, which the model never reads) and
+    keeps one row per image (none for a text-only sample)."""
+    most = max(t.shape[1] for t in present)
+    return torch.cat(
+        [torch.cat([t, t.new_zeros(t.shape[0], most - t.shape[1], *t.shape[2:])], 1) for t in present]
+    )
+
+
+def _pad_image_slots(samples: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
+    present = [s[key] for s in samples if key in s]
+    shape = [max(t.shape[d] for t in present) for d in range(1, present[0].dim())]
+    out = present[0].new_zeros((len(samples), *shape))
+    for i, sample in enumerate(samples):
+        if key in sample:
+            tensor = sample[key][0]
+            out[(i, *(slice(0, n) for n in tensor.shape))] = tensor
+    return out

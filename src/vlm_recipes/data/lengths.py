@@ -29,17 +29,9 @@ def sample_token_counts(ds: datasets.Dataset, processor, family: Family) -> list
 
 def _count_tokens(ds: datasets.Dataset, processor, family: Family) -> list[tuple[int, int]]:
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
-    text_lengths = [len(ids) for ids in processor.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    counts = []
     images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
-    for text_length, images in zip(text_lengths, images_column, strict=True):
-        sizes = [_image_size(image) for image in images or []]
-        image_tokens = 0
-        if sizes:
-            image_tokens = sum(family.image_token_counts(processor, sizes))
-        # Each image is one <|image_pad|> in the text, expanded to its token count by the processor.
-        counts.append((text_length - len(sizes), image_tokens))
-    return counts
+    sizes = [[_image_size(image) for image in images or []] for images in images_column]
+    return family.count_tokens(processor, texts, sizes)
 
 
 def sample_lengths(ds: datasets.Dataset, processor, family: Family) -> list[int]:

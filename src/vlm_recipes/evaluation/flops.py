@@ -48,16 +48,24 @@ def flop_coefficients(modes: dict[str, str]) -> dict[str, int]:
 
 
 def matmul_params_by_role(model: nn.Module, family: Family) -> dict[str, int]:
-    """N_role: weights of Linear and Conv layers per role, each weight counted once."""
+    """N_role: weights of Linear and Conv layers per role, each weight counted once, and the bare weight
+    matrices a module multiplies by itself (Gemma 3's projector: `mm_input_projection_weight`)."""
     counts = dict.fromkeys(ROLE_ORDER, 0)
     seen: set[int] = set()
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d)) or id(module.weight) in seen:
+        if isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d)):
+            weights = [module.weight]
+        elif isinstance(module, nn.Embedding):  # a lookup
             continue
-        seen.add(id(module.weight))
+        else:
+            weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
         role = "llm" if family.is_lm_head(name) else family.role_of(name)
-        if role in counts:
-            counts[role] += module.weight.numel()
+        for weight in weights:
+            if id(weight) in seen:
+                continue
+            seen.add(id(weight))
+            if role in counts:
+                counts[role] += weight.numel()
     return counts
 
 
@@ -70,8 +78,8 @@ def flops_per_sample(
 ) -> float:
     """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample).
 
-    `image_grids`: per sample, each image's merged (height, width) in tokens, which places a windowed
-    tower's windows exactly. Without it a sample's images are taken as one image for the vision tower's
+    `image_grids`: per sample, each image's merged (height, width) in tokens (LLaVA-OneVision: each tile's),
+    which places a windowed tower's windows exactly. Without it a sample's images are taken as one image for the vision tower's
     attention (exact for one image per sample and a tower without windows; an upper bound with windows)."""
     text_config = model.config.get_text_config()
     vision = family.vision_geometry(model.config)
@@ -84,8 +92,11 @@ def flops_per_sample(
     grids = list(image_grids) if image_grids is not None else [None] * len(token_counts)
     total = 0.0
     for (text, image), sample_grids in zip(token_counts, grids, strict=True):
-        length, patches = text + image, image * vision.patches_per_token
-        total += c["vision"] * params["vision"] * patches + c["projector"] * params["projector"] * image
+        # the tower's and projector's tokens: the grids' where given (LLaVA-OneVision's tiles, unpadded
+        # afterwards, outnumber the <image> tokens), else the language model's image tokens (the Qwen line)
+        tower = image if sample_grids is None else sum(h * w for h, w in sample_grids)
+        length, patches = text + image, tower * vision.patches_per_token
+        total += c["vision"] * params["vision"] * patches + c["projector"] * params["projector"] * tower
         total += c["llm"] * params["llm"] * length
         if sample_grids is None:
             pairs = vision.attention_pairs(image) if image else 0

@@ -7,11 +7,14 @@ tests; `FAMILIES` lists the supported ones.
 from __future__ import annotations
 
 from vlm_recipes.families.base import Family, LoraTargetError, UnsupportedModelError
+from vlm_recipes.families.gemma3 import GEMMA3
+from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.families.qwen3_vl import QWEN3_VL
+from vlm_recipes.families.smolvlm import SMOLVLM
 
-FAMILIES: tuple[Family, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+FAMILIES: tuple[Family, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, SMOLVLM, GEMMA3, LLAVA_ONEVISION)
 
 __all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]
 

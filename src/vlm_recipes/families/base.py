@@ -112,6 +112,17 @@ class Family:
         """A batch's pixel values, one tensor per image, in the order features come back."""
         raise NotImplementedError
 
+    def image_units(self, pixel_values: torch.Tensor, grids) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What the vision feature cache keys and stores one entry per: (pixels, grid) of each image, in the
+        order features come back. `grids`: the second argument of `get_image_features` (Qwen: the image
+        grids; SmolVLM: the pixel attention mask)."""
+        return list(zip(self.split_images(pixel_values, grids), grids, strict=True))
+
+    def batch_image_units(self, units: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        """The inverse of `image_units` for some of them: the (pixel_values, grids) arguments of
+        `get_image_features` that compute just these."""
+        return torch.cat([pixels for pixels, _ in units]), torch.stack([grid for _, grid in units])
+
     def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
         """What `get_image_features` returned for a batch's images, as one dict of tensors per image (what
         the vision feature cache stores). Everything the model reads from the output must be in it."""
@@ -129,8 +140,42 @@ class Family:
         """Tokens the processor expands each image of (height, width) into."""
         raise NotImplementedError
 
+    def count_tokens(
+        self, processor, texts: list[str], sizes: list[list[tuple[int, int]]]
+    ) -> list[tuple[int, int]]:
+        """(text tokens, image tokens) of each chat-templated text whose images have these (height, width)
+        sizes, exactly as the processor will tokenize it, without processing pixels.
+
+        This default holds where the template writes one placeholder token per image and the processor
+        repeats it (the Qwen line: one <|image_pad|> becomes `image_token_counts` of them). A family whose
+        processor writes more around each image (boundary tokens, tiles, rows and columns) overrides it."""
+        ids = processor.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        counts = []
+        for text_ids, image_sizes in zip(ids, sizes, strict=True):
+            image_tokens = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
+            counts.append((len(text_ids) - len(image_sizes), image_tokens))
+        return counts
+
     def rope_index(self, model: nn.Module) -> Callable | None:
         """The model's multimodal position function for padding-free packing (None: 1-D positions)."""
+        return None
+
+    def padding_free_refusal(self) -> str | None:
+        """Why padding-free packing cannot be exact for this family (None: it is). A stage asking for it is
+        refused at its data check with this reason. Packing is exact where text attention is causal and each
+        image's features are its own; a family without `rope_index` packs with 1-D positions restarting per
+        sample. Every family's packed losses are compared with unpacked ones in tests/test_speedups.py."""
+        return None
+
+    def unread_parameters(self, model: nn.Module) -> list[str]:
+        """Parameters the model's forward never reads (LLaVA-OneVision: its tower's post_layernorm). They stay
+        frozen when their role trains in full: no gradient reaches them, and DDP stops on such a one."""
+        return []
+
+    def training_chat_template(self, processor) -> str | None:
+        """A chat template to train with in place of the processor's, rendering the same text (None: the
+        processor's, or TRL's training variant of it). For a published template whose {% generation %}
+        markers leave the stop token out of the loss, which TRL only warns about."""
         return None
 
     def vision_geometry(self, config) -> VisionGeometry:

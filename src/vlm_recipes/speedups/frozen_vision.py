@@ -19,6 +19,7 @@ is: the merged image tokens, and e.g. Qwen3-VL's DeepStack features) and `join_i
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from pathlib import Path
 
@@ -63,7 +64,14 @@ class VisionFeatureCache:
 
     def install(self) -> VisionFeatureCache:
         self._compute = self.owner.get_image_features
-        self.owner.get_image_features = self.get_image_features
+        # generate() passes the encoder's inputs by the names in its signature: show the model's own
+        self._second = list(inspect.signature(self._compute).parameters)[1]
+
+        @functools.wraps(self._compute)
+        def get_image_features(*args, **kwargs):
+            return self.get_image_features(*args, **kwargs)
+
+        self.owner.get_image_features = get_image_features
         return self
 
     def stats(self) -> dict:
@@ -76,9 +84,14 @@ class VisionFeatureCache:
         }
 
     def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-        patches = self.family.split_images(pixel_values, image_grid_thw)
+        # the model's second argument: Qwen's image grids, SmolVLM's pixel attention mask
+        if image_grid_thw is None:
+            image_grid_thw = kwargs.pop(self._second, None)
+        units = self.family.image_units(pixel_values, image_grid_thw)
+        if not units:
+            return self._compute(pixel_values, image_grid_thw, **kwargs)
         autocast = self._autocast_dtype(pixel_values.device.type)
-        keys = [self._key(p, grid, autocast) for p, grid in zip(patches, image_grid_thw, strict=True)]
+        keys = [self._key(pixels, grid, autocast) for pixels, grid in units]
         features = [self._load(key, pixel_values.device) for key in keys]
         missing = [i for i, f in enumerate(features) if f is None]
         self.hits += len(features) - len(missing)
@@ -86,8 +99,7 @@ class VisionFeatureCache:
         if missing:
             with torch.no_grad():
                 computed = self._compute(
-                    torch.cat([patches[i] for i in missing]),
-                    image_grid_thw[missing],
+                    *self.family.batch_image_units([units[i] for i in missing]),
                     **{**kwargs, "return_dict": True},
                 )
             # every tensor the model reads (Qwen3-VL: its DeepStack features too), one dict per image

@@ -49,7 +49,7 @@ class PaddingFreeVisionCollator:
     """Wraps the padded collator SFTTrainer built (TRL's vision collator: tokenizing, images, labels,
     pad token and training chat template all as without packing) and packs what it returns."""
 
-    def __init__(self, padded: DataCollatorForVisionLanguageModeling, rope_index: Callable):
+    def __init__(self, padded: DataCollatorForVisionLanguageModeling, rope_index: Callable | None):
         self.padded = padded
         self.rope_index = rope_index
 
@@ -58,12 +58,14 @@ class PaddingFreeVisionCollator:
         return pack_batch(batch, self.rope_index)
 
 
-def pack_batch(batch: dict[str, Any], rope_index: Callable) -> dict[str, Any]:
+def pack_batch(batch: dict[str, Any], rope_index: Callable | None) -> dict[str, Any]:
     """A right-padded batch → one packed row with 4-row position ids (see the module docstring).
 
     `rope_index` is called with the keyword arguments every Qwen-VL `get_rope_index` takes (Qwen2.5-VL's
     also takes `second_per_grid_ts`, passed when the batch has it: video timing; Qwen3-VL's ignores it)."""
     keep = batch.pop("attention_mask").bool()
+    if rope_index is None:
+        return _pack_1d(batch, keep)
     rope_kwargs = {
         k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch
     }
@@ -91,6 +93,24 @@ def pack_batch(batch: dict[str, Any], rope_index: Callable) -> dict[str, Any]:
     }
     passthrough = {k: v for k, v in batch.items() if k not in packed and k != "attention_mask"}
     return {**passthrough, **packed}
+
+
+def _pack_1d(batch: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
+    """Packing for a 1-D RoPE family (SmolVLM): [1, total] position ids restarting with every sample, from
+    which transformers makes the block-diagonal mask and `sdpa_per_sample` finds the samples."""
+    labels = batch["labels"].clone()
+    labels[:, 0] = -100  # the previous sample's last token must not learn to predict this sample's first
+    packed = {
+        "input_ids": batch["input_ids"][keep][None],
+        "labels": labels[keep][None],
+        "position_ids": torch.cat([torch.arange(int(n)) for n in keep.sum(dim=1)])[None],
+        "use_cache": False,
+    }
+    if "mm_token_type_ids" in batch:
+        packed["mm_token_type_ids"] = batch["mm_token_type_ids"][keep][None]
+    # images stay per sample (SmolVLM: pixel_values [batch, tiles, ...]); their features fill the <image>
+    # tokens in order, and the packed row keeps the samples' order
+    return {**{k: v for k, v in batch.items() if k not in packed}, **packed}
 
 
 def attend_per_sample(model: nn.Module) -> str | None:

@@ -6,7 +6,7 @@ This is the one place recipe settings become library objects (BitsAndBytesConfig
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -14,9 +14,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
 from vlm_recipes.families import Family, family_for_model_type
-from vlm_recipes.families.base import lora_target_modules, params_by_role
+from vlm_recipes.families.base import linear_modules_of_role, lora_target_modules, params_by_role
 from vlm_recipes.recipes.schema import ROLES, DataSettings, QuantizationSettings, Stage
-from vlm_recipes.stages.guards import DTYPES
+from vlm_recipes.stages.guards import DTYPES, Decision
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class BuiltModel:
     source_dtype: torch.dtype  # dtype the source checkpoint is stored in (final/ is saved in it)
     compute_dtype: torch.dtype
     lora_targets: list[str]
+    decisions: list[Decision] = field(default_factory=list)  # made while building (a LoRA role trained fully)
 
 
 def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
@@ -57,6 +58,8 @@ def load_processor(source: str, data: DataSettings, family: Family, trust_remote
         )
     if data.min_pixels is not None or data.max_pixels is not None:
         family.apply_pixel_bounds(processor.image_processor, data.min_pixels, data.max_pixels)
+    if training_template := family.training_chat_template(processor):
+        processor.chat_template = training_template
     return processor
 
 
@@ -105,12 +108,24 @@ def load_model(
     return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
 
 
-def apply_training_modes(model: nn.Module, stage: Stage, family: Family) -> tuple[nn.Module, list[str]]:
+def apply_training_modes(
+    model: nn.Module, stage: Stage, family: Family, decisions: list[Decision] | None = None
+) -> tuple[nn.Module, list[str]]:
     """Freeze everything, add LoRA adapters to lora roles, unfreeze full roles.
 
     Returns the (possibly PEFT-wrapped) model and the LoRA target module names."""
     model.requires_grad_(False)
     modes = {role: getattr(stage.train, role) for role in ROLES}
+    for role in roles_without_linear_layers(model, family, modes):
+        # LoRA adapts linear layers; a role of bare weight matrices (Gemma 3's projector) has none. Like
+        # LLaMA-Factory with an unfrozen projector, it is trained fully instead (it is small), and said so.
+        modes[role] = "full"
+        decision = Decision(
+            "lora-role", f"{role} trained fully", f"`{role}: lora` asked, but it has no linear layer to adapt"
+        )
+        log.warning("  %s", decision)
+        if decisions is not None:
+            decisions.append(decision)
     lora_roles = {role: stage.lora.targets.get(role, []) for role, mode in modes.items() if mode == "lora"}
     targets: list[str] = []
     if lora_roles:
@@ -124,15 +139,28 @@ def apply_training_modes(model: nn.Module, stage: Stage, family: Family) -> tupl
         )
         model = get_peft_model(model, config)  # freezes the base; adapters are fp32
     full_roles = {role for role, mode in modes.items() if mode == "full"}
+    unread = {name.removeprefix("base_model.model.") for name in family.unread_parameters(model)}
     for role, params in params_by_role(model, family).items():
         if role not in full_roles:
             continue
-        for _, param in params:
+        for name, param in params:
+            if name.removeprefix("base_model.model.") in unread:
+                continue  # the forward never reads it: no gradient would come (see Family.unread_parameters)
             param.requires_grad_(True)
             if stage.training.trainable_dtype == "fp32" and param.dtype != torch.float32:
                 # fp32 master weights: bf16 cannot represent small updates to large weights.
                 param.data = param.data.float()
     return model, targets
+
+
+def roles_without_linear_layers(model: nn.Module, family: Family, modes: dict[str, str]) -> list[str]:
+    """Roles in lora mode with parameters but no linear layer for an adapter."""
+    roles = params_by_role(model, family)
+    return [
+        role
+        for role, mode in modes.items()
+        if mode == "lora" and roles[role] and not linear_modules_of_role(model, family, role)
+    ]
 
 
 def build_stage_model(
@@ -158,7 +186,8 @@ def build_stage_model(
         sharded,
         stage.training.max_memory_per_gpu,
     )
-    model, targets = apply_training_modes(model, stage, family)
+    decisions: list[Decision] = []
+    model, targets = apply_training_modes(model, stage, family, decisions)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
@@ -170,4 +199,5 @@ def build_stage_model(
         source_dtype=source_dtype or compute_dtype,
         compute_dtype=compute_dtype,
         lora_targets=targets,
+        decisions=decisions,
     )

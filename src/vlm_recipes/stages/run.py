@@ -43,7 +43,7 @@ from vlm_recipes.stages.metrics import collect_metrics, evaluate_stage, peak_mem
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
 from vlm_recipes.stages.parallel import batch_decision, broadcast_from_main
 from vlm_recipes.stages.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
-from vlm_recipes.stages.speedups import speed_up_frozen_vision, speed_up_model
+from vlm_recipes.stages.speedups import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
 from vlm_recipes.stages.trainer import RecipeTrainer
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
     family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
+    refuse_inexact_speedups(family, stage)
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
@@ -119,7 +120,7 @@ def load_guarded_model(ctx: StageContext, processor, precision: Decision) -> Bui
         processor,
         sharded=sharded,
     )
-    ctx.decisions += apply_guards(built, stage, precision.choice, ctx.env, sharded)
+    ctx.decisions += built.decisions + apply_guards(built, stage, precision.choice, ctx.env, sharded)
     ctx.decisions.append(check_same_start(built.model, ctx))
     return built
 

@@ -5,24 +5,25 @@ from __future__ import annotations
 
 from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache
 from vlm_recipes.data.rows import undecoded
+from vlm_recipes.families import Family
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
 from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Decision
+from vlm_recipes.stages.guards import Decision, GuardError
 from vlm_recipes.stages.trainer import RecipeTrainer
 
 
+def refuse_inexact_speedups(family: Family, stage: Stage) -> None:
+    """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
+    if stage.training.padding_free and (why := family.padding_free_refusal()):
+        raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
+
+
 def rope_index_of(built: BuiltModel):
-    """The family's multimodal position function, which padding-free packing needs."""
-    rope_index = built.family.rope_index(built.model)
-    if rope_index is None:
-        raise ValueError(
-            f"{built.family.name} has no multimodal position function for padding_free packing; "
-            "set training.padding_free: false"
-        )
-    return rope_index
+    """The family's multimodal position function for padding-free packing (None: 1-D positions)."""
+    return built.family.rope_index(built.model)
 
 
 def wrap_collator(trainer: RecipeTrainer, built: BuiltModel, stage: Stage) -> None:

@@ -1,0 +1,317 @@
+"""Gemma 3: roles, image features, token counts, FLOP geometry, and the tiny offline builder
+(`demo:tiny-gemma3`).
+
+What differs from the Qwen line (transformers' models/gemma3):
+- a SigLIP tower (`model.vision_tower`) sees every image resized to one fixed square (`size`, 896x896 on
+  the real checkpoints: 64x64 patches of 14 px); the projector (`model.multi_modal_projector`) average-pools
+  the patches to `mm_tokens_per_image` tokens (256) and multiplies them by a bare weight matrix (no
+  nn.Linear: `projector: lora` has nothing to adapt, so the projector is trained fully, 2.9M parameters
+  on the 4B model, and report.json says so in a `lora-role` decision);
+- so every image costs the same tokens, whatever its size. `data.min_pixels` / `data.max_pixels` do not
+  apply and are ignored (logged): there is no pixel budget to bound. The processor writes each image as
+  "\\n\\n<start_of_image>" + 256 x <image_soft_token> + "<end_of_image>\\n\\n"; the newlines are text
+  tokens and `count_tokens` counts them by tokenizing the expanded text, exactly as the processor does;
+- pan-and-scan is off in training: Gemma3Processor passes its own `images_kwargs` on every call
+  (`do_pan_and_scan: False` in transformers 5.23), over the image processor's saved `do_pan_and_scan`, and
+  TRL's collator passes none. Turning it on means setting `processor.images_kwargs["do_pan_and_scan"]`
+  (with `pan_and_scan_min_crop_size`, `_max_num_crops`, `_min_ratio_to_activate`) on the processor object;
+  an image whose aspect ratio passes the threshold then becomes the whole image plus 2..max crops, each
+  its own image sequence, and `count_tokens` counts them with the image processor's own crop rule and
+  the settings the call uses (`pan_and_scan_settings`);
+- `token_type_ids` mark image tokens, and the language model attends bidirectionally among one image's
+  tokens (causally everywhere else). Padding-free packing is refused (`padding_free_refusal`): in a packed
+  row transformers 5.23 looks up those image blocks at sample-local positions in the sliding-window
+  layers' mask, and per-sample attention is causal only, so either way a packed row attends differently;
+- 1-D RoPE (no multimodal position function); the chat template is Gemma's (`<start_of_turn>user` /
+  `<start_of_turn>model`, `<end_of_turn>`), which TRL swaps for its training variant (assistant-only loss).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.tiny import MODEL_SEED
+
+# Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
+# <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,
+# 256000 and 262144 there), appended after the BPE vocab here.
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
+GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+PADDING_FREE_REFUSAL = (
+    "gemma3 attends bidirectionally among each image's tokens (token_type_ids). In a packed row "
+    "transformers 5.23 builds the sliding-window layers' mask with those image blocks looked up at "
+    "sample-local positions (wrong for every sample but the first), and per-sample attention is causal "
+    "only: a packed row would attend differently from the padded batch. Set training.padding_free: false"
+)
+
+
+class Gemma3Family(Family):
+    """Gemma 3: SigLIP tower, pooling projector, a fixed number of tokens per image."""
+
+    PAN_AND_SCAN_KEYS = (
+        "do_pan_and_scan",
+        "pan_and_scan_min_crop_size",
+        "pan_and_scan_max_num_crops",
+        "pan_and_scan_min_ratio_to_activate",
+    )
+
+    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
+        for module in model.modules():
+            if callable(getattr(module, "get_image_features", None)) and "vision_tower" in module._modules:
+                return module
+        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return self.image_encoder_owner(model).vision_tower
+
+    def split_images(
+        self, pixel_values: torch.Tensor, grids: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        # one fixed-size image (or pan-and-scan crop) per row of pixel_values; no grids
+        return list(pixel_values.split(1))
+
+    def image_units(self, pixel_values: torch.Tensor, grids=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # get_image_features takes pixel values only: an image's shape stands in for its grid in the key
+        return [(pixels, torch.tensor(pixels.shape)) for pixels in self.split_images(pixel_values, grids)]
+
+    def batch_image_units(self, units: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        return (torch.cat([pixels for pixels, _ in units]),)
+
+    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
+        # pooler_output: [images, mm_tokens_per_image, hidden], the only thing the model reads
+        return [{"features": features} for features in output.pooler_output]
+
+    def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        return BaseModelOutputWithPooling(pooler_output=torch.stack([image["features"] for image in images]))
+
+    def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+        import logging
+
+        # Every image is resized to the processor's fixed square: no pixel budget exists to bound.
+        size = image_processor.size
+        logging.getLogger(__name__).info(
+            "gemma3: data.min_pixels/max_pixels ignored: every image is resized to %sx%s and costs a fixed "
+            "number of tokens (pan-and-scan is set in the processor config: do_pan_and_scan)",
+            size["height"],
+            size["width"],
+        )
+
+    def crops(self, processor, height: int, width: int) -> int:
+        """Pan-and-scan crops of an image besides the whole image (0 when pan-and-scan is off), by the
+        image processor's own rule (Gemma3ImageProcessor.pan_and_scan_batched) with the settings a
+        processor call uses."""
+        settings = pan_and_scan_settings(processor)
+        if not settings["do_pan_and_scan"]:
+            return 0
+        min_crop, max_crops = settings["pan_and_scan_min_crop_size"], settings["pan_and_scan_max_num_crops"]
+        long, short = max(height, width), min(height, width)
+        if long / short < settings["pan_and_scan_min_ratio_to_activate"]:
+            return 0
+        n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / min_crop)))
+        n = min(max_crops, max(2, n))
+        crop_long = int(math.ceil(long / n))
+        return n if min(crop_long, short) >= min_crop else 0
+
+    def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
+        # <image_soft_token>s only (the model's image features): one sequence per image and per crop
+        return [processor.image_seq_length * (1 + self.crops(processor, h, w)) for h, w in sizes]
+
+    def count_tokens(
+        self, processor, texts: list[str], sizes: list[list[tuple[int, int]]]
+    ) -> list[tuple[int, int]]:
+        """Expand each <start_of_image> the way Gemma3Processor.replace_image_token does, then tokenize:
+        the newlines and boundary tokens around each image are counted as the tokenizer merges them."""
+        tok = processor.tokenizer
+        expanded = []
+        for text, image_sizes in zip(texts, sizes, strict=True):
+            pieces = text.split(processor.boi_token)
+            if len(pieces) - 1 != len(image_sizes):
+                raise ValueError(
+                    f"{len(pieces) - 1} {processor.boi_token} in a text with {len(image_sizes)} images"
+                )
+            out = pieces[0]
+            for (height, width), rest in zip(image_sizes, pieces[1:], strict=True):
+                out += self._image_text(processor, self.crops(processor, height, width)) + rest
+            expanded.append(out)
+        ids = tok(expanded, add_special_tokens=False)["input_ids"]
+        counts = []
+        for text_ids, image_sizes in zip(ids, sizes, strict=True):
+            image = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
+            counts.append((len(text_ids) - image, image))
+        return counts
+
+    @staticmethod
+    def _image_text(processor, crops: int) -> str:
+        if not crops:
+            return processor.full_image_sequence
+        return (
+            f"Here is the original image {processor.full_image_sequence} and here are some crops to help you "
+            "see better " + " ".join([processor.full_image_sequence] * crops)
+        )
+
+    def padding_free_refusal(self) -> str | None:
+        return PADDING_FREE_REFUSAL
+
+    def vision_geometry(self, config) -> VisionGeometry:
+        vision = config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        return VisionGeometry(
+            patches_per_token=patches // config.mm_tokens_per_image,  # the projector's average pool
+            width=vision.hidden_size,
+            layers=vision.num_hidden_layers,
+        )
+
+    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
+        build_tiny_gemma3(out, dims, corpus)
+
+
+def pan_and_scan_settings(processor) -> dict:
+    """The pan-and-scan settings a processor call applies: Gemma3Processor passes its own `images_kwargs`
+    (do_pan_and_scan False in transformers 5.23) on every call, over the image processor's attributes."""
+    ip = processor.image_processor
+    settings = {key: getattr(ip, key, None) for key in Gemma3Family.PAN_AND_SCAN_KEYS}
+    settings.update({k: v for k, v in getattr(processor, "images_kwargs", {}).items() if k in settings})
+    return settings
+
+
+def gemma_tokenizer(corpus: list[str]):
+    """A GemmaTokenizer (the class Gemma3Processor is given) around a BPE trained on `corpus` the way
+    Gemma's is built: spaces replaced by "▁", byte fallback (<0x00>..<0xFF>) for anything unseen."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=[*GEMMA_SPECIAL_TOKENS, *bytes_], show_progress=False
+    )
+    # the template's own words, and "\n\n" as one token, as in Gemma's vocab
+    bpe.train_from_iterator([*corpus, *["user\n", "model\n", "\n\n"] * 50], trainer)
+    state = json.loads(bpe.to_str())["model"]
+    vocab, merges = dict(state["vocab"]), [tuple(m) for m in state["merges"]]
+    for token in GEMMA_IMAGE_TOKENS:
+        vocab[token] = len(vocab)
+    boi, eoi, image = GEMMA_IMAGE_TOKENS
+    tok = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        extra_special_tokens={"boi_token": boi, "eoi_token": eoi, "image_token": image},
+        model_max_length=4096,
+    )
+    # the turn markers are special added tokens in Gemma's tokenizer: never split, skipped when decoding
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA_SPECIAL_TOKENS[5:]])
+    return tok
+
+
+_TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    "layers": 2,  # one sliding-window layer, one global layer (the real pattern: 5 sliding, 1 global)
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 32,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
+    "tokens_per_image": 4,
+}
+
+
+def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        GenerationConfig,
+    )
+    from trl.chat_template_utils import gemma3_chat_template
+
+    tok = gemma_tokenizer(corpus)
+    # google/gemma-3-*-it's template (TRL's gemma3), which TRL swaps for its training variant with
+    # {% generation %} markers for assistant-only loss.
+    tok.chat_template = gemma3_chat_template
+    side = dims["image_size"]
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(
+            size={"height": side, "width": side},
+            do_pan_and_scan=False,
+            pan_and_scan_min_crop_size=256,
+            pan_and_scan_max_num_crops=4,
+            pan_and_scan_min_ratio_to_activate=1.2,
+        ),
+        tokenizer=tok,
+        chat_template=gemma3_chat_template,
+        image_seq_length=dims["tokens_per_image"],
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA_SPECIAL_TOKENS, *GEMMA_IMAGE_TOKENS)}
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "head_dim": dims["head_dim"],
+            "query_pre_attn_scalar": dims["head_dim"],
+            "sliding_window": dims["sliding_window"],
+            "layer_types": ["sliding_attention", "full_attention"][: dims["layers"]],
+            "max_position_embeddings": 4096,
+            "pad_token_id": ids["<pad>"],
+            "bos_token_id": ids["<bos>"],
+            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
+        },
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "image_size": side,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=dims["tokens_per_image"],
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):  # reproducible weights, the caller's RNG untouched
+        torch.manual_seed(MODEL_SEED)
+        model = Gemma3ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    # as gemma-3-*-it: a turn ends generation as well as <eos>
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<bos>"],
+    )
+    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as _MODEL_FILES expects
+    processor.save_pretrained(out)
+
+
+GEMMA3 = Gemma3Family(
+    name="gemma3",
+    model_types=("gemma3",),
+    role_prefixes={
+        "vision": ("model.vision_tower",),
+        "projector": ("model.multi_modal_projector",),
+        "llm": ("model.language_model", "lm_head"),
+    },
+    lm_head_prefixes=("lm_head",),
+    demo_models={"demo:tiny-gemma3": _TINY},
+)

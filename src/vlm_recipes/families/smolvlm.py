@@ -1,0 +1,326 @@
+"""SmolVLM (SmolVLM2, model_type `smolvlm`) and Idefics3 (SmolVLM v1 checkpoints such as
+HuggingFaceTB/SmolVLM-Instruct, model_type `idefics3`): roles, image features, pixel bounds, exact token
+counts, FLOP geometry, and the tiny offline builder (`demo:tiny-smolvlm`).
+
+Both name their modules alike (transformers 5.23): a SigLIP tower `model.vision_model`, a connector
+`model.connector` (pixel shuffle by `scale_factor`, then one linear layer: the projector), a Llama text
+model `model.text_model` with 1-D RoPE, and `lm_head`.
+
+How the processor turns an image into tokens (SmolVLMImageProcessor / Idefics3ImageProcessor):
+1. the image is resized so that its LONGEST edge is exactly `size["longest_edge"]` (small images are
+   upscaled too), keeping the aspect ratio (the other side rounded up to an even number);
+2. with `do_image_splitting`, each side is rounded up to a multiple of the tile side
+   `max_image_size["longest_edge"]`; an image larger than one tile is cut into rows x cols tiles, and a
+   global view (the whole image squeezed into one tile) is appended; without splitting the image is
+   squeezed into one tile;
+3. each tile becomes `image_seq_len` <image> tokens ((tile / patch)^2 / scale_factor^2), framed by
+   <fake_token_around_image> and <row_R_col_C> (global view: <global-img>), a newline after each row.
+
+`pixel_values` is (batch, tiles, 3, tile, tile), padded with all-zero tiles to the batch's most tiles,
+with `pixel_attention_mask` (batch, tiles, tile, tile); the model drops the all-zero tiles.
+
+data.max_pixels / data.min_pixels: SmolVLM has no pixel budget, it resizes every image to one longest
+edge. `max_pixels` sets that edge: the largest multiple of the tile side whose square holds at most
+max_pixels (at least one tile), i.e. a square image of max_pixels pixels is what every image is scaled to
+fit. `min_pixels` is refused: every image, however small, is brought up to that edge, so there is no
+lower bound to set.
+
+Speed-ups: padding-free packing needs only 1-D positions (no `rope_index`); the vision feature cache
+caches one entry per tile (its pixels and pixel mask are the key), which is exact because the tower sees
+each tile on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.tiny import MODEL_SEED, train_byte_level_bpe
+
+# GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
+# as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
+_PRETOKENIZE_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
+# SmolVLM2's special tokens (SmolLM2's chat tokens, then the image ones SmolVLM adds)
+SMOLVLM_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<global-img>",
+    *_ROW_COL_TOKENS,
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+)
+_TILE_KEY = 3  # the pixel mask rides along as a 4th channel of a cached tile (see image_units)
+
+
+def tile_grid(image_processor, height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) of tiles the image processor cuts an image of (height, width) into; (0, 0): one tile
+    (no split). Mirrors `_preprocess` (resize, resize_for_vision_encoder, split_images) step by step: the
+    processor's own `get_number_of_image_patches` differs from it when `size` is not a multiple of the
+    tile."""
+    import importlib
+
+    module = importlib.import_module(type(image_processor).__module__)
+    if not image_processor.do_image_splitting:
+        return 0, 0
+    if image_processor.do_resize:
+        longest = image_processor.size.get("longest_edge")
+        if not longest:
+            raise ValueError("SmolVLM token counts need image_processor.size['longest_edge']")
+        height, width = module._resize_output_size_rescale_to_max_len(height, width, max_len=longest)
+        height, width = module._resize_output_size_scale_below_upper_bound(
+            height, width, max_len=module.MAX_IMAGE_SIZE
+        )
+    tile = image_processor.max_image_size["longest_edge"]
+    aspect_ratio = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect_ratio) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect_ratio) / tile) * tile
+    if height > tile or width > tile:
+        return math.ceil(height / tile), math.ceil(width / tile)
+    return 0, 0
+
+
+class SmolVLMFamily(Family):
+    """SmolVLM / Idefics3: tiles of a fixed size through a SigLIP tower, pixel-shuffled by the connector."""
+
+    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
+        for module in model.modules():
+            if callable(getattr(module, "get_image_features", None)) and hasattr(module, "vision_model"):
+                return module
+        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
+
+    def vision_tower(self, model: nn.Module) -> nn.Module:
+        return self.image_encoder_owner(model).vision_model
+
+    # ---------------------------------------------------------------- the vision feature cache
+    # A cached unit is one real tile. Its "pixels" are the tile with its pixel mask stacked as a 4th
+    # channel (so the cache key covers both), its "grid" the tile's (height, width).
+
+    def image_units(self, pixel_values: torch.Tensor, masks) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tiles = pixel_values.reshape(-1, *pixel_values.shape[2:])
+        if masks is None:  # as the model: every pixel real
+            masks = torch.ones(tiles.shape[0], *tiles.shape[2:], dtype=torch.long, device=tiles.device)
+        masks = masks.reshape(-1, *masks.shape[-2:])
+        # the model drops all-zero tiles (batch padding) before its tower: so do the units
+        real = (tiles == 0.0).sum(dim=(-1, -2, -3)) != tiles.shape[1:].numel()
+        units = []
+        for tile, mask in zip(tiles[real], masks[real], strict=True):
+            pixels = torch.cat([tile, mask[None].to(tile.dtype)])
+            units.append((pixels, torch.tensor(tile.shape[-2:])))
+        return units
+
+    def batch_image_units(self, units: list[tuple[torch.Tensor, torch.Tensor]]):
+        stacked = torch.stack([pixels for pixels, _ in units])  # [tiles, 4, H, W]
+        return stacked[None, :, :_TILE_KEY], stacked[None, :, _TILE_KEY].long()
+
+    def split_images(self, pixel_values: torch.Tensor, grids) -> list[torch.Tensor]:
+        return [pixels for pixels, _ in self.image_units(pixel_values, grids)]
+
+    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
+        # pooler_output: one tensor per batch row, its tiles' tokens end to end; every tile has as many
+        # tokens (the tower's last_hidden_state has one row per real tile)
+        features = torch.cat(list(output.pooler_output))
+        return [{"features": f} for f in features.chunk(output.last_hidden_state.shape[0])]
+
+    def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # the model concatenates pooler_output before placing it at the <image> tokens
+        return BaseModelOutputWithPooling(pooler_output=(torch.cat([i["features"] for i in images]),))
+
+    # ---------------------------------------------------------------- pixel bounds and token counts
+
+    def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+        from transformers.image_utils import SizeDict
+
+        if min_pixels is not None:
+            raise ValueError(
+                f"{self.name}: data.min_pixels has no meaning for this family: its processor resizes every "
+                "image so that its longest edge is size['longest_edge'], upscaling small ones. Leave "
+                "data.min_pixels null (data.max_pixels sets that edge)"
+            )
+        if max_pixels is not None:
+            tile = image_processor.max_image_size["longest_edge"]
+            edge = max(tile, math.isqrt(max_pixels) // tile * tile)
+            image_processor.size = SizeDict(longest_edge=edge)
+
+    def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
+        """<image> tokens per image: image_seq_len per tile (the frame tokens are counted as text)."""
+        counts = []
+        for height, width in sizes:
+            rows, cols = tile_grid(processor.image_processor, height, width)
+            counts.append(processor.image_seq_len * (rows * cols + 1 if rows or cols else 1))
+        return counts
+
+    def count_tokens(
+        self, processor, texts: list[str], sizes: list[list[tuple[int, int]]]
+    ) -> list[tuple[int, int]]:
+        """Each <image> expanded by the processor's own `replace_image_token` from the image's tile grid,
+        then the whole text tokenized as the processor does: (text + frame tokens, <image> tokens)."""
+        expanded = []
+        for text, image_sizes in zip(texts, sizes, strict=True):
+            parts = text.split(processor.image_token)
+            if len(parts) - 1 != len(image_sizes):
+                raise ValueError(
+                    f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
+                )
+            pieces = [parts[0]]
+            for (height, width), rest in zip(image_sizes, parts[1:], strict=True):
+                rows, cols = tile_grid(processor.image_processor, height, width)
+                layout = {"rows": [[rows]], "cols": [[cols]]}
+                pieces += [processor.replace_image_token(layout, image_idx=0), rest]
+            expanded.append("".join(pieces))
+        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        image_id = processor.image_token_id
+        return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
+
+    def vision_geometry(self, config) -> VisionGeometry:
+        vision = config.vision_config
+        side = vision.image_size // vision.patch_size // config.scale_factor  # merged tokens per tile side
+        # each tile is attended on its own: a window of one tile, no layer attends across tiles
+        return VisionGeometry(
+            patches_per_token=config.scale_factor**2,
+            width=vision.hidden_size,
+            layers=vision.num_hidden_layers,
+            window=side,
+            full_attention_layers=0,
+        )
+
+    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
+        build_tiny_smolvlm(out, dims, corpus)
+
+
+_TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "tile": 64,  # 64 px tiles of 16 px patches: 4x4 patches, pixel-shuffled 2x2 into 4 tokens per tile
+    "patch": 16,
+    "scale_factor": 2,
+    "longest_edge": 128,  # at most 2x2 tiles + the global view: 20 <image> tokens per image
+}
+
+
+def smolvlm_tokenizer(corpus: list[str]):
+    """A GPT2Tokenizer (the class SmolVLM2's tokenizer_config names) around a byte-level BPE trained on
+    `corpus`, with SmolVLM2's special tokens appended and its eos / pad / bos."""
+    from tokenizers import pre_tokenizers
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = train_byte_level_bpe(corpus, _PRETOKENIZE_REGEX)
+    for token in SMOLVLM_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tok = GPT2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<|endoftext|>",
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",
+        pad_token="<|im_end|>",
+        extra_special_tokens=[
+            t for t in SMOLVLM_SPECIAL_TOKENS if t not in ("<|im_start|>", "<end_of_utterance>", "<|im_end|>")
+        ],
+        model_max_length=8192,
+    )
+    # SmolLM2's pre-tokenizer: digits one by one, then GPT-2's byte-level split
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    return tok
+
+
+def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
+    from transformers import (
+        GenerationConfig,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+    from trl.chat_template_utils import smolvlm_chat_template
+
+    tok = smolvlm_tokenizer(corpus)
+    # SmolVLM2-*-Instruct's template (TRL's smolvlm, byte-identical), which TRL swaps for its training
+    # variant with {% generation %} markers for assistant-only loss.
+    tok.chat_template = smolvlm_chat_template
+    tile = {"longest_edge": dims["tile"]}
+    size = {"longest_edge": dims["longest_edge"]}
+    seq_len = (dims["tile"] // dims["patch"]) ** 2 // dims["scale_factor"] ** 2
+    processor = SmolVLMProcessor(
+        image_processor=SmolVLMImageProcessor(size=size, max_image_size=tile, do_image_splitting=True),
+        tokenizer=tok,
+        video_processor=SmolVLMVideoProcessor(size=size, max_image_size=tile),
+        image_seq_len=seq_len,
+        chat_template=smolvlm_chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
+    config = SmolVLMConfig(
+        text_config={
+            "model_type": "llama",
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 273768.0,
+            "pad_token_id": ids["<|im_end|>"],
+            "bos_token_id": ids["<|im_start|>"],
+            "eos_token_id": ids["<end_of_utterance>"],
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_depth"],
+            "num_attention_heads": dims["vision_heads"],
+            "image_size": dims["tile"],
+            "patch_size": dims["patch"],
+        },
+        scale_factor=dims["scale_factor"],
+        image_token_id=ids["<image>"],
+        tie_word_embeddings=False,
+        pad_token_id=ids["<|im_end|>"],
+    )
+    with torch.random.fork_rng(devices=[]):  # reproducible weights, the caller's RNG untouched
+        torch.manual_seed(MODEL_SEED)
+        model = SmolVLMForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["<end_of_utterance>"], pad_token_id=ids["<|im_end|>"], bos_token_id=None
+    )
+    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as demo._MODEL_FILES expects
+    processor.save_pretrained(out)
+
+
+SMOLVLM = SmolVLMFamily(
+    name="smolvlm",
+    model_types=("smolvlm", "idefics3"),
+    role_prefixes={
+        "vision": ("model.vision_model",),
+        "projector": ("model.connector",),
+        "llm": ("model.text_model", "lm_head"),
+    },
+    lm_head_prefixes=("lm_head",),
+    demo_models={"demo:tiny-smolvlm": _TINY},
+)
