@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODELS, run_train
+from conftest import TINY_MODELS, run_train
 
+from vlm_recipes.cli.compare import main as compare_main
+from vlm_recipes.cli.doctor import main as doctor_main
 from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
@@ -116,36 +117,21 @@ def test_freeze_audit_keeps_frozen_roles_identical(shared_run):
                 assert audit[role]["changed"] > 0, (stage, role, mode)
 
 
-def test_compare_script_tables_the_run(shared_run, tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "compare_recipes.py"),
-            str(shared_run.run_dir),
-            "--out",
-            str(tmp_path / "cmp"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "r3-two-stage" in result.stdout and "llm-lora" in result.stdout
+def test_compare_script_tables_the_run(shared_run, tmp_path, capsys):
+    # The scripts' own entry points, in this process (tests/test_cli.py starts them as commands)
+    assert compare_main([str(shared_run.run_dir), "--out", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    assert "r3-two-stage" in out and "llm-lora" in out
     assert (tmp_path / "cmp" / "comparison.md").is_file()
 
 
-def test_doctor_puts_every_parameter_of_final_in_a_role(shared_run):
+def test_doctor_puts_every_parameter_of_final_in_a_role(shared_run, capsys):
     final = shared_run.run_dir / STAGES[1] / "final"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "inspect_checkpoint.py"), str(final)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert doctor_main([str(final)]) == 0
+    stdout = capsys.readouterr().out
     family = shared_run.model.removeprefix("demo:tiny-")
-    assert f": {family}, loaded none" in result.stdout
-    rows = {line.split()[0] for line in result.stdout.splitlines() if line.split()}
+    assert f": {family}, loaded none" in stdout
+    rows = {line.split()[0] for line in stdout.splitlines() if line.split()}
     # a head tied to the input embedding (Gemma 3, as published) is that parameter, counted under llm
     tied = read_json(final / "config.json").get("tie_word_embeddings", False)
     assert {"vision", "projector", "llm", *([] if tied else ["lm_head"])} <= rows

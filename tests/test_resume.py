@@ -12,6 +12,7 @@ import torch
 from conftest import TRAIN, run_train
 from transformers import AutoModelForImageTextToText
 
+from vlm_recipes.cli.train import main
 from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
@@ -59,15 +60,16 @@ def reference(tmp_path_factory, private_demo_cache) -> dict[str, torch.Tensor]:
         ("stage2:step5", "stage-2-llm-lora/checkpoints/checkpoint-4"),  # during stage 2
     ],
 )
-def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, fault, expect_resume):
+def test_sigkill_then_resume_matches_an_uninterrupted_run(reference, tmp_path, capsys, fault, expect_resume):
     killed = train(tmp_path, fault=fault)
     assert killed.returncode == -signal.SIGKILL
     run_dir = tmp_path / "r3-two-stage" / "run"
     done_before = {p.parent.name: p.read_text() for p in run_dir.glob("stage-*/DONE")}
     assert "stage-2-llm-lora" not in done_before
 
-    again = train(tmp_path)  # the same command again: refused, never overwritten
-    assert again.returncode == 2 and "--resume" in again.stderr
+    # the same command again (in this process: it stops before any model loads): refused, never overwritten
+    args = [*RECIPE_ARGS, "--output-dir", str(tmp_path), "--run-name", "run"]
+    assert main(args) == 2 and "--resume" in capsys.readouterr().err
 
     resumed = run_train("--resume", str(run_dir), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
