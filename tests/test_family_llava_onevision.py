@@ -9,6 +9,7 @@ families in tests/test_families.py, tests/test_speedups.py and tests/test_dpo.py
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -166,3 +167,32 @@ def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_d
         assert_stage_trained_its_roles(stage, recipe_stage, LLAVA_ONEVISION)
     metrics = read_json(Path(manifest["stages"][1]["dir"]) / "metrics.json")
     assert metrics["vision_feature_cache"]["misses"] > 0
+
+
+def test_feature_cache_on_data_with_several_images_a_sample_is_refused_at_the_data_check(tmp_path, capsys):
+    """The same refusal, before any model loads, when the data has a sample of two images."""
+    Image.new("RGB", (56, 28), (200, 0, 0)).save(tmp_path / "a.png")
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+        ],
+        "images": ["a.png", "a.png"],
+    }
+    (tmp_path / "two.jsonl").write_text(json.dumps(row) + "\n")
+    args = ["--recipe", "r1-llm-only", f"model={MODEL}", "--output-dir", str(tmp_path / "runs")]
+    code = main(
+        [
+            *args,
+            f"data.train={tmp_path / 'two.jsonl'}",
+            "data.eval=null",
+            "training.vision_feature_cache=true",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "training.vision_feature_cache is refused: llava-onevision" in err
+    assert "Loading weights" not in err

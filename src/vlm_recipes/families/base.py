@@ -160,6 +160,11 @@ class Family:
         """The model's multimodal position function for padding-free packing (None: 1-D positions)."""
         return None
 
+    def feature_cache_refusal(self, most_images_per_sample: int) -> str | None:
+        """Why the vision feature cache cannot be exact for data whose samples hold up to this many images
+        (None: it is). A stage asking for it is refused at its data check with this reason."""
+        return None
+
     def padding_free_refusal(self) -> str | None:
         """Why padding-free packing cannot be exact for this family (None: it is). A stage asking for it is
         refused at its data check with this reason. Packing is exact where text attention is causal and each

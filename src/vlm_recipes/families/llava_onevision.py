@@ -95,6 +95,9 @@ def _real_tiles(pixels: torch.Tensor) -> int:
 class LlavaOnevisionFamily(Family):
     """LLaVA-OneVision: anyres tiles through a SigLIP tower, an MLP projector, image_newline tokens."""
 
+    def feature_cache_refusal(self, most_images_per_sample: int) -> str | None:
+        return MULTI_IMAGE_CACHE_REFUSAL if most_images_per_sample > 1 else None
+
     def quantization_skip_modules(self, parts: list[str]) -> list[str]:
         # image_newline is a bare parameter, not a module: nothing for bitsandbytes to skip (or quantize)
         return [m for m in super().quantization_skip_modules(parts) if m != _IMAGE_NEWLINE]

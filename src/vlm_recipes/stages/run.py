@@ -88,7 +88,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
     family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
-    refuse_inexact_speedups(family, stage)
+    refuse_inexact_speedups(family, stage, data)
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}

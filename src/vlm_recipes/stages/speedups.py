@@ -4,7 +4,7 @@ live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
 from __future__ import annotations
 
 from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache
-from vlm_recipes.data.rows import undecoded
+from vlm_recipes.data.rows import StageData, undecoded
 from vlm_recipes.families import Family
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
@@ -15,10 +15,18 @@ from vlm_recipes.stages.guards import Decision, GuardError
 from vlm_recipes.stages.trainer import RecipeTrainer
 
 
-def refuse_inexact_speedups(family: Family, stage: Stage) -> None:
+def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> None:
     """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
     if stage.training.padding_free and (why := family.padding_free_refusal()):
         raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
+    if stage.training.vision_feature_cache:
+        splits = [ds for ds in (data.train, data.eval) if ds is not None and "images" in ds.column_names]
+        most = max(
+            (len(i or []) for ds in splits for i in undecoded(ds.select_columns(["images"]))["images"]),
+            default=0,
+        )
+        if why := family.feature_cache_refusal(most):
+            raise GuardError(f"stage `{stage.name}`: training.vision_feature_cache is refused: {why}")
 
 
 def rope_index_of(built: BuiltModel):
