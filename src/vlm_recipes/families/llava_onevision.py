@@ -45,7 +45,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
 from vlm_recipes.families.qwen2_vl import save_tiny_model
-from vlm_recipes.families.tiny import qwen_tokenizer
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS, qwen_tokenizer
 
 # Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
@@ -216,11 +216,7 @@ class LlavaOnevisionFamily(Family):
 
 
 _TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 4,
-    "kv_heads": 2,
+    **TINY_TEXT_DIMS,
     "vision_layers": 2,
     "vision_dim": 32,
     "vision_intermediate": 64,

@@ -25,7 +25,7 @@ from vlm_recipes.families.qwen2_vl import (
     qwen_vision_token_ids,
     save_tiny_model,
 )
-from vlm_recipes.families.tiny import qwen_tokenizer
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS, qwen_tokenizer
 
 _MIN_PIXELS, _MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # 4..16 merged image tokens per image: fast on CPU
 
@@ -50,11 +50,7 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
 
 
 _TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 4,
-    "kv_heads": 2,
+    **TINY_TEXT_DIMS,
     "mrope": [2, 3, 3],  # head_dim 16: 8 rotary frequencies over (t, h, w), Qwen2.5-VL's [16, 24, 24] scaled
     "vision_depth": 2,
     "vision_dim": 32,

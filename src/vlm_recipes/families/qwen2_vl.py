@@ -16,7 +16,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED, qwen_tokenizer
+from vlm_recipes.families.tiny import MODEL_SEED, TINY_TEXT_DIMS, qwen_tokenizer
 
 # The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
 QWEN_VL_SPECIAL_TOKENS = (
@@ -107,11 +107,7 @@ class Qwen2VLFamily(Family):
 
 
 _TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 4,
-    "kv_heads": 2,
+    **TINY_TEXT_DIMS,
     "mrope": [2, 3, 3],
     "vision_depth": 2,
     "vision_dim": 32,

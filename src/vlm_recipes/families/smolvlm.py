@@ -40,7 +40,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED, train_byte_level_bpe
+from vlm_recipes.families.tiny import MODEL_SEED, TINY_TEXT_DIMS, train_byte_level_bpe
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
 # as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
@@ -200,11 +200,7 @@ class SmolVLMFamily(Family):
 
 
 _TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,
-    "heads": 4,
-    "kv_heads": 2,
+    **TINY_TEXT_DIMS,
     "vision_depth": 2,
     "vision_dim": 32,
     "vision_intermediate": 64,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 MODEL_SEED = 0  # random weights of every tiny model are drawn from this seed
+# Every tiny model's language model: 64 wide, 2 layers, 4 query heads over 2 key/value heads (head_dim 16)
+TINY_TEXT_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 
 def train_byte_level_bpe(corpus: list[str], pretokenize_regex: str, vocab_size: int = 1024):
