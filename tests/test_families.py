@@ -508,6 +508,24 @@ def assert_stage_trained_its_roles(stage: dict, recipe_stage: dict, family) -> N
             assert changed, f"{stage['name']}: {name} ({role}, {mode}) did not change"
 
 
+def assert_r3_trains_packed_with_the_feature_cache(tmp_path, model: str, family) -> None:
+    """r3-two-stage (vision full, then LoRA on the 4-bit language model) with padding-free packing and, in
+    stage 2 where the tower is frozen, the vision feature cache: both stages finish, packed with per-sample
+    attention, each training exactly its roles, and stage 2 fills the cache."""
+    speedups = ["training.padding_free=true", "stages.llm-lora.training.vision_feature_cache=true"]
+    args = ["--recipe", "r3-two-stage", "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN]
+    assert main([*args, f"model={model}", *speedups]) == 0
+    manifest = read_json(tmp_path / "r3-two-stage" / "t" / "run.json")
+    assert manifest["status"] == "finished"
+    for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
+        report = read_json(Path(stage["dir"]) / "report.json")
+        assert report["family"] == family.name and stage["steps"] == 2 and stage["eval_loss"] is not None
+        assert "per-sample-attention" in {d["guard"] for d in report["decisions"]}, "packed, sdpa per sample"
+        assert_stage_trained_its_roles(stage, recipe_stage, family)
+    metrics = read_json(Path(manifest["stages"][1]["dir"]) / "metrics.json")
+    assert metrics["vision_feature_cache"]["misses"] > 0
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("tiny_family", [f for f in TINY_MODELS if f != "qwen2-vl"], indirect=True)
 @pytest.mark.parametrize("recipe", SEED_RECIPES)

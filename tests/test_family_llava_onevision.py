@@ -17,7 +17,9 @@ import pytest
 import torch
 from conftest import TINY_MODELS, model_inputs
 from PIL import Image
-from test_families import TINY_RUN, assert_stage_trained_its_roles
+from test_families import (
+    assert_r3_trains_packed_with_the_feature_cache,
+)
 from test_family_smolvlm import processor_lengths, rows_with_images
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -28,7 +30,6 @@ from vlm_recipes.families.llava_onevision import (
     LLAVA_ONEVISION_CHAT_TEMPLATE,
     LLAVA_ONEVISION_TRAINING_CHAT_TEMPLATE,
 )
-from vlm_recipes.files import read_json
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.stages.build import load_processor
@@ -151,22 +152,7 @@ def test_feature_cache_refuses_a_sample_of_several_images(model_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
-    """r3-two-stage (vision full, then LoRA on the 4-bit language model) with padding-free packing and, in
-    stage 2 where the tower is frozen, the vision feature cache."""
-    speedups = ["training.padding_free=true", "stages.llm-lora.training.vision_feature_cache=true"]
-    args = ["--recipe", "r3-two-stage", "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN]
-    assert main([*args, f"model={MODEL}", *speedups]) == 0
-    manifest = read_json(tmp_path / "r3-two-stage" / "t" / "run.json")
-    assert manifest["status"] == "finished"
-    for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
-        report = read_json(Path(stage["dir"]) / "report.json")
-        assert (
-            report["family"] == "llava-onevision" and stage["steps"] == 2 and stage["eval_loss"] is not None
-        )
-        assert "per-sample-attention" in {d["guard"] for d in report["decisions"]}, "packed, sdpa per sample"
-        assert_stage_trained_its_roles(stage, recipe_stage, LLAVA_ONEVISION)
-    metrics = read_json(Path(manifest["stages"][1]["dir"]) / "metrics.json")
-    assert metrics["vision_feature_cache"]["misses"] > 0
+    assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, LLAVA_ONEVISION)
 
 
 def test_feature_cache_on_data_with_several_images_a_sample_is_refused_at_the_data_check(tmp_path, capsys):

@@ -13,13 +13,13 @@ import datasets
 import pytest
 from conftest import TINY_MODELS
 from PIL import Image
-from test_families import TINY_RUN, assert_stage_trained_its_roles
+from test_families import (
+    assert_r3_trains_packed_with_the_feature_cache,
+)
 from transformers import AutoProcessor
 
-from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths, sample_token_counts
 from vlm_recipes.families.smolvlm import SMOLVLM, tile_grid
-from vlm_recipes.files import read_json
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.stages.build import load_processor
 
@@ -123,17 +123,4 @@ def test_tiny_processor_writes_smolvlms_image_layout(model_dir):
 
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
-    """r3-two-stage (vision full, then LoRA on the 4-bit language model) with padding-free packing and, in
-    stage 2 where the tower is frozen, the vision feature cache."""
-    speedups = ["training.padding_free=true", "stages.llm-lora.training.vision_feature_cache=true"]
-    args = ["--recipe", "r3-two-stage", "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN]
-    assert main([*args, f"model={MODEL}", *speedups]) == 0
-    manifest = read_json(tmp_path / "r3-two-stage" / "t" / "run.json")
-    assert manifest["status"] == "finished"
-    for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
-        report = read_json(Path(stage["dir"]) / "report.json")
-        assert report["family"] == "smolvlm" and stage["steps"] == 2 and stage["eval_loss"] is not None
-        assert "per-sample-attention" in {d["guard"] for d in report["decisions"]}, "packed, sdpa per sample"
-        assert_stage_trained_its_roles(stage, recipe_stage, SMOLVLM)
-    metrics = read_json(Path(manifest["stages"][1]["dir"]) / "metrics.json")
-    assert metrics["vision_feature_cache"]["misses"] > 0
+    assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, SMOLVLM)
