@@ -33,6 +33,7 @@ import transformers
 from PIL import Image
 from safetensors.torch import load_file
 
+from vlm_recipes.data.video import video_identity
 from vlm_recipes.files import cache_dir, write_json, write_safetensors
 
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
@@ -93,9 +94,10 @@ def image_identity(image) -> bytes:
 
 
 def row_parts(row: dict) -> list[bytes]:
-    """A row's messages and its images' identities, as digest parts."""
+    """A row's messages and its images' and videos' identities, as digest parts."""
     parts = [json.dumps(row["messages"], sort_keys=True, default=str).encode()]
-    return parts + [image_identity(image) for image in row.get("images") or []]
+    parts += [image_identity(image) for image in row.get("images") or []]
+    return parts + [video_identity(video) for video in row.get("videos") or []]
 
 
 def row_digest(row: dict) -> str:
@@ -114,11 +116,12 @@ def weights_digest(module: torch.nn.Module) -> str:
 
 
 def remembered_token_counts(
-    rows, processor, count: Callable[[], list[tuple[int, int]]]
+    rows, processor, count: Callable[[], list[tuple[int, int]]], settings: str = ""
 ) -> list[tuple[int, int]]:
-    """`count()`, remembered on disk under a key of the rows (messages, images) and the processor: the
-    next stage on the same data, the next run or another seed skips the recount."""
-    parts = [processor_digest(processor)]
+    """`count()`, remembered on disk under a key of the rows (messages, images, videos), the processor
+    and the `settings` the count also depends on (video sampling): the next stage on the same data, the
+    next run or another seed skips the recount."""
+    parts = [processor_digest(processor), *([settings] if settings else [])]
     for row in rows:
         parts += row_parts(row)
     path = cache_dir() / "token-counts" / f"{content_digest(*parts)}.json"

@@ -1,7 +1,9 @@
-"""Sample lengths in tokens, image tokens included, counted before the model loads: the length check.
+"""Sample lengths in tokens, image and video tokens included, counted before the model loads: the length
+check.
 
-Image tokens are counted from each image's size (its file header), by the family's own rule, never by
-processing pixels; the counts are remembered on disk (`caches.remembered_token_counts`).
+Image tokens are counted from each image's size (its file header), video tokens from each video's frame
+plan (its container header: data/video.py), by the family's own rule, never by processing pixels; the
+counts are remembered on disk (`caches.remembered_token_counts`).
 """
 
 from __future__ import annotations
@@ -11,32 +13,51 @@ from PIL import Image
 
 from vlm_recipes.caches import remembered_token_counts
 from vlm_recipes.data.rows import BadRow, DataError, fail_or_skip, undecoded
+from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.families import Family
 
 
-def sample_token_counts(ds: datasets.Dataset, processor, family: Family) -> list[tuple[int, int]]:
-    """(text tokens, image tokens) per sample, computed from image sizes without processing pixels.
-    Pass images undecoded (`Image(decode=False)`) and only the headers are read.
+def sample_token_counts(
+    ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None = None
+) -> list[tuple[int, int]]:
+    """(text tokens, image and video tokens) per sample, computed from image sizes and video headers
+    without processing pixels. Pass images undecoded (`Image(decode=False)`) and only headers are read.
 
     Remembered on disk (the next stage on the same data, the next run, another seed): keyed by the rows'
-    messages, their images' files (path, size, modification time) or bytes, and the processor (image
-    settings, chat template, tokenizer), so any change to any of them counts afresh."""
-    columns = [c for c in ("messages", "images") if c in ds.column_names]
+    messages, their images' and videos' files (path, size, modification time) or bytes, the processor
+    (image settings, chat template, tokenizer) and the video sampling, so any change counts afresh."""
+    columns = [c for c in ("messages", "images", "videos") if c in ds.column_names]
     return remembered_token_counts(
-        ds.select_columns(columns), processor, lambda: _count_tokens(ds, processor, family)
+        ds.select_columns(columns),
+        processor,
+        lambda: _count_tokens(ds, processor, family, video),
+        video.key() if video is not None and "videos" in columns else "",
     )
 
 
-def _count_tokens(ds: datasets.Dataset, processor, family: Family) -> list[tuple[int, int]]:
+def _count_tokens(
+    ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None
+) -> list[tuple[int, int]]:
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
     images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
     sizes = [[_image_size(image) for image in images or []] for images in images_column]
-    return family.count_tokens(processor, texts, sizes)
+    counts = family.count_tokens(processor, texts, sizes)
+    if "videos" not in ds.column_names or video is None:
+        return counts
+    factor = family.video_frame_factor(processor)
+    for i, paths in enumerate(ds["videos"]):
+        if paths:
+            plans = [plan_frames(read_header(path, video), video, factor) for path in paths]
+            text, frames = family.count_video_tokens(processor, plans)
+            counts[i] = (counts[i][0] + text, counts[i][1] + frames)
+    return counts
 
 
-def sample_lengths(ds: datasets.Dataset, processor, family: Family) -> list[int]:
-    """Tokens per sample, image tokens included."""
-    return [text + image for text, image in sample_token_counts(ds, processor, family)]
+def sample_lengths(
+    ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None = None
+) -> list[int]:
+    """Tokens per sample, image and video tokens included."""
+    return [text + vision for text, vision in sample_token_counts(ds, processor, family, video)]
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -55,19 +76,21 @@ def check_lengths(
     max_length: int | None,
     source: str,
     on_bad_sample: str = "fail",
+    video: VideoSampling | None = None,
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse samples longer than max_length: cutting through image tokens breaks the model
     ("image features and image tokens do not match"), and cutting the answer trains on nothing.
 
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    lengths = sample_lengths(undecoded(ds), processor, family)
+    lengths = sample_lengths(undecoded(ds), processor, family, video)
     return refuse_too_long(
         ds,
         lengths,
         max_length,
         source,
         on_bad_sample,
-        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer tokens)",
+        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer "
+        "tokens, or data.max_frames / data.video_max_pixels for videos)",
     )
 
 

@@ -66,6 +66,7 @@ def check_preference_lengths(
     max_length: int | None,
     source: str,
     on_bad_sample: str = "fail",
+    video=None,  # preference rows hold no video (refused at the row check)
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse pairs whose prompt + chosen or prompt + rejected is longer than max_length (image tokens
     counted): DPOTrainer would cut the answer, comparing truncated log-probabilities.

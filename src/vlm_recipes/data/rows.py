@@ -6,8 +6,12 @@ Rows use the conversational format TRL and the field use:
                   {"role": "assistant", "content": [{"type": "text", "text": "…"}]}],
      "images": ["images/0001.png"]}            # paths relative to the data file, or decoded images
 
-The collator is TRL's DataCollatorForVisionLanguageModeling with `assistant_only_loss`: labels are
-the assistant tokens only, marked by the chat template's generation markers.
+A row may hold several images (one `{"type": "image"}` part each, in order) and, for the Qwen line,
+videos: `{"type": "video"}` parts and a `videos` list of files or folders of frames (data/video.py).
+
+The collator is TRL's DataCollatorForVisionLanguageModeling with `assistant_only_loss` (labels are the
+assistant tokens only, marked by the chat template's generation markers), which data/collate.py extends
+to videos.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pyarrow as pa
 from PIL import Image
 
 from vlm_recipes.data.demo_data import resolve_data_source
+from vlm_recipes.data.video import VideoError, VideoSampling, plan_frames, read_header
 from vlm_recipes.recipes.schema import DataSettings
 
 log = logging.getLogger(__name__)
@@ -158,13 +163,51 @@ def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, l
     return ds, None, [f"{source}[{split}] row {i}" for i in range(len(ds))], []
 
 
-def count_image_parts(messages: list) -> int:
+def count_image_parts(messages: list, kind: str = "image") -> int:
+    """The `{"type": kind}` content parts of a message list."""
     count = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == "image")
+            count += sum(1 for part in content if isinstance(part, dict) and part.get("type") == kind)
     return count
+
+
+@dataclass(frozen=True)
+class VideoRules:
+    """How a stage reads video rows: `factor` is the model's frame-side multiple (patch x merge); None
+    means videos are refused, for the reason given."""
+
+    sampling: VideoSampling
+    factor: int | None
+    refusal: str = ""
+
+
+def video_row_problem(row: dict, video_root: Path | None, rules: VideoRules | None) -> tuple[str, str] | None:
+    """(reason, detail) for a row whose videos cannot be used, or None. Every message list of the row
+    counts (`messages`, or a preference row's `prompt`, `chosen` and `rejected`)."""
+    videos = row.get("videos") or []
+    parts = sum(
+        count_image_parts(row[key], "video") for key in ("messages", "prompt", "chosen", "rejected")
+        if isinstance(row.get(key), list)
+    )
+    if not videos and not parts:
+        return None
+    if rules is None or rules.factor is None:
+        return "video not supported", rules.refusal if rules else "this stage takes no video"
+    if parts != len(videos):
+        return "video count mismatch", f"{parts} video parts in messages but {len(videos)} videos"
+    for video in videos:
+        if not isinstance(video, str):
+            return "bad video", f"a video is a file or folder path, got {type(video).__name__}"
+        path = Path(video) if video_root is None else video_root / video
+        if not path.exists():
+            return "video not found", str(path)
+        try:  # the header only: the frames are decoded when the sample is collated
+            plan_frames(read_header(path, rules.sampling), rules.sampling, rules.factor)
+        except VideoError as exc:
+            return "unreadable video", str(exc) if str(path) in str(exc) else f"{path}: {exc}"
+    return None
 
 
 def is_remote(image: str) -> bool:
@@ -224,9 +267,11 @@ def load_split(
     on_bad_sample: str = "fail",
     allow_remote_images: bool = False,
     row_format: RowFormat | None = None,
+    video: VideoRules | None = None,
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """Load one split, check every row (`messages` rows, or another format such as preference.PREFERENCE
-    for method dpo), and turn image paths into decodable Image features.
+    for method dpo; videos by `video`), and turn image paths into decodable Image features and video paths
+    into paths from the working directory.
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     check, columns = row_format or MESSAGES
@@ -235,7 +280,7 @@ def load_split(
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     for index, row in enumerate(ds):
-        if problem := check(row, image_root, allow_remote_images):
+        if problem := check(row, image_root, allow_remote_images) or video_row_problem(row, image_root, video):
             bad.append(BadRow(where[index], *problem))
     skipped = fail_or_skip(bad, on_bad_sample, source)
     if skipped:
@@ -251,7 +296,12 @@ def load_split(
             desc="image paths",
         )
         ds = ds.cast_column("images", datasets.List(datasets.Image()))
-    keep = [c for c in columns if c in ds.column_names]
+    if "videos" in ds.column_names and image_root is not None:
+        root = str(image_root)
+        ds = ds.map(
+            lambda row: {"videos": [str(Path(root) / p) for p in row["videos"] or []]}, desc="video paths"
+        )
+    keep = [c for c in (*columns, "videos") if c in ds.column_names]
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
     return (ds.remove_columns(extra) if extra else ds), skipped
 
@@ -262,16 +312,18 @@ def _holds_paths(ds: datasets.Dataset) -> bool:
     return isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")
 
 
-def load_stage_data(settings: DataSettings, row_format: RowFormat | None = None) -> StageData:
+def load_stage_data(
+    settings: DataSettings, row_format: RowFormat | None = None, video: VideoRules | None = None
+) -> StageData:
     """Both splits, checked; all of it before any model loads."""
     policy, remote = settings.on_bad_sample, settings.allow_remote_images
     train, skipped_train = load_split(
-        settings.train, settings.train_split, settings.max_train_samples, policy, remote, row_format
+        settings.train, settings.train_split, settings.max_train_samples, policy, remote, row_format, video
     )
     eval_ds, skipped = None, {"train": skipped_train} if skipped_train else {}
     if settings.eval:
         eval_ds, skipped_eval = load_split(
-            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote, row_format
+            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote, row_format, video
         )
         if skipped_eval:
             skipped["eval"] = skipped_eval
@@ -291,10 +343,12 @@ def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
 
 
 def has_text_only_rows(ds: datasets.Dataset) -> bool:
-    """Whether some row has no image (read without decoding any image)."""
-    if "images" not in ds.column_names:
+    """Whether some row has neither an image nor a video (read without decoding any image)."""
+    columns = [c for c in ("images", "videos") if c in ds.column_names]
+    if not columns:
         return True
-    return any(not images for images in undecoded(ds.select_columns(["images"]))["images"])
+    rows = undecoded(ds.select_columns(columns))
+    return any(not any(row[c] for c in columns) for row in rows)
 
 
 def undecoded(ds: datasets.Dataset) -> datasets.Dataset:

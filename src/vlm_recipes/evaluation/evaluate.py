@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from vlm_recipes.data.collate import attach_videos
+from vlm_recipes.data.video import VideoLoader
+
 # ---------------------------------------------------------------------------------------------
 # Scoring (pure functions, tested against hand-computed cases)
 
@@ -164,6 +167,7 @@ class Prompt:
     reference: str | None = None
     task: str | None = None
     text: str = field(default="")  # the user's words, for predictions.jsonl
+    videos: list[str] = field(default_factory=list)  # for the video parts, decoded batch by batch
 
 
 def attach_images(messages: list[dict], images: list) -> list[dict]:
@@ -179,6 +183,8 @@ def attach_images(messages: list[dict], images: list) -> list[dict]:
         for part in content:
             if part.get("type") == "image":
                 parts.append({"type": "image", "image": images.pop(0)})
+            elif part.get("type") == "video":
+                parts.append({"type": "video"})  # frames attached when its batch is generated
             elif part.get("type") == "text":
                 parts.append({"type": "text", "text": part.get("text") or ""})
         attached.append({"role": message["role"], "content": parts})
@@ -207,6 +213,7 @@ def prompts_from_rows(rows: Iterable[dict]) -> list[Prompt]:
                 reference=_text_of(messages[last]["content"]),
                 task=row.get("task"),
                 text=user_text,
+                videos=list(row.get("videos") or []),
             )
         )
     return prompts
@@ -221,11 +228,13 @@ def generate_answers(
     batch_size: int = 8,
     desc: str = "generating",
     autocast_dtype: torch.dtype | None = None,
+    videos: VideoLoader | None = None,
 ) -> list[str]:
     """Greedy answers, batched with left padding (generation continues from each prompt's end).
 
     A model mid-training mixes fp32 trainable and half-precision frozen weights: it must generate under
-    the autocast it trained with (`autocast_dtype`), or fp32 activations meet bf16 weights."""
+    the autocast it trained with (`autocast_dtype`), or fp32 activations meet bf16 weights. Videos are
+    decoded one batch at a time (`videos`: how, for this model)."""
     tokenizer = processor.tokenizer
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -236,13 +245,14 @@ def generate_answers(
     try:
         for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
             batch = prompts[start : start + batch_size]
+            messages, processor_kwargs = with_videos(batch, videos)
             inputs = processor.apply_chat_template(
-                [p.messages for p in batch],
+                messages,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
                 return_tensors="pt",
-                processor_kwargs={"padding": True},
+                processor_kwargs={"padding": True, **processor_kwargs},
             ).to(device)
             with torch.autocast(
                 device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
@@ -261,6 +271,18 @@ def generate_answers(
     return outputs
 
 
+def with_videos(batch: list[Prompt], videos: VideoLoader | None) -> tuple[list[list[dict]], dict]:
+    """The batch's conversations with their videos' frames attached, and the processor's video arguments."""
+    if not any(p.videos for p in batch):
+        return [p.messages for p in batch], {}
+    if videos is None:
+        raise ValueError("a prompt has a video but the model takes no video")
+    loaded = [[videos.load(path) for path in p.videos] for p in batch]
+    messages = [attach_videos(p.messages, [frames for frames, _ in v]) for p, v in zip(batch, loaded, strict=True)]
+    metadata = [about for v in loaded for _, about in v]
+    return messages, {"videos_kwargs": videos.processor_kwargs(metadata)}
+
+
 def evaluate_generation(
     model,
     processor,
@@ -270,10 +292,13 @@ def evaluate_generation(
     tolerance: float,
     desc: str = "generating",
     autocast_dtype: torch.dtype | None = None,
+    videos: VideoLoader | None = None,
 ) -> tuple[dict, list[dict]]:
     """Generate for every row and score: returns (scores, prediction records)."""
     prompts = prompts_from_rows(rows)
-    answers = generate_answers(model, processor, prompts, max_new_tokens, batch_size, desc, autocast_dtype)
+    answers = generate_answers(
+        model, processor, prompts, max_new_tokens, batch_size, desc, autocast_dtype, videos
+    )
     records = [
         {
             "id": p.id,

@@ -156,6 +156,27 @@ class Family:
             counts.append((len(text_ids) - len(image_sizes), image_tokens))
         return counts
 
+    def video_frame_factor(self, processor) -> int | None:
+        """Video frame sides are resized to multiples of this many pixels (patch size x merge size); None:
+        the family takes no video, and a row with one is refused at the data check."""
+        return None
+
+    def video_encoder(self) -> str | None:
+        """The method of `image_encoder_owner` that computes video features, where it does not call
+        `get_image_features` itself (None: it does, or the family takes no video). The frozen-vision
+        speed-ups hook it as they hook `get_image_features`."""
+        return None
+
+    def video_processor_kwargs(self, processor, metadata: list) -> dict:
+        """The processor's `videos_kwargs` for frames already sampled and sized (data/video.py), with their
+        `VideoMetadata` (frame times)."""
+        raise NotImplementedError
+
+    def count_video_tokens(self, processor, plans: list) -> tuple[int, int]:
+        """(text tokens, video tokens) a sample's videos add, given their frame plans (data.video.FramePlan),
+        to the one placeholder token per video that `count_tokens` counted as text."""
+        raise NotImplementedError
+
     def rope_index(self, model: nn.Module) -> Callable | None:
         """The model's multimodal position function for padding-free packing (None: 1-D positions)."""
         return None

@@ -88,6 +88,33 @@ class Qwen2VLFamily(Family):
             counts.append((h // factor) * (w // factor))
         return counts
 
+    def video_frame_factor(self, processor) -> int | None:
+        video_processor = processor.video_processor
+        return video_processor.patch_size * video_processor.merge_size
+
+    def video_encoder(self) -> str | None:
+        return "get_video_features"  # runs the tower itself (Qwen3-VL's calls get_image_features)
+
+    def video_processor_kwargs(self, processor, metadata: list) -> dict:
+        kwargs = {"do_resize": False, "do_sample_frames": False, "video_metadata": metadata}
+        if hasattr(processor.video_processor, "cap_pixels_per_frame"):
+            # qwen-vl-utils' behaviour, which transformers warns it will adopt; moot without resizing
+            kwargs["cap_pixels_per_frame"] = True
+        return kwargs
+
+    def count_video_tokens(self, processor, plans: list) -> tuple[int, int]:
+        # The processor's own expansion of the placeholder (Qwen3-VL: `<t seconds>` and boundary tokens
+        # around each pair of frames), from the grid and times the frame plan gives.
+        video_processor, tokenizer = processor.video_processor, processor.tokenizer
+        text = video = 0
+        for plan in plans:
+            grid = plan.grid(video_processor.patch_size, video_processor.temporal_patch_size)
+            inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [plan.metadata()]}
+            ids = tokenizer(processor.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
+            pads = ids.count(processor.video_token_id)
+            text, video = text + len(ids) - pads - 1, video + pads
+        return text, video
+
     def rope_index(self, model: nn.Module) -> Callable | None:
         for module in model.modules():
             if callable(getattr(module, "get_rope_index", None)):

@@ -45,6 +45,9 @@ _MIN_PIXELS, _MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16  # 4..16 merged image token
 class Qwen3VLFamily(Qwen2VLFamily):
     """Qwen3-VL: the image features are the merged tokens plus one set per DeepStack level."""
 
+    def video_encoder(self) -> str | None:
+        return None  # get_video_features calls get_image_features, which the speed-ups already hook
+
     def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
         levels = output.deepstack_features or []
         images = []

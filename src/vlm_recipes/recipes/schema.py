@@ -147,6 +147,22 @@ class DataSettings:
         None,
         range=AT_LEAST_1,
     )
+    # Video rows (the Qwen line): frames taken and sized by qwen-vl-utils' rules (data/video.py). The
+    # defaults fit a 7B model with LoRA or QLoRA on a 24 GB GPU: at most 64 frames of 256x256 px, i.e.
+    # 32 x 81 = 2592 video tokens on Qwen2-VL (README: Video and several images).
+    video_fps: float = doc("frames taken per second of video (qwen-vl-utils' fps)", 2.0, range=ABOVE_0)
+    max_frames: int = doc(
+        "most frames taken from one video (an even count; a folder of frames counts as a video)",
+        64,
+        range=Range(2, why="two frames make one temporal patch"),
+    )
+    video_min_pixels: int = doc("lower bound on pixels per video frame", 3136, range=AT_LEAST_1)
+    video_max_pixels: int = doc(
+        "upper bound on pixels per video frame (65536 = 256x256: 81 tokens per pair of frames on "
+        "Qwen2-VL); qwen-vl-utils lowers it further for long videos",
+        65536,
+        range=AT_LEAST_1,
+    )
     on_bad_sample: Literal["fail", "skip"] = doc(
         "a row that cannot be trained on: fail (list the first bad rows and stop) or skip (count per reason "
         "in the stage report)",

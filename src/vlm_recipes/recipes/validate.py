@@ -201,6 +201,14 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
                     f"{data.min_pixels} is above data.max_pixels ({data.max_pixels}): no image size fits",
                 )
             )
+        if data.video_min_pixels > data.video_max_pixels:
+            problems.append(
+                Problem(
+                    f"{at}.data.video_min_pixels",
+                    f"{data.video_min_pixels} is above data.video_max_pixels ({data.video_max_pixels}): no "
+                    "frame size fits",
+                )
+            )
         vision_side = {role: modes[role] for role in ("vision", "projector") if modes[role] != "frozen"}
         if stage.training.vision_feature_cache and vision_side:
             trained = ", ".join(f"{role}: {mode}" for role, mode in vision_side.items())

@@ -34,17 +34,28 @@ from vlm_recipes.files import write_json, write_safetensors
 log = logging.getLogger(__name__)
 
 
-def run_without_grad(model: nn.Module, family: Family) -> None:
-    """Compute image features under no_grad (the caller has checked that vision and projector are frozen)."""
-    owner = family.image_encoder_owner(model)
-    compute = owner.get_image_features
+def encoder_methods(family: Family) -> tuple[str, ...]:
+    """The methods of the family's encoder owner that run the vision tower: `get_image_features`, and the
+    video one where it does not go through `get_image_features` (Qwen2-VL, Qwen2.5-VL)."""
+    video = family.video_encoder()
+    return ("get_image_features", *([video] if video else []))
 
+
+def run_without_grad(model: nn.Module, family: Family) -> None:
+    """Compute image (and video) features under no_grad (the caller has checked that vision and projector
+    are frozen)."""
+    owner = family.image_encoder_owner(model)
+    for name in encoder_methods(family):
+        setattr(owner, name, _without_grad(getattr(owner, name)))
+
+
+def _without_grad(compute):
     @functools.wraps(compute)  # generate() reads its signature to pick the encoder's inputs
-    def get_image_features(*args, **kwargs):
+    def features(*args, **kwargs):
         with torch.no_grad():
             return compute(*args, **kwargs)
 
-    owner.get_image_features = get_image_features
+    return features
 
 
 class VisionFeatureCache:
@@ -60,19 +71,23 @@ class VisionFeatureCache:
             write_json(about, {"tower": type(tower).__name__, "family": family.name})
         self.hits = 0
         self.misses = 0
-        self._compute = None
 
     def install(self) -> VisionFeatureCache:
-        self._compute = self.owner.get_image_features
-        # generate() passes the encoder's inputs by the names in its signature: show the model's own
-        self._second = list(inspect.signature(self._compute).parameters)[1]
-
-        @functools.wraps(self._compute)
-        def get_image_features(*args, **kwargs):
-            return self.get_image_features(*args, **kwargs)
-
-        self.owner.get_image_features = get_image_features
+        for name in encoder_methods(self.family):
+            setattr(self.owner, name, self._cached(getattr(self.owner, name)))
         return self
+
+    def _cached(self, compute):
+        # generate() passes the encoder's inputs by the names in its signature: show the model's own
+        second = list(inspect.signature(compute).parameters)[1]
+
+        @functools.wraps(compute)
+        def features(pixel_values, grids=None, **kwargs):
+            if grids is None:  # the second argument: Qwen's grids, SmolVLM's pixel attention mask
+                grids = kwargs.pop(second, None)
+            return self.features(compute, pixel_values, grids, **kwargs)
+
+        return features
 
     def stats(self) -> dict:
         looked_up = self.hits + self.misses
@@ -83,13 +98,13 @@ class VisionFeatureCache:
             "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
         }
 
-    def get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
-        # the model's second argument: Qwen's image grids, SmolVLM's pixel attention mask
-        if image_grid_thw is None:
-            image_grid_thw = kwargs.pop(self._second, None)
-        units = self.family.image_units(pixel_values, image_grid_thw)
+    def features(self, compute, pixel_values, grids, **kwargs):
+        """What `compute` (the model's own encoder method) returns for these images or videos, each one read
+        from the cache or computed (all misses in one call) and stored. A video's key is its frames' pixels
+        and grid, as an image's is: the tower computes the same from the same input either way."""
+        units = self.family.image_units(pixel_values, grids)
         if not units:
-            return self._compute(pixel_values, image_grid_thw, **kwargs)
+            return compute(pixel_values, grids, **kwargs)
         autocast = self._autocast_dtype(pixel_values.device.type)
         keys = [self._key(pixels, grid, autocast) for pixels, grid in units]
         features = [self._load(key, pixel_values.device) for key in keys]
@@ -98,7 +113,7 @@ class VisionFeatureCache:
         self.misses += len(missing)
         if missing:
             with torch.no_grad():
-                computed = self._compute(
+                computed = compute(
                     *self.family.batch_image_units([units[i] for i in missing]),
                     **{**kwargs, "return_dict": True},
                 )

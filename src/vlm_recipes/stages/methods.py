@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.lengths import check_lengths
 from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
 from vlm_recipes.data.rows import MESSAGES, RowFormat
+from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.stages.dpo import build_dpo_config, build_dpo_trainer, dpo_eval_metrics, dpo_max_length
 from vlm_recipes.stages.speedups import wrap_collator
@@ -31,6 +33,8 @@ class TrainingMethod:
 
 def _build_sft_trainer(built, stage, args, data, decisions=None, callbacks=None):
     trainer = build_trainer(built, stage, args, data, decisions, callbacks)
+    videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
+    trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos)
     wrap_collator(trainer, built, stage)  # the batch speed-ups wrap TRL's SFT collator
     return trainer
 

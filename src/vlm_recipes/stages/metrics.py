@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from vlm_recipes.data.rows import StageData
+from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.evaluation.evaluate import evaluate_generation
 from vlm_recipes.files import write_jsonl
 from vlm_recipes.recipes.schema import Stage
@@ -33,6 +34,7 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
         settings.numeric_tolerance,
         desc=f"evaluating {stage.name}",
         autocast_dtype=autocast,
+        videos=VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data)),
     )
     write_jsonl(stage_dir / "predictions.jsonl", records)
     overall = scores["all"]

@@ -12,8 +12,16 @@ from pathlib import Path
 import torch
 import transformers
 
-from vlm_recipes.data.rows import StageData, dataset_signature, has_text_only_rows, load_stage_data
+from vlm_recipes.data.rows import (
+    StageData,
+    VideoRules,
+    dataset_signature,
+    has_text_only_rows,
+    load_stage_data,
+)
+from vlm_recipes.data.video import VideoSampling
 from vlm_recipes.evaluation.timing import StepTimer
+from vlm_recipes.families import FAMILIES, Family
 from vlm_recipes.families.base import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.recipes.schema import Stage
@@ -81,21 +89,24 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
     method = method_of(stage)
-    data = load_stage_data(stage.data, method.row_format)
+    family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
+    processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
+    video = video_rules(stage, family, processor)
+    data = load_stage_data(stage.data, method.row_format, video)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes)]
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
-    family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
     refuse_inexact_speedups(family, stage, data)
-    processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
     if data.eval is not None:
         splits["eval"] = (data.eval, data.eval_source or "")
     for split, (rows, source) in splits.items():
-        rows, lengths, skipped = method.check_lengths(rows, processor, family, max_length, source, policy)
+        rows, lengths, skipped = method.check_lengths(
+            rows, processor, family, max_length, source, policy, video.sampling
+        )
         if skipped:
             data.skipped.setdefault(split, {}).update(skipped)
         if stage.training.group_by_length:  # Trainer groups eval batches by length too
@@ -103,6 +114,19 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
         setattr(data, split, rows)
         data.lengths[split] = lengths
     return data, processor, precision
+
+
+def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
+    """How the stage's rows may hold videos: the Qwen line's SFT stages take them; the reason if not."""
+    sampling = VideoSampling.from_settings(stage.data)
+    factor = family.video_frame_factor(processor)
+    if factor is None:
+        takes = [f.name for f in FAMILIES if type(f).video_frame_factor is not Family.video_frame_factor]
+        why = f"{family.name} takes no video here (the families that do: {', '.join(takes)})"
+        return VideoRules(sampling, None, why)
+    if stage.method != "sft":
+        return VideoRules(sampling, None, f"method {stage.method} takes images only (TRL's collator)")
+    return VideoRules(sampling, factor)
 
 
 def load_guarded_model(ctx: StageContext, processor, precision: Decision) -> BuiltModel:
