@@ -37,7 +37,9 @@ class VideoCollator(DataCollatorForVisionLanguageModeling):
             return super()._collate_language_modeling(examples)
         messages, metadata = [], []
         for example in examples:
-            conversation = prepare_multimodal_messages(example["messages"], images=example.get("images") or [])
+            conversation = prepare_multimodal_messages(
+                example["messages"], images=example.get("images") or []
+            )
             videos = [self.videos.load(path) for path in example.get("videos") or []]
             messages.append(attach_videos(conversation, [frames for frames, _ in videos]))
             metadata += [about for _, about in videos]
@@ -81,7 +83,9 @@ def attach_videos(messages: list[dict], videos: list) -> list[dict]:
         content = message.get("content")
         if isinstance(content, list):
             content = [
-                {**part, "video": videos.pop(0)} if isinstance(part, dict) and part.get("type") == "video" else part
+                {**part, "video": videos.pop(0)}
+                if isinstance(part, dict) and part.get("type") == "video"
+                else part
                 for part in content
             ]
         attached.append({**message, "content": content})

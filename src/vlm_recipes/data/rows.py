@@ -188,7 +188,8 @@ def video_row_problem(row: dict, video_root: Path | None, rules: VideoRules | No
     counts (`messages`, or a preference row's `prompt`, `chosen` and `rejected`)."""
     videos = row.get("videos") or []
     parts = sum(
-        count_image_parts(row[key], "video") for key in ("messages", "prompt", "chosen", "rejected")
+        count_image_parts(row[key], "video")
+        for key in ("messages", "prompt", "chosen", "rejected")
         if isinstance(row.get(key), list)
     )
     if not videos and not parts:
@@ -280,7 +281,9 @@ def load_split(
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     for index, row in enumerate(ds):
-        if problem := check(row, image_root, allow_remote_images) or video_row_problem(row, image_root, video):
+        if problem := check(row, image_root, allow_remote_images) or video_row_problem(
+            row, image_root, video
+        ):
             bad.append(BadRow(where[index], *problem))
     skipped = fail_or_skip(bad, on_bad_sample, source)
     if skipped:

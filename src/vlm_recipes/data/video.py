@@ -54,7 +54,9 @@ class VideoSampling:
 
     def key(self) -> str:
         """Part of every cache key of a video sample: other settings, other frames."""
-        return f"video fps={self.fps} max_frames={self.max_frames} pixels={self.min_pixels}..{self.max_pixels}"
+        return (
+            f"video fps={self.fps} max_frames={self.max_frames} pixels={self.min_pixels}..{self.max_pixels}"
+        )
 
 
 @dataclass(frozen=True)
@@ -185,9 +187,11 @@ def decode_frames(path: Path, plan: FramePlan) -> torch.Tensor:
 
 
 def _as_tensor(image: Image.Image) -> torch.Tensor:
-    return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(
-        image.height, image.width, 3
-    ).permute(2, 0, 1)
+    return (
+        torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        .view(image.height, image.width, 3)
+        .permute(2, 0, 1)
+    )
 
 
 def load_video(path: Path, sampling: VideoSampling, factor: int) -> tuple[torch.Tensor, VideoMetadata]:

@@ -278,7 +278,9 @@ def with_videos(batch: list[Prompt], videos: VideoLoader | None) -> tuple[list[l
     if videos is None:
         raise ValueError("a prompt has a video but the model takes no video")
     loaded = [[videos.load(path) for path in p.videos] for p in batch]
-    messages = [attach_videos(p.messages, [frames for frames, _ in v]) for p, v in zip(batch, loaded, strict=True)]
+    messages = [
+        attach_videos(p.messages, [frames for frames, _ in v]) for p, v in zip(batch, loaded, strict=True)
+    ]
     metadata = [about for v in loaded for _, about in v]
     return messages, {"videos_kwargs": videos.processor_kwargs(metadata)}
 
