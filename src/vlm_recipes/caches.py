@@ -100,10 +100,6 @@ def row_parts(row: dict) -> list[bytes]:
     return parts + [video_identity(video) for video in row.get("videos") or []]
 
 
-def row_digest(row: dict) -> str:
-    return content_digest(*row_parts(row))
-
-
 def weights_digest(module: torch.nn.Module) -> str:
     """A digest of every parameter and buffer of the module (names, dtypes, shapes and values)."""
     parts: list[str | torch.Tensor] = [f"{type(module).__name__} transformers {transformers.__version__}"]
@@ -176,9 +172,10 @@ class PreprocessedSampleCollator:
         write_safetensors(path, sample)
         return sample
 
-    @staticmethod
-    def _key(example: dict[str, Any]) -> str:
-        return row_digest(example)
+    def _key(self, example: dict[str, Any]) -> str:
+        videos = getattr(self.padded, "videos", None)  # data.collate.VideoCollator: frames by these settings
+        settings = [videos.sampling.key()] if videos is not None and example.get("videos") else []
+        return content_digest(*row_parts(example), *settings)
 
 
 def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""`python scripts/predict.py`: run a trained model on an image + prompt, or on a data file, with the
-same prompting, decoding and scoring as the evaluation after each stage."""
+"""`python scripts/predict.py`: run a trained model on images and/or videos + a prompt, or on a data file,
+with the same prompting, decoding and scoring as the evaluation after each stage. Videos are sampled with
+the recipe defaults of data.video_fps, data.max_frames and data.video_min/max_pixels (or the flags)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--model", required=True, help="run dir, stage dir, model dir, or model id")
     parser.add_argument("--image", type=Path, action="append", default=[], help="image file (repeatable)")
+    parser.add_argument(
+        "--video", type=Path, action="append", default=[], help="video file or folder of frames (repeatable)"
+    )
+    parser.add_argument("--video-fps", type=float, help="frames taken per second of video (data.video_fps)")
+    parser.add_argument("--max-frames", type=int, help="most frames taken from a video (data.max_frames)")
     parser.add_argument("--prompt", help="the question")
     parser.add_argument("--data", help="a .jsonl file (or demo:eval) to answer and score instead")
     parser.add_argument("--max-samples", type=int, help="with --data: only the first N rows")
@@ -39,7 +45,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
     if bool(args.data) == bool(args.prompt):
-        parser.error("give --prompt (with --image) or --data")
+        parser.error("give --prompt (with --image / --video) or --data")
 
     from vlm_recipes.logs import setup_logging
 
@@ -47,8 +53,11 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlm_recipes.data.rows import DataError, load_split
+    from vlm_recipes.data.rows import DataError, VideoRules, load_split
+    from vlm_recipes.data.video import VideoError, VideoLoader, VideoSampling
     from vlm_recipes.evaluation.evaluate import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.recipes.schema import DataSettings
+    from vlm_recipes.stages.build import detect_family
     from vlm_recipes.stages.guards import DTYPES, Environment, decide_precision
 
     try:
@@ -59,10 +68,20 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
             model_dir, dtype=dtype, device_map="auto" if env.device == "cuda" else None
         )
         processor = AutoProcessor.from_pretrained(model_dir)
+        family, _ = detect_family(model_dir)
+        defaults = DataSettings()
+        sampling = VideoSampling(
+            args.video_fps or defaults.video_fps,
+            args.max_frames or defaults.max_frames,
+            defaults.video_min_pixels,
+            defaults.video_max_pixels,
+        )
+        videos = VideoLoader.for_model(family, processor, sampling)
         if args.data:
-            rows, _ = load_split(args.data, "test", args.max_samples)
+            rules = VideoRules(sampling, videos and videos.factor, f"{family.name} takes no video")
+            rows, _ = load_split(args.data, "test", args.max_samples, video=rules)
             scores, records = evaluate_generation(
-                model, processor, rows, args.max_new_tokens, args.batch_size, 0.01
+                model, processor, rows, args.max_new_tokens, args.batch_size, 0.01, videos=videos
             )
             for record in records:
                 print(
@@ -76,15 +95,20 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
             if args.output:
                 write_jsonl(args.output, records)
             return 0
-        missing = [str(p) for p in args.image if not p.is_file()]
+        missing = [str(p) for p in [*args.image, *args.video] if not p.exists()]
         if missing:
-            raise FileNotFoundError(f"image not found: {', '.join(missing)}")
+            raise FileNotFoundError(f"not found: {', '.join(missing)}")
+        if args.video and videos is None:
+            raise ValueError(f"{model_dir} is a {family.name} model, which takes no video")
         content = [{"type": "image", "image": Image.open(p).convert("RGB")} for p in args.image]
+        content += [{"type": "video"} for _ in args.video]
         content.append({"type": "text", "text": args.prompt})
-        prompt = Prompt(id="cli", messages=[{"role": "user", "content": content}])
-        (answer,) = generate_answers(model, processor, [prompt], args.max_new_tokens, 1)
+        prompt = Prompt(
+            id="cli", messages=[{"role": "user", "content": content}], videos=[str(p) for p in args.video]
+        )
+        (answer,) = generate_answers(model, processor, [prompt], args.max_new_tokens, 1, videos=videos)
         print(answer)
         return 0
-    except (OSError, DataError, ValueError) as exc:
+    except (OSError, DataError, VideoError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

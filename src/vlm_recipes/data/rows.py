@@ -276,7 +276,7 @@ def load_split(
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     check, columns = row_format or MESSAGES
-    resolved = resolve_data_source(source)
+    resolved = resolve_data_source(source, with_videos=video is not None and video.factor is not None)
     ds, image_root, where, bad = _load_any(resolved, split)
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
