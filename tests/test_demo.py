@@ -15,7 +15,7 @@ import torch
 from PIL import Image, ImageChops
 
 from vlm_recipes import demo, files
-from vlm_recipes.data import demo_data
+from vlm_recipes.data import demo_data, demo_samples
 
 
 @pytest.fixture(scope="module")
@@ -67,26 +67,61 @@ def test_cache_dir_env_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
-    assert data_dir == demo_cache / "demo-v1" / "data"
+    assert data_dir == demo_cache / demo_data.VERSION / "data"
     info = json.loads((data_dir / "dataset_info.json").read_text())
     assert (data_dir / "README.md").is_file()
     for split, n in (("train", 192), ("eval", 48)):
         rows = _rows(data_dir / f"{split}.jsonl")
         assert len(rows) == n == info["splits"][split]["rows"]
         assert [r["id"] for r in rows] == [f"{split}-{i:05d}" for i in range(n)]
-        counts = {t: sum(r["task"] == t for r in rows) for t in ("shapes", "nutrition")}
-        assert counts == info["splits"][split]["tasks"] == {"shapes": n - n // 4, "nutrition": n // 4}
+        counts = {t: sum(r["task"] == t for r in rows) for t in ("shapes", "nutrition", "pair", "motion")}
+        expected = {"shapes": n - n // 4 - 2 * (n // 8), "nutrition": n // 4, "pair": n // 8, "motion": n // 8}
+        assert counts == info["splits"][split]["tasks"] == expected
+        images, videos = {"pair": 2, "motion": 0}, {"motion": 1}
         for r in rows:
-            assert set(r) == {"id", "task", "messages", "images"}
+            assert set(r) == {"id", "task", "messages", "images", "videos"}
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
-            assert r["messages"][0]["content"][0] == {"type": "image"}
-            assert r["images"] == [f"images/{r['id']}.png"]
-            assert (data_dir / r["images"][0]).is_file()
+            parts = [p["type"] for p in r["messages"][0]["content"]]
+            assert parts.count("image") == len(r["images"]) == images.get(r["task"], 1)
+            assert parts.count("video") == len(r["videos"]) == videos.get(r["task"], 0)
+            assert all((data_dir / path).is_file() for path in r["images"] + r["videos"])
             if r["task"] == "nutrition":
                 facts = json.loads(_answer(r))
                 assert list(facts) == ["calories", "fat_g", "carbs_g", "protein_g", "sugar_g", "sodium_mg"]
                 assert all(isinstance(v, int) for v in facts.values())
                 assert facts["sugar_g"] <= facts["carbs_g"]
+        without_video = _rows(data_dir / f"{split}-images.jsonl")
+        assert without_video == [r for r in rows if r["task"] != "motion"]
+
+
+def test_pair_and_motion_answers_match_pixels(data_dir: Path) -> None:
+    """The two-image answer is the shapes' colours compared; the clip's, where the dot's centre went from
+    the first decoded frame to the last."""
+    import av
+
+    checked = {"pair": 0, "motion": 0}
+    for r in _rows(data_dir / "train.jsonl"):
+        if r["task"] == "pair":
+            colours = []
+            for path in r["images"]:
+                pixels = Image.open(data_dir / path).convert("RGB").getcolors()
+                colours.append({c for _, c in pixels if c != (255, 255, 255)})
+            assert (colours[0] == colours[1]) == (_answer(r) == "yes")
+        elif r["task"] == "motion":
+            with av.open(str(data_dir / r["videos"][0])) as container:
+                frames = [f.to_ndarray(format="rgb24").astype(int) for f in container.decode(video=0)]
+            assert len(frames) == demo_samples.CLIP_FRAMES
+            centres = []
+            for frame in (frames[0], frames[-1]):
+                ys, xs = (frame.sum(-1) < 600).nonzero()  # the dot: far from white
+                centres.append((xs.mean(), ys.mean()))
+            dx, dy = centres[1][0] - centres[0][0], centres[1][1] - centres[0][1]
+            seen = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+            assert seen == _answer(r), r["id"]
+        else:
+            continue
+        checked[r["task"]] += 1
+    assert checked == {"pair": 24, "motion": 24}
 
 
 def test_shape_answers_match_pixels(data_dir: Path) -> None:
@@ -101,7 +136,7 @@ def test_shape_answers_match_pixels(data_dir: Path) -> None:
         question, answer = r["messages"][0]["content"][1]["text"], _answer(r)
         if "colour" in question:
             colours = {c for _, c in img.getcolors() if c != (255, 255, 255)}
-            assert colours == {demo_data._COLOURS[answer]}
+            assert colours == {demo_samples.COLOURS[answer]}
         elif "How many" in question:
             assert answer in {"1", "2", "3", "4"}
         elif answer in ("left", "right"):
@@ -109,7 +144,7 @@ def test_shape_answers_match_pixels(data_dir: Path) -> None:
         else:
             assert y1 <= img.height / 2 if answer == "top" else y0 >= img.height / 2
         checked += 1
-    assert checked == 144
+    assert checked == 96
 
 
 def test_dataset_build_is_deterministic(
@@ -118,7 +153,8 @@ def test_dataset_build_is_deterministic(
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
     other = demo_data.ensure_demo_dataset()
     assert other != data_dir
-    for name in ("train.jsonl", "eval.jsonl", "dataset_info.json", "images/train-00003.png"):
+    clip = next(r["videos"][0] for r in _rows(data_dir / "train.jsonl") if r["videos"])
+    for name in ("train.jsonl", "eval.jsonl", "dataset_info.json", "images/train-00003.png", clip):
         assert (other / name).read_bytes() == (data_dir / name).read_bytes(), name
 
 
@@ -220,7 +256,7 @@ def test_interrupted_build_is_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
-    parent = tmp_path / "demo-v1"
+    parent = tmp_path / demo_data.VERSION
     # A build killed half-way leaves only its temp dir; it must neither count as the dataset nor block.
     dead = parent / ".data.tmp-killed"
     dead.mkdir(parents=True)
@@ -262,4 +298,4 @@ def test_concurrent_builders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert len(set(results)) == 1
     assert len(_rows(results[0] / "train.jsonl")) == 192
     # Losers discard their temp dirs; only the published dataset remains.
-    assert [p.name for p in (tmp_path / "demo-v1").iterdir()] == ["data"]
+    assert [p.name for p in (tmp_path / demo_data.VERSION).iterdir()] == ["data"]

@@ -175,6 +175,9 @@ class PreprocessedSampleCollator:
     def _key(self, example: dict[str, Any]) -> str:
         videos = getattr(self.padded, "videos", None)  # data.collate.VideoCollator: frames by these settings
         settings = [videos.sampling.key()] if videos is not None and example.get("videos") else []
+        if settings:  # and what the processor makes of the frames: Qwen2.5-VL's adds second_per_grid_ts
+            processor = self.padded.processor  # where Qwen2-VL's, same image settings, does not
+            settings += [type(processor).__name__, processor.video_processor.to_json_string()]
         return content_digest(*row_parts(example), *settings)
 
 

@@ -3,7 +3,7 @@
 Recipes name ``demo:tiny-qwen2-vl`` as their model and ``demo:train`` / ``demo:eval`` as their data, so
 every recipe runs end to end on a laptop CPU without a model hub. Each model is built by its family's
 ``build_tiny`` on first use, deterministically (fixed seeds, no network), and cached under
-``cache_dir() / "demo-v1"``; later calls only check that the files are there.
+``cache_dir() / VERSION``; later calls only check that the files are there.
 """
 
 from __future__ import annotations

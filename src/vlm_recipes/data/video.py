@@ -150,6 +150,12 @@ def plan_frames(header: VideoHeader, sampling: VideoSampling, factor: int) -> Fr
         min_pixels=sampling.min_pixels,
         max_pixels=min(sampling.max_pixels, ceiling),
     )
+    if not height or not width:  # smart_resize floors a side shorter than `factor` to 0
+        raise VideoError(
+            f"{header.width}x{header.height} px frames shrink to {width}x{height} px within "
+            f"{min(sampling.max_pixels, ceiling):.0f} pixels a frame (sides are multiples of {factor} px): "
+            "raise data.video_max_pixels"
+        )
     return FramePlan(tuple(indices), header.frames, header.fps, height, width)
 
 

@@ -148,12 +148,12 @@ class DataSettings:
         range=AT_LEAST_1,
     )
     # Video rows (the Qwen line): frames taken and sized by qwen-vl-utils' rules (data/video.py). The
-    # defaults fit a 7B model with LoRA or QLoRA on a 24 GB GPU: at most 64 frames of 256x256 px, i.e.
-    # 32 x 81 = 2592 video tokens on Qwen2-VL (README: Video and several images).
+    # defaults fit a 7B model with LoRA or QLoRA on a 24 GB GPU and data.max_length 2048: at most 32 frames
+    # of 256x256 px, i.e. 16 x 81 = 1296 video tokens on Qwen2-VL (README: Videos and several images).
     video_fps: float = doc("frames taken per second of video (qwen-vl-utils' fps)", 2.0, range=ABOVE_0)
     max_frames: int = doc(
         "most frames taken from one video (an even count; a folder of frames counts as a video)",
-        64,
+        32,
         range=Range(2, why="two frames make one temporal patch"),
     )
     video_min_pixels: int = doc("lower bound on pixels per video frame", 3136, range=AT_LEAST_1)

@@ -1,0 +1,171 @@
+"""One synthetic demo sample at a time: the images (shapes, a nutrition label, a pair of shapes, a
+description grid) or the clip (a moving dot) and its question and answer, each readable off the pixels.
+data/demo_data.py assembles them into the demo datasets."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 160, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 200, 30),
+    "purple": (140, 60, 180),
+    "orange": (240, 130, 30),
+}
+# JSON key -> label line on the image; the dict order is the answer's key order.
+NUTRITION_LINES = {
+    "calories": "Calories {}",
+    "fat_g": "Fat {}g",
+    "carbs_g": "Carbs {}g",
+    "protein_g": "Protein {}g",
+    "sugar_g": "Sugar {}g",
+    "sodium_mg": "Sodium {}mg",
+}
+NUTRITION_QUESTION = "Extract the nutrition facts as JSON."
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, int], fill: tuple) -> None:
+    x0, y0, x1, y1 = box
+    if kind == "circle":
+        draw.ellipse(box, fill=fill)
+    elif kind == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+
+
+def shapes_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """One shapes image plus a question whose answer can only be read off the pixels."""
+    w, h = rng.randint(56, 112), rng.randint(56, 112)
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    kind = rng.choice(["colour", "count", "horizontal", "vertical"])
+    # Each shape gets its own cell of a 2x2 grid (or a half of the image), so shapes never overlap
+    # and "left"/"top" are unambiguous.
+    if kind == "count":
+        n = rng.randint(1, 4)
+        cells = rng.sample([(0, 0), (1, 0), (0, 1), (1, 1)], n)
+        regions = [(cx * w // 2, cy * h // 2, (cx + 1) * w // 2, (cy + 1) * h // 2) for cx, cy in cells]
+    elif kind == "horizontal":
+        side = rng.choice(["left", "right"])
+        regions = [(0, 0, w // 2, h) if side == "left" else (w - w // 2, 0, w, h)]
+    elif kind == "vertical":
+        side = rng.choice(["top", "bottom"])
+        regions = [(0, 0, w, h // 2) if side == "top" else (0, h - h // 2, w, h)]
+    else:
+        regions = [(0, 0, w, h)]
+    colours = [rng.choice(list(COLOURS)) for _ in regions]
+    for (rx0, ry0, rx1, ry1), colour in zip(regions, colours, strict=True):
+        size = rng.randint(10, min(rx1 - rx0, ry1 - ry0) - 6)
+        x0, y0 = rng.randint(rx0 + 3, rx1 - 3 - size), rng.randint(ry0 + 3, ry1 - 3 - size)
+        shape = rng.choice(["circle", "square", "triangle"])
+        draw_shape(draw, shape, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
+    if kind == "colour":
+        return img, "What colour is the shape?", colours[0]
+    if kind == "count":
+        return img, "How many shapes are there?", str(len(regions))
+    if kind == "horizontal":
+        return img, "Is the shape on the left or the right?", side
+    return img, "Is the shape at the top or the bottom?", side
+
+
+def nutrition_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """A rendered nutrition-facts label; the answer is its values as compact JSON in fixed key order."""
+    carbs = rng.randint(0, 80)
+    values = (
+        rng.randrange(40, 650, 10),
+        rng.randint(0, 35),
+        carbs,
+        rng.randint(0, 40),
+        rng.randint(0, carbs),
+    )
+    facts = dict(zip(NUTRITION_LINES, (*values, rng.randrange(0, 900, 5)), strict=True))
+    img = Image.new("RGB", (112, 140), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default()  # bundled with Pillow: no font files needed
+    draw.text((6, 4), "Nutrition Facts", fill=(0, 0, 0), font=font)
+    draw.line((6, 18, 106, 18), fill=(0, 0, 0), width=2)
+    for i, (key, line) in enumerate(NUTRITION_LINES.items()):
+        draw.text((6, 24 + 18 * i), line.format(facts[key]), fill=(0, 0, 0), font=font)
+    return img, NUTRITION_QUESTION, json.dumps(facts, separators=(",", ":"))
+
+
+def pair_sample(rng: random.Random) -> tuple[list[Image.Image], str, str]:
+    """Two images of one shape each; the answer is whether their colours are the same."""
+    same = rng.random() < 0.5
+    first = rng.choice(list(COLOURS))
+    second = first if same else rng.choice([c for c in COLOURS if c != first])
+    images = []
+    for colour in (first, second):
+        w, h = rng.randint(56, 84), rng.randint(56, 84)
+        img = Image.new("RGB", (w, h), (255, 255, 255))
+        size = rng.randint(20, min(w, h) - 8)
+        x0, y0 = rng.randint(4, w - 4 - size), rng.randint(4, h - 4 - size)
+        draw_shape(
+            ImageDraw.Draw(img),
+            rng.choice(["circle", "square", "triangle"]),
+            (x0, y0, x0 + size, y0 + size),
+            COLOURS[colour],
+        )
+        images.append(img)
+    return images, "Are the two shapes the same colour?", "yes" if same else "no"
+
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+CLIP_FRAMES, CLIP_FPS, CLIP_SIZE = 8, 4, 64  # 2 s of 64x64 px: 4 frames at data.video_fps 2
+
+
+def motion_sample(rng: random.Random) -> tuple[list, str, str]:
+    """A clip (frames as RGB arrays) of a dot crossing the frame; the answer is its direction."""
+    import numpy as np
+
+    direction = rng.choice(list(DIRECTIONS))
+    dx, dy = DIRECTIONS[direction]
+    colour = COLOURS[rng.choice(list(COLOURS))]
+    step, dot = 5, 10
+    span = step * (CLIP_FRAMES - 1)
+    x = rng.randint(4, CLIP_SIZE - 4 - dot) if dx == 0 else (4 if dx > 0 else CLIP_SIZE - 4 - dot)
+    y = rng.randint(4, CLIP_SIZE - 4 - dot) if dy == 0 else (4 if dy > 0 else CLIP_SIZE - 4 - dot)
+    frames = []
+    for i in range(CLIP_FRAMES):
+        frame = np.full((CLIP_SIZE, CLIP_SIZE, 3), 255, np.uint8)
+        fx, fy = x + dx * step * i, y + dy * step * i
+        frame[fy : fy + dot, fx : fx + dot] = colour
+        frames.append(frame)
+    assert span + dot + 8 <= CLIP_SIZE
+    return frames, "Which way does the dot move?", direction
+
+
+def write_clip(path: Path, frames: list, fps: int = CLIP_FPS) -> None:
+    """An H.264 MP4 of RGB frames, with PyAV (FFmpeg comes in its wheel); the same frames, the same bytes."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+
+
+POSITIONS = {(0, 0): "top left", (1, 0): "top right", (0, 1): "bottom left", (1, 1): "bottom right"}
+
+
+def describe_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """1-4 shapes in the cells of a 2x2 grid; the answer names each one: answers of 6 to ~40 tokens."""
+    w, h = 112, 112
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    parts = []
+    for cx, cy in sorted(rng.sample(list(POSITIONS), rng.randint(1, 4)), key=lambda c: (c[1], c[0])):
+        colour, shape = rng.choice(list(COLOURS)), rng.choice(["circle", "square", "triangle"])
+        x0, y0 = cx * 56 + rng.randint(4, 20), cy * 56 + rng.randint(4, 20)
+        draw_shape(draw, shape, (x0, y0, x0 + 30, y0 + 30), COLOURS[colour])
+        parts.append(f"a {colour} {shape} at the {POSITIONS[(cx, cy)]}")
+    return img, "Describe every shape and where it is.", "There is " + ", ".join(parts) + "."
