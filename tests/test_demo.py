@@ -90,6 +90,8 @@ def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
                 assert list(facts) == ["calories", "fat_g", "carbs_g", "protein_g", "sugar_g", "sodium_mg"]
                 assert all(isinstance(v, int) for v in facts.values())
                 assert facts["sugar_g"] <= facts["carbs_g"]
+        # quick runs (data.max_train_samples=4 and up) see every kind of sample
+        assert {r["task"] for r in rows[:4]} == {"shapes", "nutrition", "pair", "motion"}
         without_video = _rows(data_dir / f"{split}-images.jsonl")
         assert without_video == [r for r in rows if r["task"] != "motion"]
 
@@ -192,7 +194,7 @@ def test_forward_and_generate(model_dir: Path, data_dir: Path, processor) -> Non
     from transformers import Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
-    row = _rows(data_dir / "train.jsonl")[0]
+    row = next(r for r in _rows(data_dir / "train.jsonl") if r["task"] == "shapes")
     batch = processor.apply_chat_template(
         _with_image(row, data_dir), tokenize=True, return_dict=True, return_tensors="pt"
     )
