@@ -95,7 +95,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
     counted = []
     real_count = lengths._count_tokens
     monkeypatch.setattr(
-        lengths, "_count_tokens", lambda ds, p, f: counted.append(len(ds)) or real_count(ds, p, f)
+        lengths, "_count_tokens", lambda ds, p, f, v: counted.append(len(ds)) or real_count(ds, p, f, v)
     )
     processor = load_processor(str(demo_model_dir), DataSettings(), QWEN2_VL)
 

@@ -75,7 +75,12 @@ def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
         assert len(rows) == n == info["splits"][split]["rows"]
         assert [r["id"] for r in rows] == [f"{split}-{i:05d}" for i in range(n)]
         counts = {t: sum(r["task"] == t for r in rows) for t in ("shapes", "nutrition", "pair", "motion")}
-        expected = {"shapes": n - n // 4 - 2 * (n // 8), "nutrition": n // 4, "pair": n // 8, "motion": n // 8}
+        expected = {
+            "shapes": n - n // 4 - 2 * (n // 8),
+            "nutrition": n // 4,
+            "pair": n // 8,
+            "motion": n // 8,
+        }
         assert counts == info["splits"][split]["tasks"] == expected
         images, videos = {"pair": 2, "motion": 0}, {"motion": 1}
         for r in rows:

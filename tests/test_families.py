@@ -8,6 +8,7 @@ in tests/test_speedups.py and tests/test_flops.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -541,3 +542,6 @@ def test_seed_recipe_runs_end_to_end(tiny_family, recipe, tmp_path):
         assert stage["steps"] == 2 and stage["eval_loss"] is not None
         assert read_json(Path(stage["dir"]) / "report.json")["family"] == family.name
         assert_stage_trained_its_roles(stage, recipe_stage, family)
+        # the demo's first rows hold a two-image row and, for a family that takes video, a video row
+        tasks = {json.loads(line)["task"] for line in (Path(stage["dir"]) / "predictions.jsonl").open()}
+        assert tasks == {"pair", "nutrition", "shapes", *(["motion"] if family.takes_video else [])}

@@ -167,8 +167,22 @@ def test_predict_script_answers_an_image_and_scores_a_file(sweep, capsys, tmp_pa
         predict_main(["--model", str(run), "--data", "demo:eval", "--max-samples", "3", "--output", str(out)])
         == 0
     )
-    assert "exact match" in capsys.readouterr().out and len(out.read_text().splitlines()) == 3
+    assert "exact match" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and "motion" in {r["task"] for r in records}  # a video row, answered
     assert predict_main(["--model", str(run), "--image", "missing.png", "--prompt", "x"]) == 2
+
+    clip = next((ensure_demo_dataset() / "videos").glob("*.mp4"))
+    ask = ["--model", str(run), "--prompt", "Which way does the dot move?", "--max-new-tokens", "3"]
+    capsys.readouterr()
+    assert predict_main([*ask, "--video", str(clip)]) == 0 and capsys.readouterr().out.strip()
+    assert predict_main([*ask, "--video", str(clip), "--image", str(image)]) == 0  # both at once
+    assert predict_main([*ask, "--video", "missing.mp4"]) == 2
+    assert "not found: missing.mp4" in capsys.readouterr().err
+    broken = tmp_path / "broken.mp4"
+    broken.write_text("not a video")
+    assert predict_main([*ask, "--video", str(broken)]) == 2
+    assert "not a readable video" in capsys.readouterr().err
 
 
 def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):

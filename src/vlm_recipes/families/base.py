@@ -156,6 +156,11 @@ class Family:
             counts.append((len(text_ids) - len(image_sizes), image_tokens))
         return counts
 
+    @property
+    def takes_video(self) -> bool:
+        """Whether rows with videos can be trained on (the family says how: `video_frame_factor`)."""
+        return type(self).video_frame_factor is not Family.video_frame_factor
+
     def video_frame_factor(self, processor) -> int | None:
         """Video frame sides are resized to multiples of this many pixels (patch size x merge size); None:
         the family takes no video, and a row with one is refused at the data check."""

@@ -121,7 +121,7 @@ def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
     sampling = VideoSampling.from_settings(stage.data)
     factor = family.video_frame_factor(processor)
     if factor is None:
-        takes = [f.name for f in FAMILIES if type(f).video_frame_factor is not Family.video_frame_factor]
+        takes = [f.name for f in FAMILIES if f.takes_video]
         why = f"{family.name} takes no video here (the families that do: {', '.join(takes)})"
         return VideoRules(sampling, None, why)
     if stage.method != "sft":
