@@ -102,3 +102,14 @@ def run_train(
         env = {**(env if env is not None else os.environ), "VLM_RECIPES_FAULT": fault}
         command = TRAIN_WITH_FAULT
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def single_image_demo_rows(n: int | None = None):
+    """The demo train split's one-image rows (tasks shapes and nutrition), loaded as load_split loads them
+    (images decodable). Tests of image mechanics use these; two-image and video rows have their own."""
+    from vlm_recipes.data.demo_data import ensure_demo_dataset
+    from vlm_recipes.data.rows import load_split
+
+    ds, _ = load_split(str(ensure_demo_dataset() / "train-images.jsonl"), "train", None)
+    keep = [i for i, task in enumerate(ds["task"]) if task in ("shapes", "nutrition")]
+    return ds.select(keep[:n] if n else keep)

@@ -7,13 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import model_inputs
+from conftest import model_inputs, single_image_demo_rows
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlm_recipes.data.demo_data import ensure_demo_dataset
 from vlm_recipes.data.lengths import sample_token_counts
-from vlm_recipes.data.rows import load_split, undecoded
+from vlm_recipes.data.rows import undecoded
 from vlm_recipes.evaluation.flops import flop_coefficients, flops_per_sample, matmul_params_by_role
 from vlm_recipes.families.base import VisionGeometry
 
@@ -58,7 +57,7 @@ def test_formula_matches_torchs_flop_count(tiny_family, mode):
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     model.requires_grad_(mode == "full")
     processor = AutoProcessor.from_pretrained(model_dir)
-    ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
+    ds = single_image_demo_rows(1)
     row = ds[0]
     [counts] = sample_token_counts(undecoded(ds.select([0])), processor, family)
     inputs = model_inputs(processor, [row])
@@ -90,7 +89,7 @@ def test_vision_tower_forward_is_counted_exactly_windows_included(tiny_family):
     family, model_dir = tiny_family
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
-    rows = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", 4)[0]
+    rows = single_image_demo_rows(4)
     inputs = model_inputs(processor, [dict(r) for r in rows])
     geometry = family.vision_geometry(model.config)
     params = matmul_params_by_role(model, family)

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import model_inputs
+from conftest import model_inputs, single_image_demo_rows
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -22,8 +22,7 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.caches import PreprocessedSampleCollator
 from vlm_recipes.cli.train import main
-from vlm_recipes.data.demo_data import ensure_demo_dataset
-from vlm_recipes.data.rows import load_split, undecoded
+from vlm_recipes.data.rows import undecoded
 from vlm_recipes.files import cache_dir
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.speedups import packing
@@ -51,7 +50,7 @@ def tiny(tiny_family):
 @pytest.fixture(scope="module")
 def rows():
     """Rows of different lengths, one of them a long answer, and one text-only row."""
-    ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
+    ds = single_image_demo_rows(6)
     picked = [dict(ds[i]) for i in range(6)]
     text_only = {
         "messages": [
@@ -376,8 +375,7 @@ def test_preprocessed_samples_assemble_to_exactly_the_collators_batch(tiny, rows
     _, processor = tiny
     padded = padded_collator(processor)
     expected = padded([dict(r) for r in rows])
-    ds, _ = load_split(str(ensure_demo_dataset() / "train.jsonl"), "train", None)
-    files = [dict(r) for r in undecoded(ds.select(range(6)))]
+    files = [dict(r) for r in undecoded(single_image_demo_rows(6))]
     as_stored = files[:2] + [rows[2]] + files[2:]  # images as file references, the text-only row as is
     cached = PreprocessedSampleCollator(padded, tmp_path)
     for attempt in ("cold", "warm"):

@@ -78,14 +78,17 @@ class VisionFeatureCache:
         return self
 
     def _cached(self, compute):
-        # generate() passes the encoder's inputs by the names in its signature: show the model's own
-        second = list(inspect.signature(compute).parameters)[1]
+        # generate() passes the encoder's inputs by the names in its signature (`pixel_values_videos`, ...):
+        # show the model's own, and take the first two arguments by position or by those names
+        first, second = list(inspect.signature(compute).parameters)[:2]
 
         @functools.wraps(compute)
-        def features(pixel_values, grids=None, **kwargs):
-            if grids is None:  # the second argument: Qwen's grids, SmolVLM's pixel attention mask
-                grids = kwargs.pop(second, None)
-            return self.features(compute, pixel_values, grids, **kwargs)
+        def features(*args, **kwargs):
+            args = list(args)
+            pixel_values = args.pop(0) if args else kwargs.pop(first)
+            # the second argument: Qwen's grids, SmolVLM's pixel attention mask
+            grids = args.pop(0) if args else kwargs.pop(second, None)
+            return self.features(compute, pixel_values, grids, *args, **kwargs)
 
         return features
 
@@ -98,13 +101,13 @@ class VisionFeatureCache:
             "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
         }
 
-    def features(self, compute, pixel_values, grids, **kwargs):
+    def features(self, compute, pixel_values, grids, *args, **kwargs):
         """What `compute` (the model's own encoder method) returns for these images or videos, each one read
         from the cache or computed (all misses in one call) and stored. A video's key is its frames' pixels
         and grid, as an image's is: the tower computes the same from the same input either way."""
         units = self.family.image_units(pixel_values, grids)
         if not units:
-            return compute(pixel_values, grids, **kwargs)
+            return compute(pixel_values, grids, *args, **kwargs)
         autocast = self._autocast_dtype(pixel_values.device.type)
         keys = [self._key(pixels, grid, autocast) for pixels, grid in units]
         features = [self._load(key, pixel_values.device) for key in keys]
