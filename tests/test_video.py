@@ -241,6 +241,16 @@ def test_bad_videos_are_refused_at_the_data_check(media, tmp_path):
     (tmp_path / "no-frames").mkdir()
     (tmp_path / "no-frames" / "notes.txt").write_text("frames come later")
     (tmp_path / "ok.mp4").write_bytes((media / "short.mp4").read_bytes())
+    # index first (faststart), then cut in half: the header still counts every frame
+    with av.open(str(tmp_path / "whole.mp4"), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for seed in range(12):
+            noise = np.random.default_rng(seed).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(noise, format="rgb24")))
+        container.mux(stream.encode())
+    whole = (tmp_path / "whole.mp4").read_bytes()
+    (tmp_path / "cut.mp4").write_bytes(whole[: len(whole) // 2])
     one_video_part = row(["ok.mp4"])
     cases = [  # row, expected "reason: detail" after "train.jsonl:line N: "
         (row(["gone.mp4"]), f"video not found: {tmp_path / 'gone.mp4'}"),
@@ -248,6 +258,10 @@ def test_bad_videos_are_refused_at_the_data_check(media, tmp_path):
         (row(["text.mp4"]), f"unreadable video: {tmp_path / 'text.mp4'}: not a readable video"),
         (row(["noise.mp4"]), f"unreadable video: {tmp_path / 'noise.mp4'}: not a readable video"),
         (row(["no-frames"]), f"unreadable video: {tmp_path / 'no-frames'}: the folder holds no frame images"),
+        (
+            row(["cut.mp4"]),
+            f"unreadable video: {tmp_path / 'cut.mp4'}: cut short: the header counts 12 frames",
+        ),
         ({**one_video_part, "videos": []}, "video count mismatch: 1 video parts in messages but 0 videos"),
         (
             {**one_video_part, "videos": ["ok.mp4", "ok.mp4"]},
@@ -267,7 +281,7 @@ def test_bad_videos_are_refused_at_the_data_check(media, tmp_path):
     # under `skip`, only the good row stays, its video path resolved
     ds, skipped = load_split(str(data), "train", None, on_bad_sample="skip", video=rules)
     assert ds["videos"] == [[str(tmp_path / "ok.mp4")]]
-    assert skipped == {"video not found": 1, "unreadable video": 4, "video count mismatch": 2}
+    assert skipped == {"video not found": 1, "unreadable video": 5, "video count mismatch": 2}
 
 
 def test_video_rows_where_videos_are_not_taken_are_refused(media, tmp_path):

@@ -31,8 +31,14 @@ def sample_token_counts(
         ds.select_columns(columns),
         processor,
         lambda: _count_tokens(ds, processor, family, video),
-        video.key() if video is not None and "videos" in columns else "",
+        _video_settings(processor, video) if video is not None and "videos" in columns else "",
     )
+
+
+def _video_settings(processor, video: VideoSampling) -> str:
+    """What a video's count depends on besides the rows and the image processor: the frame sampling, and
+    the processor's video side (its patch sizes; Qwen3-VL's time text)."""
+    return f"{video.key()} {type(processor).__name__} {processor.video_processor.to_json_string()}"
 
 
 def _count_tokens(

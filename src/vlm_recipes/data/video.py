@@ -118,7 +118,13 @@ def read_header(path: Path, sampling: VideoSampling) -> VideoHeader:
             if not container.streams.video:
                 raise VideoError(f"{path}: the file has no video stream")
             stream = container.streams.video[0]
-            frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            # every packet is read (not decoded): a file cut short still has a header counting every frame
+            packets = sum(1 for packet in container.demux(stream) if packet.size)
+            if stream.frames and packets < stream.frames:
+                raise VideoError(
+                    f"{path}: cut short: the header counts {stream.frames} frames, the file holds {packets}"
+                )
+            frames = stream.frames or packets
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             height, width = stream.codec_context.height, stream.codec_context.width
     except av.FFmpegError as exc:
