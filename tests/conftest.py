@@ -113,3 +113,22 @@ def single_image_demo_rows(n: int | None = None):
     ds, _ = load_split(str(ensure_demo_dataset() / "train-images.jsonl"), "train", None)
     keep = [i for i, task in enumerate(ds["task"]) if task in ("shapes", "nutrition")]
     return ds.select(keep[:n] if n else keep)
+
+
+def single_image_demo_file(directory: Path, split: str = "train") -> Path:
+    """A JSONL of the demo split's one-image rows, image paths made absolute: data for a speed-up a family
+    refuses on samples of several images (LLaVA-OneVision's feature cache)."""
+    import json
+
+    from vlm_recipes.data.demo_data import ensure_demo_dataset
+
+    root = ensure_demo_dataset()
+    rows = [json.loads(line) for line in (root / f"{split}-images.jsonl").read_text().splitlines()]
+    kept = [
+        {**row, "images": [str(root / p) for p in row["images"]]}
+        for row in rows
+        if row["task"] in ("shapes", "nutrition")
+    ]
+    path = directory / f"{split}-one-image.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    return path

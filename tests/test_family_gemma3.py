@@ -99,10 +99,10 @@ def test_image_tokens_are_marked_for_bidirectional_attention_in_training_batches
     collator = DataCollatorForVisionLanguageModeling(
         processor, assistant_only_loss=True, chat_template=get_training_chat_template(processor)
     )
-    rows = [dict(r) for r in load_split("demo:train", "train", 2)[0]]
+    rows = [dict(r) for r in load_split("demo:train", "train", 2)[0]][::-1]  # one image, then two (pair)
     batch = collator(rows)
     is_image = batch["input_ids"] == processor.tokenizer.image_token_id
-    assert torch.equal(batch["token_type_ids"].bool(), is_image) and is_image.sum(1).tolist() == [4, 4]
+    assert torch.equal(batch["token_type_ids"].bool(), is_image) and is_image.sum(1).tolist() == [4, 8]
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     first = is_image[0].nonzero()[0].item()
     inputs = {k: v[:1] for k, v in batch.items() if k != "labels"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS, model_inputs
+from conftest import TINY_MODELS, model_inputs, single_image_demo_file
 from PIL import Image
 from test_families import (
     assert_r3_trains_packed_with_the_feature_cache,
@@ -152,7 +152,9 @@ def test_feature_cache_refuses_a_sample_of_several_images(model_dir, tmp_path):
 
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
-    assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, LLAVA_ONEVISION)
+    # the cache is refused on samples of several images (the demo's pair task): one-image rows
+    data = [f"data.{split}={single_image_demo_file(tmp_path, split)}" for split in ("train", "eval")]
+    assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, LLAVA_ONEVISION, *data)
 
 
 def test_feature_cache_on_data_with_several_images_a_sample_is_refused_at_the_data_check(tmp_path, capsys):
