@@ -85,6 +85,9 @@ def test_seed_recipe_trains_exactly_its_roles(seed_runs, recipe):
         metrics = read_json(stage_dir / "metrics.json")
         assert metrics["loss_curve"] and all(p["loss"] > 0 for p in metrics["loss_curve"])
         assert_stage_trained_what_it_should(stage, recipe_stage)
+        # the demo's first eval rows: a video row and a two-image row among them, answered
+        tasks = {json.loads(line)["task"] for line in (stage_dir / "predictions.jsonl").open()}
+        assert {"motion", "pair"} <= tasks
         dtypes = read_json(stage_dir / "report.json")["dtypes_after_training"]
         assert set(dtypes["trainable"]) == {"fp32"}, (
             "trainable weights keep fp32 masters (LoRA: fp32 adapters)"
