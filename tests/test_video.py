@@ -417,8 +417,6 @@ def test_preprocessed_cache_stores_video_rows(qwen, media, tmp_path):
     tensor. Other video settings: the video rows are made afresh, the others read back."""
     family, _, processor = qwen
     ds, rows = load_rows(media, family, processor)
-    # both collators first: TRL's training template for Qwen3-VL resets the tokenizer's padding state,
-    # which the cache directory's digest includes (the stage builds its one collator before any batch)
     collator = video_collator(family, processor)
     other = VideoSampling(SAMPLING.fps, 4, SAMPLING.min_pixels, SAMPLING.max_pixels)
     other_collator = video_collator(family, processor, other)

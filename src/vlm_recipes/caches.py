@@ -77,9 +77,20 @@ def processor_digest(processor, chat_template: str | None = None) -> str:
     return content_digest(
         processor.image_processor.to_json_string(),
         str(chat_template or processor.chat_template),
-        processor.tokenizer.backend_tokenizer.to_str(),
+        _tokenizer_without_state(processor.tokenizer.backend_tokenizer),
         *([json.dumps(own, sort_keys=True, default=str)] if own else []),
     )
+
+
+def _tokenizer_without_state(tokenizer) -> str:
+    """The tokenizer as JSON without its padding and truncation state, which a padded call sets and TRL's
+    training template resets: the same tokenizer must give the same digest whatever it did last."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy.to_str()
 
 
 def image_identity(image) -> bytes:
