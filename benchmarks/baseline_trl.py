@@ -1,17 +1,18 @@
 """The script a user would write by hand, the way TRL's own VLM SFT example does it: load the model and
 processor, freeze, SFTTrainer with a peft_config, train, save. The benchmark's baseline.
 
-    python benchmarks/baseline_trl.py --stage llm-lora --model DIR --data FILE.jsonl --steps 30 --out r.json
+    python benchmarks/baseline_trl.py --stage llm-lora --model DIR --data FILE.jsonl --epochs 1 --out r.json
 
 Same model, data, seed and SFTConfig numbers as the vlm-recipes stage it is compared with. Only the
-step timer (a TrainerCallback that reads the clock) is shared with vlm-recipes.
+step timer (a TrainerCallback that reads the clock) is shared with vlm-recipes. The process's peak RSS is
+measured by whoever runs it (scripts/benchmark.py: the whole process, as for vlm-recipes); the GPU peak is
+read over the same window as vlm-recipes reads it: reset before training, read after evaluating.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import tempfile
 
@@ -24,28 +25,33 @@ from trl import SFTConfig, SFTTrainer
 from vlm_recipes.evaluation.timing import StepTimer
 
 
-def load_data(path: str) -> datasets.Dataset:
+def load_data(path: str, rows: int) -> datasets.Dataset:
+    """The first `rows` rows, images decoded by `datasets.Image` as TRL's examples load them."""
     from pathlib import Path
 
     root = Path(path).parent
     ds = datasets.load_dataset("json", data_files=path, split="train")
+    ds = ds.select(range(min(rows, len(ds))))
     ds = ds.map(lambda row: {"images": [str(root / p) for p in row["images"]]})
     return ds.cast_column("images", datasets.List(datasets.Image())).select_columns(["messages", "images"])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", choices=["llm-lora", "vision-full"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rows", type=int, help="train on the first N rows (default: all)")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=-1, help="stop after N steps (default: --epochs)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument(
         "--eval-rows", type=int, default=32, help="eval loss on the first N rows (the loss check)"
     )
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     peft_config = None
@@ -80,6 +86,7 @@ def main() -> None:
 
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="vlm-recipes-baseline-"),
+        num_train_epochs=args.epochs,
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -91,8 +98,8 @@ def main() -> None:
         report_to="none",
         bf16=args.bf16,
         use_cpu=not torch.cuda.is_available(),
-        seed=0,
-        data_seed=0,
+        seed=args.seed,
+        data_seed=args.seed,
         max_length=None,
         assistant_only_loss=True,
         remove_unused_columns=False,
@@ -101,16 +108,18 @@ def main() -> None:
         gradient_checkpointing=False,  # TRL's default is True; the recipes' stages train without it
     )
     timer = StepTimer()
-    data = load_data(args.data)
+    rows = args.rows or sum(1 for _ in open(args.data))
     trainer = SFTTrainer(
         model=model,
         args=config,
-        train_dataset=data,
-        eval_dataset=data.select(range(args.eval_rows)),
+        train_dataset=load_data(args.data, rows),
+        eval_dataset=load_data(args.data, args.eval_rows),
         processing_class=processor,
         peft_config=peft_config,
         callbacks=[timer],
     )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # as vlm-recipes does before training
     output = trainer.train()
     # bitsandbytes 0.50 repacks 4-bit weights for CPU inference on AVX512-BF16 CPUs and then fails on them
     # (`shape '[512, 21]' is invalid`): without this line a plain QLoRA script crashes at evaluation here.
@@ -118,6 +127,10 @@ def main() -> None:
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
     eval_loss = trainer.evaluate()["eval_loss"]
+    gpu_peaks = {}
+    if torch.cuda.is_available():  # as vlm-recipes reads them: after evaluating, before saving
+        gpu_peaks["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        gpu_peaks["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     trainer.save_model(config.output_dir)  # as TRL's examples/scripts/sft_vlm.py ends
     curve = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     losses = list(curve.values())
@@ -128,12 +141,9 @@ def main() -> None:
         "final_loss": losses[-1] if losses else None,
         "loss_curve": curve,
         "eval_loss": eval_loss,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        **gpu_peaks,
         **timer.summary(),
     }
-    if torch.cuda.is_available():
-        result["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        result["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     shutil.rmtree(config.output_dir)

@@ -1,14 +1,26 @@
 #!/usr/bin/env python
-"""Benchmark vlm-recipes against a plain TRL script: same stage, model, data, seed and SFTConfig.
+"""Benchmark vlm-recipes against a plain TRL script, in the scenarios a user runs.
 
-    python scripts/benchmark.py [--stages llm-lora,vision-full] [--steps 30] [--repeats 3] [--threads 2]
-    python scripts/benchmark.py --model demo:qwen2-vl-2b-shaped --speedups    # on a GPU: real dimensions
+    python scripts/benchmark.py                          # both stages, every scenario -> benchmark.json
+    python scripts/benchmark.py --stages llm-lora --scenarios first-epoch --repeats 3
+    python scripts/benchmark.py --readme benchmarks/results/cpu-2-cores.json   # README's tables from a file
+    python scripts/benchmark.py --model demo:qwen2-vl-2b-shaped                # on a GPU: real dimensions
 
-Each run is a fresh process (imports and model loading count, peak memory is per run). Runs alternate
-between the two ways after a warm-up pair, and the medians are compared as ours / baseline. The model is
-the bench model (demo:bench-qwen2-vl, ~16M parameters, random weights) unless --model names another, and
-the data has widely varying image sizes and answer lengths (demo:bench). Throughput is also given in model
-TFLOP/s, and as MFU where the device's peak is known (the formula is printed with the table).
+Scenarios, each a row of the table. No run warms up the caches a measured run reads:
+- first-epoch: one epoch on empty caches (token counts included), seed 0: every seed recipe's first run.
+- second-seed: one epoch with seed 1 over the same data, reading the caches first-epoch's run left: the
+  next seed, recipe or run over the same data.
+- three-epochs: three epochs, caches empty at the start (they fill during the first).
+
+Ways: plain TRL (`benchmarks/baseline_trl.py`, the script one writes by hand), vlm-recipes with its speed-ups
+off (first-epoch only: the runner's own overhead, computing what TRL computes), and vlm-recipes with them on.
+Every run is a fresh process, and both ways are measured over the same window and the same work: wall time
+and peak RSS are the whole process's (`os.wait4`), samples/s is samples trained / the training loop's
+runtime, the GPU peak (on a GPU) is reset before training and read after evaluating, on both sides. The
+eval loss (the first 32 rows, after training) is the loss check. Model TFLOP/s counts the FLOPs actually
+run: where the vision feature cache answered, the tower's and projector's are left out.
+
+Within a repeat the ways alternate in order; medians over repeats are compared as ours / TRL.
 """
 
 from __future__ import annotations
@@ -16,35 +28,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {"llm-lora": "bench-llm-lora.yaml", "vision-full": "bench-vision-full.yaml"}
-ROWS = [  # (label, key, higher is better)
-    ("samples/s", "samples_per_s", True),
-    ("text tokens/s", "text_tokens_per_s", True),
-    ("image tokens/s", "image_tokens_per_s", True),
-    ("step time median s", "step_time_median_s", False),
-    ("step time p90 s", "step_time_p90_s", False),
-    ("time to first step s", "time_to_first_step_s", False),
-    ("total wall time s", "wall_s", False),
-    ("model TFLOP/s", "model_tflops_per_s", True),
-    ("MFU", "mfu", True),
-    ("peak RSS GB", "peak_rss_gb", False),
-    ("peak GPU allocated GB", "peak_gpu_allocated_gb", False),
-    ("peak GPU reserved GB", "peak_gpu_reserved_gb", False),
-    ("loss after N steps", "final_loss", None),
-    ("loss curve vs TRL", "loss_curve_gap", None),  # max |ours - baseline| / baseline at logged steps
-    ("eval loss (32 rows)", "eval_loss", None),
-]
-# Each one switchable; --speedups measures them together. The feature cache only exists for a frozen tower.
-SPEEDUPS = {
+STAGE_TITLES = {"llm-lora": "r1 `llm-lora` (QLoRA)", "vision-full": "r2 `vision-full`"}
+SCENARIOS = {  # name: (epochs, seed, caches: "empty" or "left by first-epoch", title)
+    "first-epoch": (1, 0, "empty", "first epoch, empty caches"),
+    "second-seed": (1, 1, "first-epoch's", "another seed, caches from the first run"),
+    "three-epochs": (3, 0, "empty", "three epochs, caches empty at the start"),
+}
+BASELINE, OURS, SPEEDUPS_ON = "plain TRL", "vlm-recipes, speed-ups off", "vlm-recipes, speed-ups on"
+WAYS = [BASELINE, OURS, SPEEDUPS_ON]
+WAYS_OF = {"first-epoch": WAYS}  # the overhead check runs once
+SPEEDUPS = {  # each switchable; the feature cache only exists for a frozen tower
     "llm-lora": [
         "training.padding_free=true",
         "training.preprocessed_cache=true",
@@ -53,24 +57,49 @@ SPEEDUPS = {
     ],
     "vision-full": ["training.padding_free=true", "training.preprocessed_cache=true"],
 }
-# With the speed-ups off, ours computes what the baseline computes (the overhead check, losses step for
-# step): for the QLoRA stage that means LoRA adapters in bf16, as TRL casts them. The recipes' default keeps
-# fp32 master weights (the trainable-dtype guard), which the speed-up runs keep.
+# Speed-ups off, ours computes what TRL computes: for QLoRA that means LoRA adapters in bf16 as TRL casts
+# them. The speed-up runs keep the recipe default, fp32 adapters (the trainable-dtype guard).
 SAME_AS_BASELINE = {"llm-lora": ["training.trainable_dtype=compute"], "vision-full": []}
-COLD_CACHE = "ours+speedups cold"  # the caches emptied before every run: a first epoch
-WARM_CACHE = "ours+speedups"  # the caches the warm-up run filled: a later epoch, run or seed
+LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets")
+MEASURED = (  # what every run reports; summaries are medians of these
+    "wall_s",
+    "peak_rss_gb",
+    "peak_gpu_allocated_gb",
+    "train_runtime_s",
+    "samples_per_s",
+    "model_tflops_per_s",
+    "mfu",
+    "time_to_first_step_s",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "final_loss",
+    "eval_loss",
+)
+README_BEGIN, README_END = "<!-- benchmark table: begin -->", "<!-- benchmark table: end -->"
 
 
-def run_child(command: list[str], env: dict) -> None:
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"benchmark run failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-3000:]}")
+# --------------------------------------------------------------------------- running
 
 
-def run_ours(
-    stage: str, steps: int, batch: int, precision: str, model: Path, out: Path, env: dict, extra: list[str]
-) -> dict:
-    run_name = f"run-{time.time_ns()}"
+def run_process(command: list[str], env: dict) -> tuple[float, float]:
+    """Run a command to its end; its wall seconds and the whole process's peak RSS in GB."""
+    with tempfile.TemporaryFile() as output:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            output.seek(0)
+            tail = output.read()[-3000:].decode(errors="replace")
+            sys.exit(f"benchmark run failed ({process.returncode}): {' '.join(command)}\n{tail}")
+    return wall, usage.ru_maxrss / 2**20  # Linux: kilobytes
+
+
+def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: Path) -> dict:
+    """One vlm-recipes run, its caches in `caches`."""
+    epochs, seed, _, _ = SCENARIOS[scenario]
+    out = caches / "runs"
     command = [
         sys.executable,
         str(REPO / "scripts" / "train_recipe.py"),
@@ -79,64 +108,244 @@ def run_ours(
         "--output-dir",
         str(out),
         "--run-name",
-        run_name,
-        "--max-steps",
-        str(steps),
-        f"training.per_device_batch_size={batch}",
-        f"training.eval_batch_size={batch}",
-        f"precision={precision}",
-        f"model={model}",
+        f"{scenario}-{time.time_ns()}",
+        "--epochs",
+        str(epochs),
+        f"training.seed={seed}",
+        f"training.per_device_batch_size={setup['batch_size']}",
+        f"training.eval_batch_size={setup['batch_size']}",
+        f"precision={setup['precision']}",
+        f"model={setup['model']}",
+        f"data.train={setup['data']}",
+        f"data.eval={setup['data']}",
+        f"data.max_train_samples={setup['rows']}",
         *extra,
     ]
-    started = time.perf_counter()
-    run_child(command, env)
-    wall = time.perf_counter() - started
-    stage_dir = next((out / Path(RECIPES[stage]).stem / run_name).glob("stage-1-*"))
-    metrics = json.loads((stage_dir / "metrics.json").read_text())
+    wall, rss = run_process(command, cache_env(setup["env"], caches))
+    metrics = json.loads(next(out.glob(f"*/{command[7]}/stage-1-*/metrics.json")).read_text())
+    gpu = metrics["peak_memory"]
     return {
-        "way": "ours",
         "wall_s": wall,
-        "steps": metrics["steps"],
+        "peak_rss_gb": rss,
+        "peak_gpu_allocated_gb": gpu.get("allocated_gb"),
         "train_runtime_s": metrics["train_runtime_s"],
         "final_loss": metrics["final_train_loss"],
-        "loss_curve": {point["step"]: point["loss"] for point in metrics["loss_curve"]},
         "eval_loss": metrics.get("eval_loss"),
-        "peak_rss_gb": metrics["peak_memory"].get("rss_gb"),
-        "peak_gpu_allocated_gb": metrics["peak_memory"].get("allocated_gb"),
-        "peak_gpu_reserved_gb": metrics["peak_memory"].get("reserved_gb"),
+        "loss_curve": {point["step"]: point["loss"] for point in metrics["loss_curve"]},
+        "vision_fraction_computed": fraction_computed(metrics.get("vision_feature_cache")),
         **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
     }
 
 
-def run_baseline(
-    stage: str, steps: int, batch: int, precision: str, model: Path, data: Path, env: dict
-) -> dict:
+def fraction_computed(feature_cache: dict | None) -> float:
+    """The share of images whose features the tower computed in the training loop (1 without the cache)."""
+    if not feature_cache:
+        return 1.0
+    looked_up = feature_cache["in_training"]["hits"] + feature_cache["in_training"]["misses"]
+    return feature_cache["in_training"]["misses"] / looked_up if looked_up else 1.0
+
+
+def cache_env(env: dict, caches: Path) -> dict:
+    """Every cache a run fills (datasets' Arrow files; ours: token counts and the speed-ups') in `caches`."""
+    return {
+        **env,
+        "HF_DATASETS_CACHE": str(caches / "datasets"),
+        "VLM_RECIPES_CACHE": str(caches),
+        "VLM_RECIPES_SPEEDUP_CACHE": str(caches),
+    }
+
+
+def run_baseline(stage: str, scenario: str, setup: dict, caches: Path) -> dict:
+    epochs, seed, _, _ = SCENARIOS[scenario]
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         command = [
             sys.executable,
             str(REPO / "benchmarks" / "baseline_trl.py"),
-            "--stage",
-            stage,
-            "--model",
-            str(model),
-            "--data",
-            str(data),
-            "--steps",
-            str(steps),
-            "--batch-size",
-            str(batch),
-            "--out",
-            result.name,
-            *(["--bf16"] if precision == "bf16" else []),
+            f"--stage={stage}",
+            f"--model={setup['model']}",
+            f"--data={setup['data']}",
+            f"--rows={setup['rows']}",
+            f"--epochs={epochs}",
+            f"--seed={seed}",
+            f"--batch-size={setup['batch_size']}",
+            f"--out={result.name}",
+            *(["--bf16"] if setup["precision"] == "bf16" else []),
         ]
-        started = time.perf_counter()
-        run_child(command, env)
-        wall = time.perf_counter() - started
-        return {**json.loads(Path(result.name).read_text()), "wall_s": wall}
+        wall, rss = run_process(command, cache_env(setup["env"], caches))
+        measured = json.loads(Path(result.name).read_text())
+    return {**measured, "wall_s": wall, "peak_rss_gb": rss, "vision_fraction_computed": 1.0}
 
 
-def token_counts(model: Path, data: Path) -> list[tuple[int, int]]:
-    """Text and image tokens of every sample, padding excluded (both ways see the same samples)."""
+def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> dict:
+    if way == BASELINE:
+        result = run_baseline(stage, scenario, setup, caches)
+    else:
+        extra = SPEEDUPS[stage] if way == SPEEDUPS_ON else SAME_AS_BASELINE[stage]
+        result = run_ours(stage, scenario, extra, setup, caches)
+    epochs = SCENARIOS[scenario][0]
+    return with_throughput(result, setup["rows"] * epochs, setup["flops"][stage], setup["peak_tflops"])
+
+
+def with_throughput(run: dict, samples: int, flops_by_role: dict, peak_tflops: float | None) -> dict:
+    """Samples/s in the training loop, and model TFLOP/s counting the FLOPs actually run: the tower's and
+    projector's scaled by the share of images they computed (the rest came from the feature cache)."""
+    vision = flops_by_role["vision"] + flops_by_role["projector"]
+    flops_run = samples * (flops_by_role["llm"] + vision * run["vision_fraction_computed"])
+    tflops = flops_run / run["train_runtime_s"] / 1e12
+    return {
+        **run,
+        "samples": samples,
+        "samples_per_s": samples / run["train_runtime_s"],
+        "model_tflops_per_s": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+    }
+
+
+# --------------------------------------------------------------------------- summarizing
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the repeats of every measured value (None where no run has it)."""
+    summary = {}
+    for key in MEASURED:
+        values = [run[key] for run in runs if run.get(key) is not None]
+        summary[key] = statistics.median(values) if values else None
+    return summary
+
+
+def ratio(ours: float | None, baseline: float | None) -> float | None:
+    return ours / baseline if ours is not None and baseline else None
+
+
+def loss_curve_gap(curve: dict, baseline_curve: dict) -> float | None:
+    """The largest relative difference from the baseline's loss at the steps both logged."""
+    curve, baseline_curve = ({int(k): v for k, v in c.items()} for c in (curve, baseline_curve))
+    gaps = [abs(curve[s] - baseline_curve[s]) / abs(baseline_curve[s]) for s in curve.keys() & baseline_curve]
+    return max(gaps) if gaps else None
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """One scenario of one stage: each way's summary, and each of ours against TRL's."""
+    summaries = {way: summarize(way_runs) for way, way_runs in runs.items()}
+    base = summaries[BASELINE]
+    versus = {}
+    for way in summaries:
+        if way == BASELINE:
+            continue
+        ours = summaries[way]
+        versus[way] = {
+            "samples_per_s": ratio(ours["samples_per_s"], base["samples_per_s"]),
+            "wall_s": ratio(ours["wall_s"], base["wall_s"]),
+            "peak_rss_gb": ratio(ours["peak_rss_gb"], base["peak_rss_gb"]),
+            "peak_gpu_allocated_gb": ratio(ours["peak_gpu_allocated_gb"], base["peak_gpu_allocated_gb"]),
+            "eval_loss_change": ratio(ours["eval_loss"], base["eval_loss"]) - 1
+            if ours["eval_loss"] is not None and base["eval_loss"]
+            else None,
+            "loss_curve_gap": loss_curve_gap(runs[way][0]["loss_curve"], runs[BASELINE][0]["loss_curve"]),
+        }
+    return {"summary": summaries, "versus_trl": versus, "runs": runs}
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def render_tables(report: dict) -> str:
+    """The README's block: what was run where, the headline table, the details table."""
+    about = report["about"]
+    machine, model = about["machine"], about["model"]
+    libraries = ", ".join(f"{name} {v}" for name, v in about["libraries"].items())
+    lines = [
+        f"Measured on {machine['description']}, {machine['processor']}, {machine['threads']} threads; "
+        f"{model['name']} ({model['parameters'] / 1e6:.1f}M parameters, random weights), "
+        f"{about['rows']} bench rows per epoch, batch {about['batch_size']}, {about['precision']}, "
+        f"median of {about['repeats']} run(s) per way; git {about['git_sha']}; {libraries}.",
+        f"Regenerate: `{about['command']}`, then `python scripts/benchmark.py --readme FILE`.",
+        "",
+        "| stage | scenario | way | samples/s | ×TRL | wall time s | ×TRL | peak RSS GB | ×TRL | eval loss | vs TRL |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    details = [
+        "",
+        "| stage | scenario | way | time to first step s | step time median s | step time p90 s "
+        "| model TFLOP/s run |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for stage, scenarios in report["stages"].items():
+        for scenario, compared in scenarios.items():
+            for way, summary in compared["summary"].items():
+                versus = compared["versus_trl"].get(way, {})
+                change = versus.get("eval_loss_change")
+                head = f"| {STAGE_TITLES[stage]} | {SCENARIOS[scenario][3]} | {way} "
+                lines.append(
+                    head + f"| {fmt(summary['samples_per_s'])} | {fmt(versus.get('samples_per_s'))} "
+                    f"| {fmt(summary['wall_s'])} | {fmt(versus.get('wall_s'))} "
+                    f"| {fmt(summary['peak_rss_gb'])} | {fmt(versus.get('peak_rss_gb'))} "
+                    f"| {fmt(summary['eval_loss'], 5)} | {'-' if change is None else f'{change:+.2%}'} |"
+                )
+                details.append(
+                    head + f"| {fmt(summary['time_to_first_step_s'])} | {fmt(summary['step_time_median_s'])} "
+                    f"| {fmt(summary['step_time_p90_s'])} | {fmt(summary['model_tflops_per_s'])} |"
+                )
+    return "\n".join(lines + details)
+
+
+def update_readme(report: dict, readme: Path = REPO / "README.md") -> None:
+    text = readme.read_text()
+    begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    readme.write_text(text[:begin] + "\n" + render_tables(report) + "\n" + text[end:])
+
+
+# --------------------------------------------------------------------------- what was run where
+
+
+def git_sha() -> str:
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "?"
+
+
+def processor_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+        name = next(
+            line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> tuple[dict, dict]:
+    """The model's size, and each stage's mean FLOPs per sample by role (on the meta device: shapes only)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.evaluation.flops import flops_per_sample_by_role
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipes.schema import ROLES
+    from vlm_recipes.stages.build import detect_family
+
+    family, config = detect_family(str(model))
+    with torch.device("meta"):
+        bare = AutoModelForImageTextToText.from_config(config)
+    flops = {}
+    for stage in stages:
+        train = load_recipe(str(REPO / "benchmarks" / "recipes" / RECIPES[stage])).stages[0].train
+        flops[stage] = flops_per_sample_by_role(bare, family, {r: getattr(train, r) for r in ROLES}, rows)
+    parameters = sum(p.numel() for p in bare.parameters())
+    return {"name": model.name, "parameters": parameters, "family": family.name}, flops
+
+
+def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
+    """Text and image tokens of every sample trained on, padding excluded (both ways see the same)."""
     from transformers import AutoProcessor
 
     from vlm_recipes.data.lengths import sample_token_counts
@@ -146,86 +355,35 @@ def token_counts(model: Path, data: Path) -> list[tuple[int, int]]:
     family, _ = detect_family(str(model))
     processor = AutoProcessor.from_pretrained(model)
     family.apply_pixel_bounds(processor.image_processor, 3136, 200704)  # the bench recipes' pixel bounds
-    ds, _ = load_split(str(data), "train", None)
+    ds, _ = load_split(str(data), "train", rows)
     return sample_token_counts(undecoded(ds), processor, family)
 
 
-def stage_flops_per_sample(stage: str, model: Path, counts: list[tuple[int, int]]) -> float:
-    """Mean model FLOPs of one training sample of the stage (vlm_recipes.flops, formula printed)."""
-    import torch
-    from transformers import AutoModelForImageTextToText
+def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:
+    """What the results file says of the run: code, libraries, machine, command, model, data, scenarios."""
+    from vlm_recipes.evaluation.flops import FORMULA
 
-    from vlm_recipes.evaluation.flops import flops_per_sample
-    from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.recipes.schema import ROLES
-    from vlm_recipes.stages.build import detect_family
-
-    train = load_recipe(str(REPO / "benchmarks" / "recipes" / RECIPES[stage])).stages[0].train
-    family, config = detect_family(str(model))
-    with torch.device("meta"):  # shapes only: no memory, no init
-        bare = AutoModelForImageTextToText.from_config(config)
-    return flops_per_sample(bare, family, {role: getattr(train, role) for role in ROLES}, counts)
-
-
-def loss_curve_gap(curve: dict, baseline_curve: dict) -> float | None:
-    """The largest relative difference from the baseline's loss at the steps both logged."""
-    common = set(map(int, curve)) & set(map(int, baseline_curve))
-    gaps = [
-        abs(curve.get(step, curve.get(str(step))) - baseline_curve.get(step, baseline_curve.get(str(step))))
-        / abs(baseline_curve.get(step, baseline_curve.get(str(step))))
-        for step in common
-    ]
-    return max(gaps) if gaps else None
-
-
-def summarize(
-    runs: list[dict],
-    batch: int,
-    text_per_sample: float,
-    image_per_sample: float,
-    flops_per_sample: float,
-    peak_tflops: float | None,
-) -> dict:
-    summary = {}
-    for key in (
-        "wall_s",
-        "train_runtime_s",
-        "final_loss",
-        "eval_loss",
-        "peak_rss_gb",
-        "peak_gpu_allocated_gb",
-        "peak_gpu_reserved_gb",
-        "time_to_first_step_s",
-        "step_time_median_s",
-        "step_time_p90_s",
-    ):
-        values = [r[key] for r in runs if r.get(key) is not None]
-        summary[key] = statistics.median(values) if values else None
-    samples_per_s = runs[0]["steps"] * batch / summary["train_runtime_s"]
-    summary["samples_per_s"] = samples_per_s
-    summary["text_tokens_per_s"] = samples_per_s * text_per_sample
-    summary["image_tokens_per_s"] = samples_per_s * image_per_sample
-    summary["model_tflops_per_s"] = samples_per_s * flops_per_sample / 1e12
-    summary["mfu"] = summary["model_tflops_per_s"] / peak_tflops if peak_tflops else None
-    return summary
-
-
-def format_table(stage: str, summaries: dict[str, dict]) -> str:
-    ways = [w for w in summaries if w != "baseline"]
-    base = summaries["baseline"]
-    header = f"{'metric':<22}" + "".join(f" {w:>18} {'/baseline':>9}" for w in ways) + f" {'plain TRL':>10}"
-    lines = [f"stage {stage}", header]
-    for label, key, _ in ROWS:
-        if all(summary.get(key) is None for summary in summaries.values()):
-            continue  # e.g. GPU memory on a CPU, MFU without a known peak
-        row = f"{label:<22}"
-        for way in ways:
-            a, b = summaries[way].get(key), base.get(key)
-            ratio = f"{a / b:.3f}" if a is not None and b else "-"
-            row += f" {'-' if a is None else f'{a:.4g}':>18} {ratio:>9}"
-        b = base.get(key)
-        lines.append(row + f" {'-' if b is None else f'{b:.4g}':>10}")
-    return "\n".join(lines)
+    return {
+        "git_sha": git_sha(),
+        "command": "python scripts/benchmark.py " + " ".join(sys.argv[1:]),
+        "machine": {
+            "description": environment.describe(),
+            "processor": processor_name(),
+            "threads": args.threads,
+            "platform": platform.platform(),
+        },
+        "libraries": {name: version(name) for name in LIBRARIES},
+        "model": model,
+        "rows": setup["rows"],
+        "batch_size": args.batch_size,
+        "precision": precision,
+        "repeats": args.repeats,
+        "scenarios": {name: SCENARIOS[name][3] for name in scenarios},
+        "speedups": {stage: SPEEDUPS[stage] for stage in setup["flops"]},
+        "flops_formula": FORMULA,
+        "flops_per_sample_by_role": setup["flops"],
+        "peak_tflops": setup["peak_tflops"],
+    }
 
 
 def main() -> int:
@@ -233,116 +391,87 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--stages", default="llm-lora,vision-full")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--rows", type=int, default=128, help="bench rows per epoch (of 256)")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="measured runs per way, after one warm-up pair"
-    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per way and scenario (medians)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
-    parser.add_argument(
-        "--precision", choices=["bf16", "fp32"], help="default: what a stage picks on this machine"
-    )
-    parser.add_argument("--speedups", action="store_true", help="also run vlm-recipes with its speed-ups on")
-    parser.add_argument(
-        "--model",
-        default="demo:bench-qwen2-vl",
-        help="model id or directory; demo:qwen2-vl-2b-shaped is Qwen2-VL-2B's dimensions, random weights",
-    )
-    parser.add_argument(
-        "--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU (known GPUs: detected)"
-    )
+    parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: what a stage picks here")
+    parser.add_argument("--model", default="demo:bench-qwen2-vl", help="model id or directory")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
+    parser.add_argument("--readme", type=Path, help="rewrite README's tables from this results file; no run")
     args = parser.parse_args()
+    if args.readme:
+        update_readme(json.loads(args.readme.read_text()))
+        print(f"README.md: tables from {args.readme}")
+        return 0
 
     from vlm_recipes.data.demo_data import ensure_bench_dataset
     from vlm_recipes.demo import resolve_model_source
-    from vlm_recipes.evaluation.flops import FORMULA, peak_tflops
+    from vlm_recipes.evaluation.flops import peak_tflops
     from vlm_recipes.stages.guards import Environment, decide_precision
 
-    args.precision = args.precision or decide_precision("auto", Environment.detect(), quantized=False).choice
-    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
     environment = Environment.detect()
-    args.peak_tflops = args.peak_tflops or peak_tflops(environment.device)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "MKL_NUM_THREADS": str(args.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    counts = token_counts(model, data)
-    text_per_sample = statistics.mean(text for text, _ in counts)
-    image_per_sample = statistics.mean(image for _, image in counts)
-    report = {
-        "machine": environment.describe(),
-        "model": str(model),
-        "peak_tflops": args.peak_tflops,
-        "flops_formula": FORMULA,
-        "threads": args.threads,
-        "steps": args.steps,
+    precision = args.precision or decide_precision("auto", environment, quantized=False).choice
+    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
+    stages, asked = args.stages.split(","), args.scenarios.split(",")
+    if unknown := [name for name in asked + stages if name not in {**SCENARIOS, **RECIPES}]:
+        parser.error(
+            f"unknown --stages/--scenarios {unknown}; stages: {list(RECIPES)}, scenarios: {list(SCENARIOS)}"
+        )
+    scenarios = [name for name in SCENARIOS if name in asked]  # second-seed after first-epoch
+    if "second-seed" in scenarios and "first-epoch" not in scenarios:
+        parser.error("--scenarios: second-seed reads the caches first-epoch's run leaves; name both")
+    counts = token_counts(model, data, args.rows)
+    model_info, flops = model_about(model, stages, counts)
+    setup = {
+        "model": model,
+        "data": data,
+        "rows": len(counts),
         "batch_size": args.batch_size,
-        "precision": args.precision,
-        "repeats": args.repeats,
-        "tokens_per_sample": {"text": text_per_sample, "image": image_per_sample},
-        "stages": {},
+        "precision": precision,
+        "flops": flops,
+        "peak_tflops": args.peak_tflops or peak_tflops(environment.device),
+        "env": {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "MKL_NUM_THREADS": str(args.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        },
     }
+    about = describe_run(args, scenarios, environment, precision, model_info, setup)
     print(
-        f"model {model}\nbench data {data}: {text_per_sample:.1f} text + {image_per_sample:.1f} image "
-        f"tokens per sample on average\n{report['machine']}, {args.threads} threads, {args.steps} steps, "
-        f"batch {args.batch_size}, {args.precision}, {args.repeats} repeats after a warm-up pair\n"
-        f"model TFLOP/s and MFU: {FORMULA}; MFU against "
-        f"{f'{args.peak_tflops:g} TFLOP/s' if args.peak_tflops else 'no known peak (--peak-tflops)'}\n"
+        f"{about['machine']['description']}, {about['machine']['processor']}, {args.threads} threads\n"
+        f"{model_info['name']}: {model_info['parameters'] / 1e6:.1f}M parameters; {setup['rows']} rows per "
+        f"epoch, batch {args.batch_size}, {precision}, {args.repeats} repeat(s); git {about['git_sha']}\n"
     )
+    runs = {
+        s: {c: {w: [] for w in WAYS_OF.get(c, [BASELINE, SPEEDUPS_ON])} for c in scenarios} for s in stages
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        for stage in args.stages.split(","):
-            ways = ["ours", "baseline"]
-            if args.speedups:
-                ways += [COLD_CACHE, WARM_CACHE]
-            runs: dict[str, list[dict]] = {way: [] for way in ways}
-            flops = stage_flops_per_sample(stage, model, counts)
-            report["stages"][stage] = {"flops_per_sample": flops}
-            for repeat in range(args.repeats + 1):
-                order = ways if repeat % 2 == 0 else list(reversed(ways))
-                for way in order:
-                    if way == "baseline":
-                        result = run_baseline(
-                            stage, args.steps, args.batch_size, args.precision, model, data, env
-                        )
-                    else:
-                        extra = SAME_AS_BASELINE[stage] if way == "ours" else SPEEDUPS[stage]
-                        caches = Path(tmp) / f"caches-{stage}-{way.replace(' ', '-')}"
-                        if way == COLD_CACHE:
-                            shutil.rmtree(caches, ignore_errors=True)
-                        run_env = {**env, "VLM_RECIPES_SPEEDUP_CACHE": str(caches)}
-                        result = run_ours(
-                            stage,
-                            args.steps,
-                            args.batch_size,
-                            args.precision,
-                            model,
-                            Path(tmp),
-                            run_env,
-                            extra,
-                        )
+        for repeat, stage in ((r, s) for r in range(args.repeats) for s in stages):
+            for scenario in scenarios:
+                ways = list(runs[stage][scenario])
+                for way in ways if repeat % 2 == 0 else reversed(ways):
+                    # each way its own caches (datasets' too): first-epoch fills them, second-seed reads
+                    # them, three-epochs starts empty
+                    run_of = "first-epoch" if SCENARIOS[scenario][2] != "empty" else scenario
+                    caches = Path(tmp) / f"{stage}-{repeat}-{run_of}-{WAYS.index(way)}"
+                    result = run_one(stage, scenario, way, setup, caches)
+                    runs[stage][scenario][way].append(result)
                     print(
-                        f"  {stage} {way:<14} {'warm-up' if repeat == 0 else f'run {repeat}'}: "
-                        f"{result['wall_s']:.1f} s, loss {result['final_loss']:.4f}, eval {result['eval_loss']:.4f}",
+                        f"  {stage} {scenario} {way}, run {repeat + 1}: {result['wall_s']:.0f} s, "
+                        f"{result['samples_per_s']:.2f} samples/s, {result['peak_rss_gb']:.2f} GB, "
+                        f"eval loss {result['eval_loss']:.4f}",
                         flush=True,
                     )
-                    if repeat > 0:
-                        runs[way].append(result)
-            summaries = {
-                w: summarize(
-                    runs[w], args.batch_size, text_per_sample, image_per_sample, flops, args.peak_tflops
-                )
-                for w in ways
-            }
-            baseline_curve = runs["baseline"][0]["loss_curve"]  # same seed: every run logs the same losses
-            for way in ways:
-                summaries[way]["loss_curve_gap"] = loss_curve_gap(runs[way][0]["loss_curve"], baseline_curve)
-            report["stages"][stage].update(summary=summaries, runs=runs)
-            print("\n" + format_table(stage, summaries) + "\n")
+    report = {
+        "about": about,
+        "stages": {s: {c: compare(runs[s][c]) for c in scenarios} for s in stages},
+    }
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"written {args.out}")
+    print("\n" + render_tables(report) + f"\n\nwritten {args.out}")
     return 0
 
 

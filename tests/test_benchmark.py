@@ -1,46 +1,192 @@
-"""The benchmark scripts stay runnable; speed is measured by scripts/benchmark.py, never by a test."""
+"""The benchmark's code: its baseline runs, its arithmetic is right, its committed results and README tables
+are what the script writes. Speed itself is measured by scripts/benchmark.py, never by a test."""
 
 from __future__ import annotations
 
-import subprocess
+import importlib.util
+import json
+import math
 import sys
+import time
 
 import pytest
 from conftest import REPO
 
+RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"
+
+
+def load_script(name: str, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_script("benchmark_script", REPO / "scripts" / "benchmark.py")
+
+
+def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=None):
+    """A run as run_ours/run_baseline return it, throughput added by the script's own code."""
+    measured = {
+        "wall_s": wall,
+        "peak_rss_gb": rss,
+        "peak_gpu_allocated_gb": None,
+        "train_runtime_s": runtime,
+        "final_loss": curve[max(curve)],
+        "eval_loss": eval_loss,
+        "loss_curve": curve,
+        "vision_fraction_computed": fraction,
+        "time_to_first_step_s": 1.0,
+        "step_time_median_s": 0.5,
+        "step_time_p90_s": 0.7,
+    }
+    flops = flops or {"vision": 3e9, "projector": 1e9, "llm": 6e9}
+    return bench.with_throughput(measured, samples, flops, None)
+
+
+def synthetic_report(stages, scenarios) -> dict:
+    """The report main() writes, from made-up runs through the script's own functions."""
+    import argparse
+
+    from vlm_recipes.stages.guards import Environment
+
+    args = argparse.Namespace(threads=2, batch_size=4, repeats=1)
+    flops = {stage: {"vision": 3e9, "projector": 1e9, "llm": 6e9} for stage in stages}
+    setup = {"rows": 8, "flops": flops, "peak_tflops": None}
+    model = {"name": "bench-qwen2-vl", "parameters": 16_700_000, "family": "qwen2-vl"}
+    about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
+    ways_of = {c: bench.WAYS_OF.get(c, [bench.BASELINE, bench.SPEEDUPS_ON]) for c in scenarios}
+    runs = {
+        c: {w: [run(20.0, 1.3, 10.0, 6.0, {1: 7.0, 5: 6.5}, samples=8)] for w in ways}
+        for c, ways in ways_of.items()
+    }
+    return {"about": about, "stages": {s: {c: bench.compare(runs[c]) for c in scenarios} for s in stages}}
+
+
+def key_tree(value):
+    """The nested keys of a JSON value (a list: its first item's), without the values."""
+    if isinstance(value, dict):
+        return {key: key_tree(item) for key, item in value.items()}
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return [key_tree(value[0])]
+    return None
+
+
+def test_committed_results_have_the_keys_the_script_writes():
+    committed = json.loads(RESULTS.read_text())
+    stages, scenarios = list(committed["stages"]), list(committed["about"]["scenarios"])
+    assert stages == list(bench.RECIPES) and scenarios == list(bench.SCENARIOS), "the default run, all of it"
+    written = synthetic_report(stages, scenarios)
+    for tree in (committed, written):  # loss curves are keyed by the steps each logged
+        for scenario in (s for stage in tree["stages"].values() for s in stage.values()):
+            for way_runs in scenario["runs"].values():
+                for each in way_runs:
+                    each["loss_curve"] = {}
+        for stage in tree["about"]["flops_per_sample_by_role"]:  # any model: the roles are the keys
+            assert set(tree["about"]["flops_per_sample_by_role"][stage]) == {"vision", "projector", "llm"}
+    assert key_tree(committed) == key_tree(written)
+    assert committed["about"]["git_sha"] and "-dirty" not in committed["about"]["git_sha"]
+
+
+def test_readme_tables_are_generated_from_the_committed_results():
+    readme = (REPO / "README.md").read_text()
+    block = readme[
+        readme.index(bench.README_BEGIN) + len(bench.README_BEGIN) : readme.index(bench.README_END)
+    ]
+    assert block.strip() == bench.render_tables(json.loads(RESULTS.read_text())).strip(), (
+        "README's benchmark tables differ from benchmarks/results/cpu-2-cores.json: "
+        "run `python scripts/benchmark.py --readme benchmarks/results/cpu-2-cores.json`"
+    )
+
+
+def test_summary_is_the_median_and_ratios_are_ours_over_trl():
+    baseline = [run(w, 1.0, t, 6.0, {1: 7.0}) for w, t in ((30.0, 10.0), (31.0, 12.0), (90.0, 11.0))]
+    ours = [run(w, 0.9, t, 6.03, {1: 7.07}) for w, t in ((15.0, 5.0), (16.0, 4.0), (14.0, 6.0))]
+    compared = bench.compare({bench.BASELINE: baseline, bench.SPEEDUPS_ON: ours})
+    assert compared["summary"][bench.BASELINE]["wall_s"] == 31.0, (
+        "the median, not the mean (90 s is an outlier)"
+    )
+    assert compared["summary"][bench.BASELINE]["train_runtime_s"] == 11.0
+    versus = compared["versus_trl"][bench.SPEEDUPS_ON]
+    assert versus["wall_s"] == pytest.approx(15.0 / 31.0)
+    assert versus["samples_per_s"] == pytest.approx((8 / 5.0) / (8 / 11.0)), "median samples/s over runs"
+    assert versus["peak_rss_gb"] == pytest.approx(0.9)
+    assert versus["eval_loss_change"] == pytest.approx(0.005)
+    assert versus["loss_curve_gap"] == pytest.approx(0.01)
+
+
+def test_loss_curve_gap_compares_the_steps_both_logged_whatever_their_key_type():
+    ours = {"1": 2.0, "5": 1.1, "10": 9.0}  # as read back from JSON
+    baseline = {1: 2.0, 5: 1.0}
+    assert bench.loss_curve_gap(ours, baseline) == pytest.approx(0.1)
+    assert bench.loss_curve_gap({3: 1.0}, baseline) is None
+
+
+def test_model_flops_count_only_the_tower_work_actually_run():
+    flops = {"vision": 3e9, "projector": 1e9, "llm": 6e9}
+    cold = run(10, 1, 2.0, 6.0, {1: 7.0}, fraction=1.0, flops=flops)
+    warm = run(10, 1, 2.0, 6.0, {1: 7.0}, fraction=0.0, flops=flops)
+    third = run(10, 1, 2.0, 6.0, {1: 7.0}, fraction=1 / 3, flops=flops)
+    assert cold["model_tflops_per_s"] == pytest.approx(8 * 10e9 / 2.0 / 1e12)
+    assert warm["model_tflops_per_s"] == pytest.approx(8 * 6e9 / 2.0 / 1e12), (
+        "cached features: no tower FLOPs"
+    )
+    assert third["model_tflops_per_s"] == pytest.approx(8 * (6e9 + 4e9 / 3) / 2.0 / 1e12)
+    assert bench.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
+    assert bench.fraction_computed(None) == 1.0
+
 
 @pytest.mark.e2e
-def test_benchmark_baseline_script_runs(tmp_path, private_demo_cache):
-    """The benchmark's plain-TRL baseline stays runnable (its numbers are the benchmark's business)."""
-    import json
-
+@pytest.mark.parametrize("stage", ["llm-lora", "vision-full"])
+def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_demo_cache):
+    """The plain-TRL baseline stays runnable, the QLoRA one included (its numbers are the benchmark's)."""
     from vlm_recipes.data.demo_data import ensure_bench_dataset
     from vlm_recipes.demo import ensure_demo_model
 
+    baseline = load_script("baseline_trl", REPO / "benchmarks" / "baseline_trl.py")
     out = tmp_path / "baseline.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "baseline_trl.py"),
-            "--stage",
-            "vision-full",
-            "--model",
-            str(ensure_demo_model("demo:bench-qwen2-vl")),
-            "--data",
-            str(ensure_bench_dataset() / "bench.jsonl"),
-            "--steps",
-            "2",
-            "--batch-size",
-            "2",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    model = ensure_demo_model("demo:bench-qwen2-vl")
+    data = ensure_bench_dataset() / "bench.jsonl"
+    args = [f"--stage={stage}", f"--model={model}", f"--data={data}", "--rows=4", "--batch-size=2"]
+    baseline.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
     measured = json.loads(out.read_text())
-    assert (
-        measured["steps"] == 2 and measured["step_time_median_s"] > 0 and measured["time_to_first_step_s"] > 0
+    assert measured["steps"] == 2 and math.isfinite(measured["eval_loss"])
+    assert measured["step_time_median_s"] > 0 and measured["time_to_first_step_s"] > 0
+
+
+def test_step_times_include_loading_the_batch(tmp_path):
+    """Trainer fetches a step's batch before `on_step_begin`: the timer must count that time too."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from vlm_recipes.evaluation.timing import StepTimer
+
+    class SlowRows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return {"x": torch.ones(2), "labels": torch.zeros(1)}
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels):
+            return {"loss": ((self.linear(x) - labels) ** 2).mean()}
+
+    timer = StepTimer()
+    args = TrainingArguments(
+        tmp_path,
+        per_device_train_batch_size=2,
+        max_steps=3,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
     )
+    Trainer(model=Tiny(), args=args, train_dataset=SlowRows(), callbacks=[timer]).train()
+    assert len(timer.step_times) == 3
+    assert min(timer.step_times) >= 2 * 0.05, "two rows of 50 ms each are loaded in every step"

@@ -76,7 +76,20 @@ def flops_per_sample(
     token_counts: Iterable[tuple[int, int]],
     image_grids: Iterable[list[tuple[int, int]]] | None = None,
 ) -> float:
-    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample).
+    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample): the sum of
+    `flops_per_sample_by_role`."""
+    return sum(flops_per_sample_by_role(model, family, modes, token_counts, image_grids).values())
+
+
+def flops_per_sample_by_role(
+    model: nn.Module,
+    family: Family,
+    modes: dict[str, str],
+    token_counts: Iterable[tuple[int, int]],
+    image_grids: Iterable[list[tuple[int, int]]] | None = None,
+) -> dict[str, float]:
+    """Mean training FLOPs per sample over `token_counts` ((text, image) tokens per sample), by role (the
+    benchmark leaves out the tower's and projector's where the feature cache ran neither).
 
     `image_grids`: per sample, each image's merged (height, width) in tokens (LLaVA-OneVision: each tile's),
     which places a windowed tower's windows exactly. Without it a sample's images are taken as one image for the vision tower's
@@ -90,21 +103,21 @@ def flops_per_sample(
     )
     token_counts = list(token_counts)
     grids = list(image_grids) if image_grids is not None else [None] * len(token_counts)
-    total = 0.0
+    total = dict.fromkeys(ROLE_ORDER, 0.0)
     for (text, image), sample_grids in zip(token_counts, grids, strict=True):
         # the tower's and projector's tokens: the grids' where given (LLaVA-OneVision's tiles, unpadded
         # afterwards, outnumber the <image> tokens), else the language model's image tokens (the Qwen line)
         tower = image if sample_grids is None else sum(h * w for h, w in sample_grids)
         length, patches = text + image, tower * vision.patches_per_token
-        total += c["vision"] * params["vision"] * patches + c["projector"] * params["projector"] * tower
-        total += c["llm"] * params["llm"] * length
         if sample_grids is None:
             pairs = vision.attention_pairs(image) if image else 0
         else:
             pairs = sum(vision.attention_pairs(h * w, (h, w)) for h, w in sample_grids)
-        total += c["vision"] / 2 * 4 * pairs * vision.width
-        total += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
-    return total / max(len(token_counts), 1)
+        total["vision"] += c["vision"] * params["vision"] * patches + c["vision"] / 2 * 4 * pairs * vision.width
+        total["projector"] += c["projector"] * params["projector"] * tower
+        total["llm"] += c["llm"] * params["llm"] * length
+        total["llm"] += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
+    return {role: flops / max(len(token_counts), 1) for role, flops in total.items()}
 
 
 def peak_tflops(device: str) -> float | None:

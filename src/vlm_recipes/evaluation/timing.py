@@ -10,19 +10,25 @@ from transformers import TrainerCallback
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step (data loading included), measured from `on_step_begin`."""
+    """Wall time of every optimizer step, data loading included: from the end of the step before (or the
+    start of training) to the end of this one. Trainer fetches a step's batches before `on_step_begin`, so
+    a timer started there would leave the data loading out. Time spent evaluating or saving a checkpoint
+    between two steps is not a step's."""
 
     def __init__(self):
         self.first_step_end: float | None = None  # wall clock, to compare with the process start
         self.step_times: list[float] = []
-        self._step_start = 0.0
+        self._since = 0.0
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._step_start = time.perf_counter()
+    def _restart(self, *args, **kwargs):
+        self._since = time.perf_counter()
+
+    on_train_begin = on_evaluate = on_save = _restart
 
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
-        self.step_times.append(now - self._step_start)
+        self.step_times.append(now - self._since)
+        self._since = now
         if self.first_step_end is None:
             self.first_step_end = time.time()
 
