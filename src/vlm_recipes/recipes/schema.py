@@ -210,6 +210,13 @@ class TrainingSettings:
         "or stage with the same processor settings); images are decoded only on a miss",
         False,
     )
+    cache_max_gb: float | None = doc(
+        "size cap in GB of the speed-up caches on disk (preprocessed samples and vision features together, "
+        "shared by every run using the same cache directory): past it, the least recently used entries are "
+        "deleted; null: no cap",
+        50.0,
+        range=ABOVE_0,
+    )
     dataloader_workers: int = doc(
         "processes preparing batches while the model trains; 0: in the main process", 0, range=AT_LEAST_0
     )

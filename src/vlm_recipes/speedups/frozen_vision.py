@@ -13,7 +13,9 @@ is: the merged image tokens, and e.g. Qwen3-VL's DeepStack features) and `join_i
 - Feature cache: the features of an image cannot change while the tower is frozen, so they are kept on
   disk and reused (next epoch, next run, another seed). The key is the tower's weights and the image
   exactly as the tower receives it: its processed pixel values and grid (so processor settings and image
-  content are both in it) and the autocast dtype. A stale entry cannot be hit: any change changes the key.
+  content are both in it), the autocast dtype, and the torch and transformers versions. A stale entry
+  cannot be hit: any change changes the key. Its size is capped with the preprocessed samples'
+  (`training.cache_max_gb`, `caches.CacheBudget`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from vlm_recipes.caches import content_digest, weights_digest
+from vlm_recipes.caches import (
+    VISION_FEATURE_LIBRARIES,
+    CacheBudget,
+    content_digest,
+    library_versions,
+    weights_digest,
+)
 from vlm_recipes.families import Family
 from vlm_recipes.files import write_json, write_safetensors
 
@@ -59,13 +67,18 @@ def _without_grad(compute):
 
 
 class VisionFeatureCache:
-    """Per-image vision features on disk, under `root/<tower weights digest>/`; installed on a model."""
+    """Per-image vision features on disk, under `root/<digest of the tower's weights and the library
+    versions>/`; installed on a model. With a `budget`, reads and writes count against the size cap."""
 
-    def __init__(self, root: Path, model: nn.Module, family: Family):
+    def __init__(self, root: Path, model: nn.Module, family: Family, budget: CacheBudget | None = None):
         self.family = family
         self.owner = family.image_encoder_owner(model)
         tower = family.vision_tower(model)
-        self.directory = Path(root) / weights_digest(tower)
+        self.directory = Path(root) / content_digest(
+            weights_digest(tower), library_versions(*VISION_FEATURE_LIBRARIES)
+        )
+        self.budget = budget
+        self.evicted_before = tuple(budget.evicted["vision-features"]) if budget else (0, 0)
         about = self.directory / "tower.json"  # for a person looking in the directory
         if not about.exists():
             write_json(about, {"tower": type(tower).__name__, "family": family.name})
@@ -93,13 +106,17 @@ class VisionFeatureCache:
         return features
 
     def stats(self) -> dict:
+        """Directory, hits, misses and hit rate; with a cap, what it evicted of this cache (logged once)."""
         looked_up = self.hits + self.misses
-        return {
+        stats = {
             "directory": str(self.directory),
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
         }
+        if self.budget is not None:
+            stats.update(self.budget.eviction_stats("vision-features", self.evicted_before))
+        return stats
 
     def features(self, compute, pixel_values, grids, *args, **kwargs):
         """What `compute` (the model's own encoder method) returns for these images or videos, each one read
@@ -141,9 +158,15 @@ class VisionFeatureCache:
 
     def _load(self, key: str, device: torch.device) -> dict[str, torch.Tensor] | None:
         path = self._path(key)
-        if not path.exists():
+        try:
+            features = load_file(str(path), device=str(device))
+        except FileNotFoundError:  # not computed yet, or evicted
             return None
-        return load_file(str(path), device=str(device))
+        if self.budget is not None:
+            self.budget.used(path)
+        return features
 
     def _store(self, key: str, image: dict[str, torch.Tensor]) -> None:
         write_safetensors(self._path(key), image)
+        if self.budget is not None:
+            self.budget.written(self._path(key))

@@ -3,7 +3,7 @@ live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
 
 from __future__ import annotations
 
-from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache
+from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache, speedup_cache_budget
 from vlm_recipes.data.rows import StageData, undecoded
 from vlm_recipes.families import Family
 from vlm_recipes.recipes.schema import Stage
@@ -38,7 +38,9 @@ def wrap_collator(trainer: RecipeTrainer, built: BuiltModel, stage: Stage) -> No
     """The speed-ups that change how batches are made; TRL's collator still does all the processing."""
     if stage.training.preprocessed_cache:
         trainer.sample_cache = PreprocessedSampleCollator(
-            trainer.data_collator, speedup_cache("preprocessed")
+            trainer.data_collator,
+            speedup_cache("preprocessed"),
+            speedup_cache_budget(stage.training.cache_max_gb),
         )
         trainer.data_collator = trainer.sample_cache
         # images are decoded only for rows the cache does not have yet
@@ -66,7 +68,12 @@ def speed_up_frozen_vision(
     )
     if not stage.training.vision_feature_cache:
         return None
-    cache = VisionFeatureCache(speedup_cache("vision-features"), built.model, built.family).install()
+    cache = VisionFeatureCache(
+        speedup_cache("vision-features"),
+        built.model,
+        built.family,
+        speedup_cache_budget(stage.training.cache_max_gb),
+    ).install()
     decisions.append(
         Decision(
             "vision-feature-cache",
