@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import tempfile
+from pathlib import Path
 
 import datasets
 import torch
@@ -27,8 +28,6 @@ from vlm_recipes.evaluation.timing import StepTimer
 
 def load_data(path: str, rows: int) -> datasets.Dataset:
     """The first `rows` rows, images decoded by `datasets.Image` as TRL's examples load them."""
-    from pathlib import Path
-
     root = Path(path).parent
     ds = datasets.load_dataset("json", data_files=path, split="train")
     ds = ds.select(range(min(rows, len(ds))))
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         gradient_checkpointing=False,  # TRL's default is True; the recipes' stages train without it
     )
     timer = StepTimer()
-    rows = args.rows or sum(1 for _ in open(args.data))
+    rows = args.rows or len(Path(args.data).read_text().splitlines())
     trainer = SFTTrainer(
         model=model,
         args=config,

@@ -113,7 +113,9 @@ def flops_per_sample_by_role(
             pairs = vision.attention_pairs(image) if image else 0
         else:
             pairs = sum(vision.attention_pairs(h * w, (h, w)) for h, w in sample_grids)
-        total["vision"] += c["vision"] * params["vision"] * patches + c["vision"] / 2 * 4 * pairs * vision.width
+        total["vision"] += (
+            c["vision"] * params["vision"] * patches + c["vision"] / 2 * 4 * pairs * vision.width
+        )
         total["projector"] += c["projector"] * params["projector"] * tower
         total["llm"] += c["llm"] * params["llm"] * length
         total["llm"] += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers

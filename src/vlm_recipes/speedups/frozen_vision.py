@@ -15,7 +15,7 @@ is: the merged image tokens, and e.g. Qwen3-VL's DeepStack features) and `join_i
   exactly as the tower receives it: its processed pixel values and grid (so processor settings and image
   content are both in it), the autocast dtype, and the torch and transformers versions. A stale entry
   cannot be hit: any change changes the key. Its size is capped with the preprocessed samples'
-  (`training.cache_max_gb`, `caches.CacheBudget`).
+  (`training.cache_max_gb`, `cache_storage.CacheBudget`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from vlm_recipes.caches import (
-    VISION_FEATURE_LIBRARIES,
-    CacheBudget,
-    content_digest,
-    library_versions,
-    weights_digest,
-)
+from vlm_recipes.cache_storage import CacheBudget
+from vlm_recipes.caches import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
 from vlm_recipes.families import Family
 from vlm_recipes.files import write_json, write_safetensors
 
