@@ -52,7 +52,7 @@ def test_bench_runs_the_checkout_script(capsys):
         vlm_recipes(["bench", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: vlm-recipes bench") and "--speedups" in out
+    assert out.startswith("usage: vlm-recipes bench") and "--scenarios" in out
 
 
 def test_train_usage_names_its_command(capsys):
