@@ -101,7 +101,7 @@ def run_process(command: list[str], env: dict) -> tuple[float, float]:
 def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: Path) -> dict:
     """One vlm-recipes run, its caches in `caches`."""
     epochs, seed, _, _ = SCENARIOS[scenario]
-    out = caches / "runs"
+    out, run_name = caches / "runs", f"{scenario}-{time.time_ns()}"
     command = [
         sys.executable,
         str(REPO / "scripts" / "train_recipe.py"),
@@ -110,7 +110,7 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
         "--output-dir",
         str(out),
         "--run-name",
-        f"{scenario}-{time.time_ns()}",
+        run_name,
         "--epochs",
         str(epochs),
         f"training.seed={seed}",
@@ -124,7 +124,7 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
         *extra,
     ]
     wall, rss = run_process(command, cache_env(setup["env"], caches))
-    metrics = json.loads(next(out.glob(f"*/{command[7]}/stage-1-*/metrics.json")).read_text())
+    metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
     gpu = metrics["peak_memory"]
     return {
         "wall_s": wall,

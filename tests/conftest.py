@@ -132,3 +132,15 @@ def single_image_demo_file(directory: Path, split: str = "train") -> Path:
     path = directory / f"{split}-one-image.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in kept))
     return path
+
+
+def assert_reads_back_the_batch(cached, stored: list[dict], expected: dict) -> None:
+    """A preprocessed-sample cache gives the collator's batch, tensor for tensor, cold (each row through the
+    collator) and warm (read back)."""
+    import torch
+
+    for attempt in ("cold", "warm"):
+        batch = cached([dict(r) for r in stored])
+        assert batch.keys() == expected.keys(), attempt
+        for key, value in expected.items():
+            assert torch.equal(batch[key], value), (attempt, key)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import model_inputs, single_image_demo_rows
+from conftest import assert_reads_back_the_batch, model_inputs, single_image_demo_rows
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -303,11 +303,7 @@ def test_preprocessed_samples_assemble_to_exactly_the_collators_batch(tiny, rows
     files = [dict(r) for r in undecoded(single_image_demo_rows(6))]
     as_stored = files[:2] + [rows[2]] + files[2:]  # images as file references, the text-only row as is
     cached = PreprocessedSampleCollator(padded, tmp_path)
-    for attempt in ("cold", "warm"):
-        batch = cached([dict(r) for r in as_stored])
-        assert batch.keys() == expected.keys(), attempt
-        for key, value in expected.items():
-            assert torch.equal(batch[key], value), (attempt, key)
+    assert_reads_back_the_batch(cached, as_stored, expected)
     assert (cached.misses, cached.hits) == (len(rows), len(rows))
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import qwen_vl_utils.vision_process as qwen_vision
 import torch
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, assert_reads_back_the_batch
 from PIL import Image
 from test_speedups import PER_SAMPLE_LOSS_TOLERANCE, padded_collator, token_losses
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -423,11 +423,7 @@ def test_preprocessed_cache_stores_video_rows(qwen, media, tmp_path):
     expected = collator([dict(r) for r in rows])
     stored = [dict(r) for r in undecoded(ds)]  # images as file references
     cached = PreprocessedSampleCollator(collator, tmp_path)
-    for attempt in ("cold", "warm"):
-        batch = cached([dict(r) for r in stored])
-        assert batch.keys() == expected.keys(), attempt
-        for key, value in expected.items():
-            assert torch.equal(batch[key], value), (attempt, key)
+    assert_reads_back_the_batch(cached, stored, expected)
     assert (cached.misses, cached.hits) == (len(rows), len(rows))
 
     recached = PreprocessedSampleCollator(other_collator, tmp_path)

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
+from vlm_recipes.files import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -211,3 +214,21 @@ class CacheBudget:
                 self.max_bytes / 1e9,
             )
         return {"evicted": count, "evicted_gb": round(size / 1e9, 4)}
+
+
+def read_entry(path: Path, budget: CacheBudget | None, device: str = "cpu") -> dict[str, torch.Tensor] | None:
+    """A cache entry's tensors, None when it is not there (not made yet, or evicted); the read marks it used."""
+    try:
+        tensors = load_file(str(path), device=device)
+    except FileNotFoundError:
+        return None
+    if budget is not None:
+        budget.used(path)
+    return tensors
+
+
+def write_entry(path: Path, tensors: dict[str, torch.Tensor], budget: CacheBudget | None) -> None:
+    """A cache entry written atomically, and counted against the cap (which may evict older entries)."""
+    write_safetensors(path, tensors)
+    if budget is not None:
+        budget.written(path)

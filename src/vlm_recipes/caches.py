@@ -41,11 +41,10 @@ from typing import Any
 import torch
 import transformers
 from PIL import Image
-from safetensors.torch import load_file
 
-from vlm_recipes.cache_storage import CacheBudget, compact_pixels, expand_pixels
+from vlm_recipes.cache_storage import CacheBudget, compact_pixels, expand_pixels, read_entry, write_entry
 from vlm_recipes.data.video import video_identity
-from vlm_recipes.files import cache_dir, write_json, write_safetensors
+from vlm_recipes.files import cache_dir, write_json
 
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
 
@@ -234,25 +233,14 @@ class PreprocessedSampleCollator:
 
     def _sample(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
         path = self.directory / f"{self._key(example)}.safetensors"
-        if (stored := self._read(path)) is not None:
+        if (stored := read_entry(path, self.budget)) is not None:
             self.hits += 1
             return expand_pixels(stored)
         self.misses += 1
         row = {**example, "images": [decoded(image) for image in example.get("images") or []]}
         sample = {k: v for k, v in self.padded([row]).items() if isinstance(v, torch.Tensor)}
-        write_safetensors(path, compact_pixels(sample))
-        if self.budget is not None:
-            self.budget.written(path)
+        write_entry(path, compact_pixels(sample), self.budget)
         return sample
-
-    def _read(self, path: Path) -> dict[str, torch.Tensor] | None:
-        try:
-            stored = load_file(str(path))
-        except FileNotFoundError:  # not made yet, or evicted
-            return None
-        if self.budget is not None:
-            self.budget.used(path)
-        return stored
 
     def _key(self, example: dict[str, Any]) -> str:
         videos = getattr(self.padded, "videos", None)  # data.collate.VideoCollator: frames by these settings

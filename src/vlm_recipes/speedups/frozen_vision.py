@@ -26,13 +26,12 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from vlm_recipes.cache_storage import CacheBudget
+from vlm_recipes.cache_storage import CacheBudget, read_entry, write_entry
 from vlm_recipes.caches import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
 from vlm_recipes.families import Family
-from vlm_recipes.files import write_json, write_safetensors
+from vlm_recipes.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +151,7 @@ class VisionFeatureCache:
         return self.directory / key[:2] / f"{key}.safetensors"
 
     def _load(self, key: str, device: torch.device) -> dict[str, torch.Tensor] | None:
-        path = self._path(key)
-        try:
-            features = load_file(str(path), device=str(device))
-        except FileNotFoundError:  # not computed yet, or evicted
-            return None
-        if self.budget is not None:
-            self.budget.used(path)
-        return features
+        return read_entry(self._path(key), self.budget, str(device))
 
     def _store(self, key: str, image: dict[str, torch.Tensor]) -> None:
-        write_safetensors(self._path(key), image)
-        if self.budget is not None:
-            self.budget.written(self._path(key))
+        write_entry(self._path(key), image, self.budget)
