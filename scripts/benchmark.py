@@ -303,6 +303,12 @@ def render_tables(report: dict) -> str:
 
 def update_readme(report: dict, readme: Path = REPO / "README.md") -> None:
     text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        print(
+            f"{readme}: the lines {README_BEGIN} and {README_END} mark where the tables go; add them",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
     readme.write_text(text[:begin] + "\n" + render_tables(report) + "\n" + text[end:])
 
@@ -411,6 +417,10 @@ def main() -> int:
     parser.add_argument("--readme", type=Path, help="rewrite README's tables from this results file; no run")
     args = parser.parse_args()
     if args.readme:
+        if not args.readme.is_file():
+            parser.error(
+                f"--readme {args.readme}: no such results file (scripts/benchmark.py --out writes one)"
+            )
         update_readme(json.loads(args.readme.read_text()))
         print(f"README.md: tables from {args.readme}")
         return 0

@@ -191,3 +191,16 @@ def test_step_times_include_loading_the_batch(tmp_path):
     Trainer(model=Tiny(), args=args, train_dataset=SlowRows(), callbacks=[timer]).train()
     assert len(timer.step_times) == 3
     assert min(timer.step_times) >= 2 * 0.05, "two rows of 50 ms each are loaded in every step"
+
+
+def test_readme_tables_refuse_a_missing_file_or_markers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--readme", str(tmp_path / "absent.json")])
+    with pytest.raises(SystemExit) as refused:
+        bench.main()
+    assert refused.value.code == 2 and "absent.json: no such results file" in capsys.readouterr().err
+    readme = tmp_path / "README.md"
+    readme.write_text("# no tables here\n")
+    with pytest.raises(SystemExit) as refused:
+        bench.update_readme(json.loads(RESULTS.read_text()), readme)
+    assert refused.value.code == 2 and "mark where the tables go" in capsys.readouterr().err
+    assert readme.read_text() == "# no tables here\n", "nothing written"
