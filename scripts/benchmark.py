@@ -54,8 +54,15 @@ SPEEDUPS = {  # each switchable; the feature cache only exists for a frozen towe
         "training.preprocessed_cache=true",
         "training.vision_feature_cache=true",
         "training.sparse_lora_dropout=true",
+        "training.loss_positions_only=true",
+        "training.matmul_patch_embedding=true",
     ],
-    "vision-full": ["training.padding_free=true", "training.preprocessed_cache=true"],
+    "vision-full": [
+        "training.padding_free=true",
+        "training.preprocessed_cache=true",
+        "training.loss_positions_only=true",
+        "training.matmul_patch_embedding=true",
+    ],
 }
 # Speed-ups off, ours computes what TRL computes, adapters in the compute dtype as TRL casts them for QLoRA
 # (bf16), where that is bf16. Where it is fp32 (a CPU without native bf16) TRL still casts QLoRA adapters to
@@ -135,6 +142,7 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
         "eval_loss": metrics.get("eval_loss"),
         "loss_curve": {point["step"]: point["loss"] for point in metrics["loss_curve"]},
         "vision_fraction_computed": fraction_computed(metrics.get("vision_feature_cache")),
+        "flops_skipped": flops_skipped(metrics.get("loss_positions_only"), setup["last_layer_flops"][stage]),
         **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
     }
 
@@ -145,6 +153,15 @@ def fraction_computed(feature_cache: dict | None) -> float:
         return 1.0
     looked_up = feature_cache["in_training"]["hits"] + feature_cache["in_training"]["misses"]
     return feature_cache["in_training"]["misses"] / looked_up if looked_up else 1.0
+
+
+def flops_skipped(loss_positions: dict | None, per_position: float) -> float:
+    """The FLOPs training.loss_positions_only did not run: the last layer's and LM head's share at every
+    unlabelled position trained on."""
+    if not loss_positions:
+        return 0.0
+    counted = loss_positions["in_training"]
+    return (counted["positions"] - counted["labelled"]) * per_position
 
 
 def cache_env(env: dict, caches: Path) -> dict:
@@ -175,7 +192,13 @@ def run_baseline(stage: str, scenario: str, setup: dict, caches: Path) -> dict:
         ]
         wall, rss = run_process(command, cache_env(setup["env"], caches))
         measured = json.loads(Path(result.name).read_text())
-    return {**measured, "wall_s": wall, "peak_rss_gb": rss, "vision_fraction_computed": 1.0}
+    return {
+        **measured,
+        "wall_s": wall,
+        "peak_rss_gb": rss,
+        "vision_fraction_computed": 1.0,
+        "flops_skipped": 0.0,
+    }
 
 
 def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> dict:
@@ -190,9 +213,11 @@ def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> d
 
 def with_throughput(run: dict, samples: int, flops_by_role: dict, peak_tflops: float | None) -> dict:
     """Samples/s in the training loop, and model TFLOP/s counting the FLOPs actually run: the tower's and
-    projector's scaled by the share of images they computed (the rest came from the feature cache)."""
+    projector's scaled by the share of images they computed (the rest came from the feature cache), less
+    what the last layer skipped at unlabelled positions (training.loss_positions_only)."""
     vision = flops_by_role["vision"] + flops_by_role["projector"]
     flops_run = samples * (flops_by_role["llm"] + vision * run["vision_fraction_computed"])
+    flops_run -= run["flops_skipped"]
     tflops = flops_run / run["train_runtime_s"] / 1e12
     return {
         **run,
@@ -337,12 +362,13 @@ def processor_name() -> str:
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> tuple[dict, dict]:
-    """The model's size, and each stage's mean FLOPs per sample by role (on the meta device: shapes only)."""
+def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> tuple[dict, dict, dict]:
+    """The model's size, each stage's mean FLOPs per sample by role, and each stage's FLOPs at a position
+    that training.loss_positions_only skips when unlabelled (on the meta device: shapes only)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlm_recipes.evaluation.flops import flops_per_sample_by_role
+    from vlm_recipes.evaluation.flops import flops_per_sample_by_role, last_layer_flops_per_position
     from vlm_recipes.recipes.load import load_recipe
     from vlm_recipes.recipes.schema import ROLES
     from vlm_recipes.stages.build import detect_family
@@ -350,12 +376,14 @@ def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> 
     family, config = detect_family(str(model))
     with torch.device("meta"):
         bare = AutoModelForImageTextToText.from_config(config)
-    flops = {}
+    flops, last_layer = {}, {}
     for stage in stages:
         train = load_recipe(str(REPO / "benchmarks" / "recipes" / RECIPES[stage])).stages[0].train
-        flops[stage] = flops_per_sample_by_role(bare, family, {r: getattr(train, r) for r in ROLES}, rows)
+        modes = {r: getattr(train, r) for r in ROLES}
+        flops[stage] = flops_per_sample_by_role(bare, family, modes, rows)
+        last_layer[stage] = last_layer_flops_per_position(bare, family, modes)
     parameters = sum(p.numel() for p in bare.parameters())
-    return {"name": model.name, "parameters": parameters, "family": family.name}, flops
+    return {"name": model.name, "parameters": parameters, "family": family.name}, flops, last_layer
 
 
 def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
@@ -396,6 +424,7 @@ def describe_run(args, scenarios: list[str], environment, precision: str, model:
         "speedups": {stage: SPEEDUPS[stage] for stage in setup["flops"]},
         "flops_formula": FORMULA,
         "flops_per_sample_by_role": setup["flops"],
+        "last_layer_flops_per_position": setup["last_layer_flops"],
         "peak_tflops": setup["peak_tflops"],
     }
 
@@ -442,7 +471,7 @@ def main() -> int:
     if "second-seed" in scenarios and "first-epoch" not in scenarios:
         parser.error("--scenarios: second-seed reads the caches first-epoch's run leaves; name both")
     counts = token_counts(model, data, args.rows)
-    model_info, flops = model_about(model, stages, counts)
+    model_info, flops, last_layer_flops = model_about(model, stages, counts)
     setup = {
         "model": model,
         "data": data,
@@ -450,6 +479,7 @@ def main() -> int:
         "batch_size": args.batch_size,
         "precision": precision,
         "flops": flops,
+        "last_layer_flops": last_layer_flops,
         "peak_tflops": args.peak_tflops or peak_tflops(environment.device),
         "env": {
             **os.environ,

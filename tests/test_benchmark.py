@@ -37,6 +37,7 @@ def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=Non
         "eval_loss": eval_loss,
         "loss_curve": curve,
         "vision_fraction_computed": fraction,
+        "flops_skipped": 0.0,
         "time_to_first_step_s": 1.0,
         "step_time_median_s": 0.5,
         "step_time_p90_s": 0.7,
@@ -53,7 +54,7 @@ def synthetic_report(stages, scenarios) -> dict:
 
     args = argparse.Namespace(threads=2, batch_size=4, repeats=1)
     flops = {stage: {"vision": 3e9, "projector": 1e9, "llm": 6e9} for stage in stages}
-    setup = {"rows": 8, "flops": flops, "peak_tflops": None}
+    setup = {"rows": 8, "flops": flops, "last_layer_flops": dict.fromkeys(stages, 1e6), "peak_tflops": None}
     model = {"name": "bench-qwen2-vl", "parameters": 16_700_000, "family": "qwen2-vl"}
     about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
     ways_of = {c: bench.WAYS_OF.get(c, [bench.BASELINE, bench.SPEEDUPS_ON]) for c in scenarios}
@@ -83,7 +84,7 @@ def test_committed_results_have_the_keys_the_script_writes():
             # each run as its process reported it: what the summaries read must be there
             for each in (run for way_runs in scenario.pop("runs").values() for run in way_runs):
                 measured = set(bench.MEASURED) - {"peak_gpu_allocated_gb"}  # on a GPU only
-                assert {*measured, "loss_curve", "vision_fraction_computed"} <= set(each)
+                assert {*measured, "loss_curve", "vision_fraction_computed", "flops_skipped"} <= set(each)
         for stage in tree["about"]["flops_per_sample_by_role"]:  # any model: the roles are the keys
             assert set(tree["about"]["flops_per_sample_by_role"][stage]) == {"vision", "projector", "llm"}
     assert key_tree(committed) == key_tree(written)
@@ -136,6 +137,35 @@ def test_model_flops_count_only_the_tower_work_actually_run():
     assert third["model_tflops_per_s"] == pytest.approx(8 * (6e9 + 4e9 / 3) / 2.0 / 1e12)
     assert bench.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
     assert bench.fraction_computed(None) == 1.0
+
+
+def test_model_flops_leave_out_what_the_last_layer_skipped_at_unlabelled_positions():
+    counted = {"in_training": {"labelled": 30, "positions": 130}}
+    assert bench.flops_skipped(counted, 2e6) == 100 * 2e6
+    assert bench.flops_skipped(None, 2e6) == 0.0
+    whole = run(10, 1, 2.0, 6.0, {1: 7.0})
+    cut = bench.with_throughput(
+        {**whole, "flops_skipped": 4e9}, 8, {"vision": 3e9, "projector": 1e9, "llm": 6e9}, None
+    )
+    assert cut["model_tflops_per_s"] == pytest.approx((8 * 10e9 - 4e9) / 2.0 / 1e12)
+
+
+def test_last_layer_flops_per_position_are_its_output_projection_mlp_and_lm_head():
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.evaluation.flops import last_layer_flops_per_position
+    from vlm_recipes.stages.build import detect_family
+
+    family, config = detect_family(str(ensure_demo_model()))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    text = config.get_text_config()
+    o_proj = text.num_attention_heads * (text.hidden_size // text.num_attention_heads) * text.hidden_size
+    mlp, lm_head = 3 * text.hidden_size * text.intermediate_size, text.vocab_size * text.hidden_size
+    frozen_llm = {"vision": "full", "projector": "full", "llm": "frozen"}
+    assert last_layer_flops_per_position(model, family, frozen_llm) == 4 * (o_proj + mlp + lm_head)
 
 
 @pytest.mark.e2e

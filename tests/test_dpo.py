@@ -203,6 +203,26 @@ def test_dpo_with_lora_beside_a_fully_trained_role_is_refused(tmp_path, capsys, 
     assert not (tmp_path / "runs").exists()  # refused before anything was written
 
 
+def test_loss_positions_only_on_a_dpo_stage_is_refused_before_the_model_loads(
+    tmp_path, capsys, private_demo_cache
+):
+    recipe = write_recipe(
+        tmp_path,
+        "cut",
+        "model: demo:tiny-qwen2-vl\n"
+        "stages:\n"
+        "  - name: dpo\n"
+        "    method: dpo\n"
+        "    train: {llm: lora}\n"
+        "    training: {loss_positions_only: true}\n"
+        "    data: {train: demo:preference-train, eval: null}\n",
+    )
+    code = main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "stage `dpo`: training.loss_positions_only is for sft stages" in err and "loading" not in err
+
+
 def _write_rows(tmp_path: Path, rows: list[dict]) -> Path:
     Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "red.png")
     path = tmp_path / "prefs.jsonl"

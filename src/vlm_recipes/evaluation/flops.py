@@ -33,7 +33,9 @@ ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VL
 FORMULA = (
     "FLOPs/sample = sum_role c*N_role*tokens_role + c/2 * 4*L^2*width per attention layer (per window in "
     "windowed vision layers); c = 2 forward + 2 if a gradient flows through the role + 2 if its weights "
-    "train in full"
+    "train in full; FLOPs run = that less the tower's and projector's for images read from the feature "
+    "cache, and less c_llm*N_skipped per unlabelled position with training.loss_positions_only (N_skipped: "
+    "the last layer's output projection and MLP and the LM head)"
 )
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
 
@@ -120,6 +122,17 @@ def flops_per_sample_by_role(
         total["llm"] += c["llm"] * params["llm"] * length
         total["llm"] += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
     return {role: flops / max(len(token_counts), 1) for role, flops in total.items()}
+
+
+def last_layer_flops_per_position(model: nn.Module, family: Family, modes: dict[str, str]) -> float:
+    """The training FLOPs, at one position, of what training.loss_positions_only skips at an unlabelled
+    position: the last decoder layer's output projection and MLP, and the LM head."""
+    from vlm_recipes.speedups.loss_positions import text_decoder_layers
+
+    last = text_decoder_layers(model)[-1]
+    skipped = [last.self_attn.o_proj, last.mlp, model.get_output_embeddings()]
+    weights = {id(p): p.numel() for module in skipped for p in module.parameters() if p.dim() == 2}
+    return flop_coefficients(modes)["llm"] * sum(weights.values())
 
 
 def peak_tflops(device: str) -> float | None:

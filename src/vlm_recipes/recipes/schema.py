@@ -195,6 +195,16 @@ class TrainingSettings:
         "attention across samples): the same loss for less work",
         False,
     )
+    loss_positions_only: bool = doc(
+        "run the last decoder layer's output projection and MLP, and the LM head, only at the positions the "
+        "loss reads (those whose next token is labelled): the same loss for less work; sft stages",
+        False,
+    )
+    matmul_patch_embedding: bool = doc(
+        "compute the vision tower's patch embedding (a convolution over non-overlapping patches) as the matrix "
+        "product it is: the same weights and result up to rounding; several times faster on CPU",
+        False,
+    )
     sparse_lora_dropout: bool = doc(
         "draw only the positions LoRA dropout drops (same distribution as torch's dropout, ~1/p fewer "
         "random numbers): faster LoRA steps when lora.dropout > 0",

@@ -32,6 +32,7 @@ from vlm_recipes.cache_storage import CacheBudget, read_entry, write_entry
 from vlm_recipes.caches import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
 from vlm_recipes.families import Family
 from vlm_recipes.files import write_json
+from vlm_recipes.speedups.patch_embedding import patch_convolution_as_matmul
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,13 @@ def _without_grad(compute):
     return features
 
 
+def computed_by(tower: nn.Module) -> str:
+    """How the tower computes what the weights alone don't say (features computed another way can differ
+    in the last bits, so they are kept apart)."""
+    matmul = any(getattr(m.forward, "__func__", None) is patch_convolution_as_matmul for m in tower.modules())
+    return "patch embedding: matmul" if matmul else "patch embedding: convolution"
+
+
 class VisionFeatureCache:
     """Per-image vision features on disk, under `root/<digest of the tower's weights and the library
     versions>/`; installed on a model. With a `budget`, reads and writes count against the size cap."""
@@ -69,7 +77,7 @@ class VisionFeatureCache:
         self.owner = family.image_encoder_owner(model)
         tower = family.vision_tower(model)
         self.directory = Path(root) / content_digest(
-            weights_digest(tower), library_versions(*VISION_FEATURE_LIBRARIES)
+            weights_digest(tower), library_versions(*VISION_FEATURE_LIBRARIES), computed_by(tower)
         )
         self.budget = budget
         self.evicted_before = tuple(budget.evicted["vision-features"]) if budget else (0, 0)

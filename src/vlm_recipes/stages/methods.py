@@ -13,7 +13,7 @@ from vlm_recipes.data.rows import MESSAGES, RowFormat
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.stages.dpo import build_dpo_config, build_dpo_trainer, dpo_eval_metrics, dpo_max_length
-from vlm_recipes.stages.speedups import wrap_collator
+from vlm_recipes.stages.speedups import compute_loss_positions_only, wrap_collator
 from vlm_recipes.stages.trainer import build_sft_config, build_trainer
 
 
@@ -36,6 +36,7 @@ def _build_sft_trainer(built, stage, args, data, decisions=None, callbacks=None)
     videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
     trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos)
     wrap_collator(trainer, built, stage)  # the batch speed-ups wrap TRL's SFT collator
+    compute_loss_positions_only(trainer, built, stage, decisions)
     return trainer
 
 

@@ -81,6 +81,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
             **feature_cache.stats(),
             "in_training": {k: in_training[k] for k in ("hits", "misses")},
         }
+    if (cut := getattr(trainer, "loss_positions", None)) is not None:
+        metrics["loss_positions_only"] = {"in_training": dict(cut.counted)}
     report["dtypes_after_training"] = dtype_histogram(built.model)
     finish(ctx, built, trainer, data, metrics, report, started)
     ctx.state.wait_for_everyone()  # the next stage, on every rank, loads the final/ just written
@@ -179,8 +181,8 @@ def apply_guards(
 def speed_up(ctx: StageContext, built: BuiltModel, data: StageData) -> VisionFeatureCache | None:
     """The model-side speed-ups the stage asks for, then the batch arithmetic; every decision logged."""
     stage, t = ctx.stage, ctx.stage.training
+    speed_up_model(built, stage, ctx.decisions)  # first: the feature cache keys how the tower computes
     feature_cache = speed_up_frozen_vision(built, stage, vision_trains(stage), ctx.decisions)
-    speed_up_model(built, stage, ctx.decisions)
     ctx.decisions.append(
         batch_decision(
             ctx.parallel,

@@ -3,22 +3,33 @@ live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
 
 from __future__ import annotations
 
+import logging
+
 from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache, speedup_cache_budget
 from vlm_recipes.data.rows import StageData, undecoded
 from vlm_recipes.families import Family
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
+from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
+from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
 from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
 from vlm_recipes.stages.build import BuiltModel
 from vlm_recipes.stages.guards import Decision, GuardError
 from vlm_recipes.stages.trainer import RecipeTrainer
+
+log = logging.getLogger(__name__)
 
 
 def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> None:
     """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
     if stage.training.padding_free and (why := family.padding_free_refusal()):
         raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
+    if stage.training.loss_positions_only and stage.method != "sft":
+        raise GuardError(
+            f"stage `{stage.name}`: training.loss_positions_only is for sft stages (a {stage.method} loss "
+            "reads its own positions); remove it from this stage"
+        )
     if stage.training.vision_feature_cache:
         splits = [ds for ds in (data.train, data.eval) if ds is not None and "images" in ds.column_names]
         most = max(
@@ -87,7 +98,22 @@ def speed_up_frozen_vision(
 
 def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -> None:
     """The speed-ups that change how the model computes, never what: per-sample attention for packed
-    rows, sparse LoRA dropout."""
+    rows, the patch embedding as a matmul, sparse LoRA dropout."""
+    if stage.training.matmul_patch_embedding:
+        switched = use_matmul_patch_embedding(built.family.vision_tower(built.model))
+        if not switched:
+            raise GuardError(
+                f"stage `{stage.name}`: training.matmul_patch_embedding: the {built.family.name} vision tower "
+                "has no convolution over non-overlapping patches; remove the setting"
+            )
+        decisions.append(
+            Decision(
+                "matmul-patch-embedding",
+                f"{', '.join(switched)} computed as a matmul",
+                "training.matmul_patch_embedding is on: a convolution whose stride is its kernel is one "
+                "linear map per patch, and the CPU convolution (its weight gradient most) is slower",
+            )
+        )
     if stage.training.padding_free and attend_per_sample(built.model):
         decisions.append(
             Decision(
@@ -107,3 +133,28 @@ def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -
                 "the random numbers",
             )
         )
+
+
+def compute_loss_positions_only(
+    trainer: RecipeTrainer, built: BuiltModel, stage: Stage, decisions: list[Decision] | None
+) -> None:
+    """The last decoder layer and the LM head computed only where the loss reads them."""
+    if not stage.training.loss_positions_only:
+        return
+    if why := loss_positions_refusal(built.model):
+        raise GuardError(f"stage `{stage.name}`: training.loss_positions_only is refused: {why}")
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        raise GuardError(
+            f"stage `{stage.name}`: training.loss_positions_only needs TRL's own token loss, not a custom "
+            "loss or label smoothing (they read every position's logits)"
+        )
+    trainer.loss_positions = LastLayerAtLossPositions(built.model)
+    decision = Decision(
+        "loss-positions-only",
+        f"{type(trainer.loss_positions.layer).__name__} (the last) and the LM head at labelled positions",
+        "training.loss_positions_only is on: the last layer's output at an unlabelled position only "
+        "feeds a logit the loss masks out, so its output projection, MLP and logits are skipped there",
+    )
+    log.info("  %s", decision)  # the trainer is built after the model-side decisions were logged
+    if decisions is not None:
+        decisions.append(decision)

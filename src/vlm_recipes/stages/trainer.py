@@ -15,6 +15,7 @@ from vlm_recipes.data.rows import StageData
 from vlm_recipes.families import Family
 from vlm_recipes.families.base import params_by_role
 from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
 from vlm_recipes.speedups.packing import is_packed
 from vlm_recipes.stages.build import BuiltModel
 from vlm_recipes.stages.guards import Decision, Environment, apply_parallelism, apply_trainable_dtype
@@ -139,7 +140,11 @@ class RecipeTrainerMixin:
 class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
     """The SFT stage's trainer."""
 
+    loss_positions: LastLayerAtLossPositions | None = None  # training.loss_positions_only
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.loss_positions is not None:
+            inputs = self.loss_positions.select(inputs)  # kept set through backward (checkpointing)
         # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
         # multimodal position ids, i.e. 1. Count the packed row's length instead.
         counted_before = self._total_train_tokens
@@ -150,6 +155,20 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
             self._total_train_tokens = counted_before + tokens
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
+
+    def training_step(self, *args, **kwargs):
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:  # any other forward (generation) runs the whole last layer
+            if self.loss_positions is not None:
+                self.loss_positions.positions = None
+
+    def prediction_step(self, *args, **kwargs):
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            if self.loss_positions is not None:
+                self.loss_positions.positions = None
 
 
 def build_trainer(

@@ -1,0 +1,114 @@
+"""The last decoder layer computed only where the loss reads it.
+
+An SFT loss reads the final hidden state at the positions whose next token is labelled: the answer
+tokens, a small share of a VLM sample whose image tokens and prompt are unlabelled. Every layer but the
+last must still run at every position (later positions attend to them), but the last layer's output at
+an unlabelled position goes nowhere: to a logit the loss masks out. So the last layer runs its attention
+(queries, keys and values) at every position, and its output projection, MLP and residuals, the final
+norm and the LM head only at the labelled ones. On CPU, TRL's fused LM head also scores every position
+(it compacts to the labelled ones only on Triton devices); here it is handed just those.
+
+The loss is the same sum over the same labelled tokens divided by the same count; each kept row is
+computed by the same per-row operations, so what changes is at most the rounding of a matrix product
+with fewer rows (tests/test_speedups.py bounds it against what training moves).
+
+Two layer shapes are supported, read from the layer's sub-modules: the pre-norm layer of Llama, Qwen2,
+the Qwen-VL line and SmolVLM's text model (input_layernorm, self_attn, post_attention_layernorm, mlp),
+and Gemma 3's sandwich-norm layer (plus pre_/post_feedforward_layernorm). Any other layer is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRE_NORM = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+SANDWICH_NORM = PRE_NORM | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+
+
+def text_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The language model's decoder layers (under PEFT too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder().layers
+
+
+def loss_positions_refusal(model: nn.Module) -> str | None:
+    """Why the last layer can't be cut to the loss positions exactly (None: it can)."""
+    layers = text_decoder_layers(model)
+    parts = {name for name, _ in layers[-1].named_children()}
+    if parts not in (PRE_NORM, SANDWICH_NORM):
+        return (
+            f"the last decoder layer ({type(layers[-1]).__name__}) has parts {sorted(parts)}; only the "
+            f"pre-norm layer {sorted(PRE_NORM)} and Gemma 3's sandwich-norm layer are supported"
+        )
+    vision_config = getattr(model.config, "vision_config", None)
+    deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+    if deepstack >= len(layers):
+        return (
+            f"DeepStack adds image features after each of the first {deepstack} decoder layers, the last "
+            f"of {len(layers)} among them, at image positions the cut layer no longer returns"
+        )
+    return None
+
+
+class LastLayerAtLossPositions:
+    """Installed on the last decoder layer. While `positions` is set (flat indices into the batch's
+    [batch * length] positions), the layer returns [1, len(positions), hidden] at those positions only;
+    unset (generation, any other forward), the layer is untouched."""
+
+    def __init__(self, model: nn.Module):
+        self.layer = text_decoder_layers(model)[-1]
+        self.sandwich = {name for name, _ in self.layer.named_children()} == SANDWICH_NORM
+        self.full_forward = self.layer.forward
+        signature = inspect.signature(self.full_forward)
+        self.bind = signature.bind
+        self.extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        self.positions: torch.Tensor | None = None
+        # in training: positions the last layer computed, and the batches' real positions (what the
+        # benchmark's FLOPs actually run subtract)
+        self.counted = {"labelled": 0, "positions": 0}
+        # an instance attribute: GradientCheckpointingLayer's recompute calls it again, positions still set
+        self.layer.forward = self.forward
+
+    def select(self, inputs: dict) -> dict:
+        """Set the positions from the batch's labels; the inputs with `shift_labels` for just those
+        (TRL's fused LM head then scores exactly them, unshifted)."""
+        labels = inputs["labels"]
+        following = F.pad(labels[:, 1:], (0, 1), value=-100)  # position i predicts token i + 1
+        read = following != -100
+        if not read.any():  # nothing to score: the full layer keeps the loss connected
+            self.positions = None
+            return inputs
+        self.positions = read.flatten().nonzero().squeeze(1)
+        if torch.is_grad_enabled():  # a training step (eval runs without autograd)
+            real = inputs["attention_mask"].sum() if "attention_mask" in inputs else labels.numel()
+            self.counted["labelled"] += len(self.positions)
+            self.counted["positions"] += int(real)
+        return {**inputs, "shift_labels": following[read][None]}
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.positions is None:
+            return self.full_forward(hidden_states, *args, **kwargs)
+        layer, positions = self.layer, self.positions
+        # what the layer passes its attention: every argument it was called with, by name
+        passed = self.bind(hidden_states, *args, **kwargs).arguments
+        passed = {**passed, **passed.pop(self.extra, {})}
+        del passed[next(iter(passed))]  # hidden_states, normed below
+        keep_rows = layer.self_attn.o_proj.register_forward_pre_hook(
+            lambda _, args: (args[0].flatten(0, -2).index_select(0, positions)[None],)
+        )
+        try:
+            attended = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **passed)[0]
+        finally:
+            keep_rows.remove()
+        if self.sandwich:
+            attended = layer.post_attention_layernorm(attended)
+        hidden = hidden_states.flatten(0, -2).index_select(0, positions)[None] + attended
+        if self.sandwich:
+            mlp = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        else:
+            mlp = layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + mlp
