@@ -67,8 +67,8 @@ class LastLayerAtLossPositions:
         self.bind = signature.bind
         self.extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
         self.positions: torch.Tensor | None = None
-        # in training: positions the last layer computed, and the batches' real positions (what the
-        # benchmark's FLOPs actually run subtract)
+        # in training: the labelled positions the last layer computed, and the batches' real positions
+        # (the benchmark's FLOPs actually run leave out the rest)
         self.counted = {"labelled": 0, "positions": 0}
         # an instance attribute: GradientCheckpointingLayer's recompute calls it again, positions still set
         self.layer.forward = self.forward
