@@ -66,16 +66,21 @@ def test_processed_pixels_read_back_bit_for_bit_from_one_byte_codes(name, tmp_pa
 def test_codebooks_keep_every_bit_or_store_the_tensor_as_is():
     generator = torch.Generator().manual_seed(0)
     few = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1.5], dtype=torch.float32)
+    image = torch.randint(0, 100, (1, 3, 128, 128), generator=generator) * 2
+    image[..., 5] = 255  # never in the every-4th-element sample
     tensors = {
         "few": few[torch.randint(0, 5, (2, 3, 40, 40), generator=generator)],  # -0.0 apart from 0.0
         "half": (torch.randint(0, 200, (3, 64, 64), generator=generator) / 7).to(torch.bfloat16),
         "wide": torch.randint(0, 1000, (50_000,), generator=generator) / 7,  # int16 codes
+        # an 8-bit image's steps (the codes by arithmetic), one value too rare for its sample to hold
+        "steps": (image / 255 - 0.48) / 0.27,
         "many": torch.randn(3, 64, 64, generator=generator),  # all distinct: stored as is
         "small": torch.randn(10, generator=generator),
         "ids": torch.arange(5000),
     }
     stored = compact_pixels(tensors)
-    assert {"few.codes", "half.codes", "wide.codes", "many", "small", "ids"} <= stored.keys()
+    assert {"few.codes", "half.codes", "wide.codes", "steps.codes", "many", "small", "ids"} <= stored.keys()
+    assert stored["steps.codes"].dtype == torch.uint8
     assert stored["wide.codes"].dtype == torch.int16
     back = expand_pixels(stored)
     assert back.keys() == tensors.keys()
