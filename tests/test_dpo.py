@@ -185,7 +185,22 @@ def test_the_lora_reference_holds_no_second_copy_of_the_weights(tmp_path, demo_m
     assert held >= 1.9 * _weight_bytes(full.model)
 
 
-def test_dpo_with_lora_beside_a_fully_trained_role_is_refused(tmp_path, capsys, private_demo_cache):
+@pytest.mark.parametrize(
+    "stage_lines, refusal",
+    [
+        (
+            "    train: {projector: full, llm: lora}\n",
+            "mixed.yaml: stages[0].train: method dpo trains llm with LoRA and projector fully",
+        ),
+        (
+            "    train: {llm: lora}\n    training: {loss_positions_only: true}\n",
+            "mixed.yaml: stages[0].training.loss_positions_only: is for sft stages",
+        ),
+    ],
+    ids=["lora-beside-full", "loss-positions-only"],
+)
+def test_dpo_stage_refusals(stage_lines, refusal, tmp_path, capsys, private_demo_cache):
+    """Refused when the recipe loads, before anything is written."""
     recipe = write_recipe(
         tmp_path,
         "mixed",
@@ -193,34 +208,14 @@ def test_dpo_with_lora_beside_a_fully_trained_role_is_refused(tmp_path, capsys, 
         "stages:\n"
         "  - name: dpo\n"
         "    method: dpo\n"
-        "    train: {projector: full, llm: lora}\n"
+        f"{stage_lines}"
         "    data: {train: demo:preference-train, eval: null}\n",
     )
     code = main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "mixed.yaml: stages[0].train: method dpo trains llm with LoRA and projector fully" in err
-    assert not (tmp_path / "runs").exists()  # refused before anything was written
-
-
-def test_loss_positions_only_on_a_dpo_stage_is_refused_before_the_model_loads(
-    tmp_path, capsys, private_demo_cache
-):
-    recipe = write_recipe(
-        tmp_path,
-        "cut",
-        "model: demo:tiny-qwen2-vl\n"
-        "stages:\n"
-        "  - name: dpo\n"
-        "    method: dpo\n"
-        "    train: {llm: lora}\n"
-        "    training: {loss_positions_only: true}\n"
-        "    data: {train: demo:preference-train, eval: null}\n",
-    )
-    code = main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs")])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "stage `dpo`: training.loss_positions_only is for sft stages" in err and "loading" not in err
+    assert refusal in err
+    assert not (tmp_path / "runs").exists()
 
 
 def _write_rows(tmp_path: Path, rows: list[dict]) -> Path:

@@ -276,16 +276,25 @@ def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Proble
 
 def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
     """A DPO stage that trains LoRA takes the model with its adapter off as the reference: a role trained
-    fully beside it would move the reference too."""
+    fully beside it would move the reference too. Cutting the last layer to the labelled positions is an
+    SFT loss's speed-up."""
+    problems = []
+    if stage.method != "sft" and stage.training.loss_positions_only:
+        problems.append(
+            Problem(
+                f"{at}.training.loss_positions_only",
+                f"is for sft stages (a {stage.method} loss reads its own positions); remove it from this stage",
+            )
+        )
     lora = [role for role, mode in modes.items() if mode == "lora"]
     full = [role for role, mode in modes.items() if mode == "full"]
-    if stage.method != "dpo" or not (lora and full):
-        return []
-    return [
-        Problem(
-            f"{at}.train",
-            f"method dpo trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the reference "
-            "(the model with its adapter off) would move with the fully trained roles. Train every role "
-            "with LoRA, or every trained role fully",
+    if stage.method == "dpo" and lora and full:
+        problems.append(
+            Problem(
+                f"{at}.train",
+                f"method dpo trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the reference "
+                "(the model with its adapter off) would move with the fully trained roles. Train every role "
+                "with LoRA, or every trained role fully",
+            )
         )
-    ]
+    return problems

@@ -25,11 +25,6 @@ def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> No
     """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
     if stage.training.padding_free and (why := family.padding_free_refusal()):
         raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
-    if stage.training.loss_positions_only and stage.method != "sft":
-        raise GuardError(
-            f"stage `{stage.name}`: training.loss_positions_only is for sft stages (a {stage.method} loss "
-            "reads its own positions); remove it from this stage"
-        )
     if stage.training.vision_feature_cache:
         splits = [ds for ds in (data.train, data.eval) if ds is not None and "images" in ds.column_names]
         most = max(
