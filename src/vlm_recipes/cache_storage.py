@@ -122,8 +122,8 @@ def _steps_of_one_value(floats: torch.Tensor, bits: torch.Tensor) -> tuple[torch
     codes = ((flat - lowest) / step).round_().to(torch.int32)
     book = torch.zeros(256, dtype=bits.dtype)
     book[((sample.float() - lowest) / step).round_().long()] = sample.view(bits.dtype)
-    if not torch.equal(book.index_select(0, codes), want):
-        missed = book.index_select(0, codes) != want  # values the sample did not hold
+    missed = book.index_select(0, codes) != want  # values the sample did not hold
+    if missed.any():
         book[codes[missed].long()] = want[missed]
         if not torch.equal(book.index_select(0, codes), want):  # bit for bit, or not this path
             return None

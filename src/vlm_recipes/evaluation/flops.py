@@ -127,10 +127,9 @@ def flops_per_sample_by_role(
 def last_layer_flops_per_position(model: nn.Module, family: Family, modes: dict[str, str]) -> float:
     """The training FLOPs, at one position, of what training.loss_positions_only skips at an unlabelled
     position: the last decoder layer's output projection and MLP, and the LM head."""
-    from vlm_recipes.speedups.loss_positions import text_decoder_layers
+    from vlm_recipes.speedups.loss_positions import skipped_at_unlabelled_positions
 
-    last = text_decoder_layers(model)[-1]
-    skipped = [last.self_attn.o_proj, last.mlp, model.get_output_embeddings()]
+    skipped = skipped_at_unlabelled_positions(model)
     weights = {id(p): p.numel() for module in skipped for p in module.parameters() if p.dim() == 2}
     return flop_coefficients(modes)["llm"] * sum(weights.values())
 

@@ -35,6 +35,13 @@ def text_decoder_layers(model: nn.Module) -> nn.ModuleList:
     return base.get_decoder().layers
 
 
+def skipped_at_unlabelled_positions(model: nn.Module) -> list[nn.Module]:
+    """What the cut last layer does not run at an unlabelled position: its output projection, its MLP, and
+    the LM head (the benchmark's FLOPs actually run leave them out there)."""
+    last = text_decoder_layers(model)[-1]
+    return [last.self_attn.o_proj, last.mlp, model.get_output_embeddings()]
+
+
 def loss_positions_refusal(model: nn.Module) -> str | None:
     """Why the last layer can't be cut to the loss positions exactly (None: it can)."""
     layers = text_decoder_layers(model)

@@ -159,16 +159,19 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
     def training_step(self, *args, **kwargs):
         try:
             return super().training_step(*args, **kwargs)
-        finally:  # any other forward (generation) runs the whole last layer
-            if self.loss_positions is not None:
-                self.loss_positions.positions = None
+        finally:
+            self._forget_loss_positions()
 
     def prediction_step(self, *args, **kwargs):
         try:
             return super().prediction_step(*args, **kwargs)
         finally:
-            if self.loss_positions is not None:
-                self.loss_positions.positions = None
+            self._forget_loss_positions()
+
+    def _forget_loss_positions(self) -> None:
+        """After the step's backward: any other forward (generation) runs the whole last layer."""
+        if self.loss_positions is not None:
+            self.loss_positions.positions = None
 
 
 def build_trainer(
