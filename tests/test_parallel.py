@@ -218,21 +218,8 @@ def test_shipped_accelerate_configs_are_valid(name):
     assert Path(CONFIGS_DIR / f"{name}.yaml").read_text().startswith("#")
 
 
-@pytest.mark.e2e
-def test_stages_can_use_devices_differently(tmp_path, private_demo_cache):
-    """Stage 1 in this process, stage 2 relaunched as two DDP processes that continue the same run."""
-    result = run_quick_r3(tmp_path, "mixed", "--nproc-per-node", "2", "stages.1.parallel=single")
-    assert result.returncode == 0, result.stderr[-4000:]
-    run_dir = tmp_path / "r3-two-stage" / "mixed"
-    launches = {
-        p.parent.name: {d["guard"]: d["choice"] for d in read_json(p)["decisions"]}
-        for p in run_dir.glob("*/report.json")
-    }
-    assert launches["stage-1-vision-full"]["parallelism"] == "single device"
-    assert launches["stage-2-llm-lora"]["same-start"] == "identical on 2 ranks"
-    manifest = read_json(run_dir / "run.json")
-    assert manifest["status"] == "finished" and len(manifest["stages"]) == 2
-    assert "--nproc-per-node 2" in manifest["command"]  # the user's command, not the launcher's
+# Stages using the devices differently (stage 1 launched as 2 DDP processes, stage 2 in the launching
+# process): tests/test_family_features.py, on every family but Qwen2-VL.
 
 
 def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_dir, tmp_path):
