@@ -30,7 +30,11 @@ from vlm_recipes.data.rows import undecoded
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.speedups import packing
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
-from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
+from vlm_recipes.speedups.loss_positions import (
+    LastLayerAtLossPositions,
+    loss_positions_refusal,
+    text_decoder_layers,
+)
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
 from vlm_recipes.speedups.sparse_dropout import SparseDropout
@@ -554,18 +558,29 @@ def test_cached_stage_learns_exactly_what_the_uncached_one_does(baseline, proof_
     assert_learns_exactly_what_the_baseline_does(warm, baseline)
 
 
-def test_loss_positions_only_stage_ends_where_the_whole_last_layer_does(baseline, proof_dir):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+def test_loss_positions_only_stage_ends_where_the_whole_last_layer_does(baseline, proof_dir, checkpointing):
     """The last layer and LM head at the labelled positions only: the weights end at a distance from the
     baseline's below 1e-4 of how far training moved them (the rounding of products with fewer rows). The
-    eval answers are generated after training: generation runs the whole layer."""
+    eval answers are generated after training: generation runs the whole layer. With activation
+    checkpointing the backward recomputes the cut layer, with the same positions (cleared before it, the
+    recompute's whole-length output would not match what the forward saved)."""
     cut = train_stage(
         proof_dir,
-        "loss-positions-only",
-        ["training.loss_positions_only=true", "evaluation.generate=true", "evaluation.max_new_tokens=4"],
+        "loss-positions-only" + ("-checkpointed" if checkpointing else ""),
+        [
+            "training.loss_positions_only=true",
+            f"training.gradient_checkpointing={str(checkpointing).lower()}",
+            "evaluation.generate=true",
+            "evaluation.max_new_tokens=4",
+        ],
     )
     ratio = distance(cut.trained, baseline.trained) / baseline.moved
-    print(f"loss_positions_only: |cut - whole| / |trained - initial| = {ratio:.1e}")
+    print(
+        f"loss_positions_only (checkpointing {checkpointing}): |cut - whole| / |trained - initial| = {ratio:.1e}"
+    )
     assert ratio < 1e-4, ratio
+    assert text_decoder_layers(cut.trainer.model)[-1].gradient_checkpointing is checkpointing
     assert cut.trainer.loss_positions.positions is None
     assert cut.metrics()["eval_loss"] == pytest.approx(baseline.metrics()["eval_loss"], rel=1e-5)
 
