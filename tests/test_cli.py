@@ -91,3 +91,17 @@ def test_a_launched_stage_relaunches_the_module(monkeypatch):
             ParallelPlan("ddp", 2), ["--resume", "runs/x/y", "--until-stage", "1"], NodeSettings()
         )
         assert command[-6:] == ["-m", "vlm_recipes", "--resume", "runs/x/y", "--until-stage", "1"]
+
+
+def test_a_bad_command_line_or_recipe_is_reported_before_the_training_stack_loads():
+    """A typo costs no import of torch, transformers, TRL or PEFT (~10 s): the command line and recipes are
+    checked first, and recipes/ stays import-light."""
+    check = (
+        "import sys; from vlm_recipes.cli.train import main; "
+        "code = main(sys.argv[1:]); "
+        "print(code, sorted(m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules))"
+    )
+    for args in (["--recipe", "r3-two-stag"], ["--recipe", "r1-llm-only", "training.epochz=2"]):
+        result = run([sys.executable, "-c", check, *args])
+        assert result.stdout.split("\n")[-2] == "2 []", (args, result.stdout[-500:], result.stderr[-2000:])
+        assert "did you mean" in result.stderr and "Traceback" not in result.stderr

@@ -298,10 +298,26 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(describe_schema())
         return 0
 
-    from vlm_recipes.data.rows import DataError
-    from vlm_recipes.families import LoraTargetError, UnsupportedModelError
     from vlm_recipes.recipes.load import available_recipes
     from vlm_recipes.recipes.validate import RecipeError
+
+    if isinstance(args.resume, str):
+        args.output_dir = Path(args.resume).parent.parent
+    names = (
+        list(available_recipes()) if args.all else [n.strip() for n in args.recipe.split(",") if n.strip()]
+    )
+    base_name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
+    # The command line and every recipe are checked before the training stack (transformers, TRL, PEFT,
+    # datasets: ~10 s of imports) is imported: a typo is reported at once.
+    try:
+        check_flags(args)
+        jobs = build_jobs(args, names, base_name)
+    except RecipeError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from vlm_recipes.data.rows import DataError
+    from vlm_recipes.families import LoraTargetError, UnsupportedModelError
     from vlm_recipes.runner import LaunchFailed, run_recipe
     from vlm_recipes.runs import RunExistsError, RunOptions, format_summary
     from vlm_recipes.stages.build import MissingProcessorError
@@ -318,22 +334,14 @@ def _main(argv: list[str] | None, prog: str) -> int:
         MissingProcessorError,
         RunExistsError,
     )
-    if isinstance(args.resume, str):
-        args.output_dir = Path(args.resume).parent.parent
-    names = (
-        list(available_recipes()) if args.all else [n.strip() for n in args.recipe.split(",") if n.strip()]
-    )
-    base_name = args.run_name or time.strftime("%Y%m%d-%H%M%S")
     run_dirs: list[Path] = []
     try:
-        check_flags(args)
         if args.gpu is not None:
             select_gpus(args.gpu)
         if args.nnodes > 1 and not (args.run_name or args.resume):
             raise GuardError(
                 "a multi-node run needs the same --run-name on every node (a timestamp would differ)"
             )
-        jobs = build_jobs(args, names, base_name)
         if args.dry_run:
             from vlm_recipes.stages.plan import format_plan, plan_recipe
 

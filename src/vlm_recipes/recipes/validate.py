@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_recipes.demo import DEMO_MODEL_IDS
 from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, ROLES, Range, Recipe
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -143,7 +142,13 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
 
 def model_source_problem(source: str) -> str | None:
     """Why a model source cannot be found, judged without touching the network."""
-    if source.startswith("demo:") and source not in DEMO_MODEL_IDS:
+    if source.startswith("demo:"):
+        # imported here: the registry imports every family's transformers classes (seconds), and recipes/
+        # stays light so that a bad command line or recipe is reported at once
+        from vlm_recipes.demo import DEMO_MODEL_IDS
+
+        if source in DEMO_MODEL_IDS:
+            return None
         return f"unknown demo model `{source}`: the demo models are {', '.join(DEMO_MODEL_IDS)}"
     looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
     if looks_local and not (Path(source).expanduser() / "config.json").is_file():
