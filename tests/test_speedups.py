@@ -558,7 +558,7 @@ def test_cached_stage_learns_exactly_what_the_uncached_one_does(baseline, proof_
     assert_learns_exactly_what_the_baseline_does(warm, baseline)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "activation-checkpointing"])
 def test_loss_positions_only_stage_ends_where_the_whole_last_layer_does(baseline, proof_dir, checkpointing):
     """The last layer and LM head at the labelled positions only: the weights end at a distance from the
     baseline's below 1e-4 of how far training moved them (the rounding of products with fewer rows). The
