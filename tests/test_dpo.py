@@ -65,7 +65,8 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache):
 
 
 @pytest.mark.parametrize("model", list(TINY_MODELS.values()))
-def test_a_dpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_dpo_stage_trains_every_family(tmp_path, model, precision, private_demo_cache):
     """One DPO stage (LoRA on the language model) per family: guards, freeze audit, merged final/, reward
     metrics and generated answers."""
     recipe = write_recipe(
@@ -79,7 +80,8 @@ def test_a_dpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
         "    data: {train: demo:preference-train, eval: demo:preference-eval, max_train_samples: 8, "
         "max_eval_samples: 4}\n"
         "    evaluation: {max_new_tokens: 4}\n"
-        "    training: {per_device_batch_size: 4, learning_rate: 1.0e-3}\n",
+        "    training: {per_device_batch_size: 4, learning_rate: 1.0e-3}\n"
+        f"    precision: {precision}\n",
     )
     code = main(
         ["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "t", "--max-steps", "2"]
@@ -93,6 +95,8 @@ def test_a_dpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
     audit = report["freeze_audit"]
     assert audit["vision"]["changed"] == 0 and audit["projector"]["changed"] == 0
     assert audit["llm"]["changed"] > 0  # the merged adapter
+    guards = {d["guard"]: d["choice"] for d in report["decisions"]}
+    assert guards["precision"] == precision and "dtype-boundary" in guards
 
 
 def _dpo_stage(**training) -> Stage:

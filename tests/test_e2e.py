@@ -28,6 +28,7 @@ QUICK = [
     "training.per_device_batch_size=4",
     "data.max_eval_samples=8",
     "training.logging_steps=1",
+    "precision=fp32",  # the same path on any CPU (tests/test_families.py runs the seeds in bf16 too)
 ]
 
 

@@ -528,19 +528,25 @@ def assert_r3_trains_packed_with_the_feature_cache(tmp_path, model: str, family,
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tiny_family", [f for f in TINY_MODELS if f != "qwen2-vl"], indirect=True)
 @pytest.mark.parametrize("recipe", SEED_RECIPES)
-def test_seed_recipe_runs_end_to_end(tiny_family, recipe, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_seed_recipe_runs_end_to_end(tiny_family, recipe, precision, tmp_path):
+    """Every family, every seed recipe, in both precisions whatever the CPU (bf16: trained roles in fp32
+    masters beside frozen bf16 ones, where the dtype-boundary guard decides each crossing)."""
     family, _ = tiny_family
     model = f"model={TINY_MODELS[family.name]}"
     args = ["--recipe", recipe, "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN, model]
-    assert main(args) == 0
+    assert main([*args, f"precision={precision}"]) == 0
     manifest = read_json(tmp_path / recipe / "t" / "run.json")
     assert manifest["status"] == "finished"
     for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
         assert (Path(stage["dir"]) / "DONE").is_file()
         assert stage["steps"] == 2 and stage["eval_loss"] is not None
-        assert read_json(Path(stage["dir"]) / "report.json")["family"] == family.name
+        report = read_json(Path(stage["dir"]) / "report.json")
+        assert report["family"] == family.name
+        guards = {d["guard"]: d for d in report["decisions"]}
+        assert guards["precision"]["choice"] == precision
+        assert "dtype-boundary" in guards, "the crossing decision is in report.json"
         assert_stage_trained_its_roles(stage, recipe_stage, family)
         # the demo's first rows hold a two-image row and, for a family that takes video, a video row
         tasks = {json.loads(line)["task"] for line in (Path(stage["dir"]) / "predictions.jsonl").open()}

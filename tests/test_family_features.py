@@ -32,6 +32,7 @@ TINY = [
     "evaluation.max_new_tokens=4",
     "training.preprocessed_cache=true",
     "stages.2.parallel=single",  # stage 2 in the launching process, after the launched group ended
+    "precision=bf16",  # what every GPU trains in, whatever this CPU has (test_families runs both)
 ]
 
 

@@ -429,15 +429,22 @@ def train_stage(
     lora_dropout: float = 0.0,
     dropout_seed: int | None = None,
     recipe: str = "r1-llm-only",
+    precision: str = "fp32",
+    rows_reversed: bool = False,
 ) -> TrainedStage:
     """r1's stage for PROOF_STEPS steps on 16 rows, in this process (an interpreter start costs more than the
     stage), its speed-up caches under `directory`. LoRA dropout is off unless asked: packing lays the
     tensors out differently, so dropout would draw other masks. `dropout_seed` reseeds torch's generator
-    just before training: the same start and data order (seeded apart), another dropout stream."""
+    just before training: the same start and data order (seeded apart), another dropout stream. `precision`
+    is explicit (what `auto` picks depends on the CPU): fp32 proofs are exact or near it, bf16 ones are
+    bounded by the bf16 noise floor (`bf16_noise_floor`)."""
     captured, original_train = {}, stage_run.train
 
     def train_capturing_weights(ctx, trainer, callbacks, resume_from):
         captured["initial"] = trainable_tensors(trainer.model)
+        if rows_reversed:  # each batch's rows in the opposite order: the same sums, added in another order
+            collate = trainer.data_collator
+            trainer.data_collator = lambda rows: collate(rows[::-1])
         if dropout_seed is not None:
             torch.manual_seed(dropout_seed)
         output = original_train(ctx, trainer, callbacks, resume_from)
@@ -453,6 +460,7 @@ def train_stage(
         "evaluation.generate=false",
         "training.save_steps=0",  # no checkpoints to write
         "training.report_to=[none]",
+        f"precision={precision}",
         *overrides,
     ]
     with pytest.MonkeyPatch.context() as mp:
@@ -475,15 +483,74 @@ def proof_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("proofs")
 
 
-@pytest.fixture(scope="module")
-def baseline(proof_dir) -> TrainedStage:
-    """The stage without any speed-up: every proof compares with this one run."""
-    run = train_stage(proof_dir, "baseline", [])
+def checked_baseline(run: TrainedStage) -> TrainedStage:
     unchanged = [k for k in run.trained if torch.equal(run.trained[k], run.initial[k])]
     assert not unchanged, (
         f"every trainable tensor trained: an equality of weights then means something ({unchanged})"
     )
     return run
+
+
+@pytest.fixture(scope="module")
+def baseline(proof_dir) -> TrainedStage:
+    """The stage in fp32 without any speed-up: every fp32 proof compares with this one run."""
+    return checked_baseline(train_stage(proof_dir, "baseline", []))
+
+
+@pytest.fixture(scope="module")
+def baseline_bf16(proof_dir) -> TrainedStage:
+    """The same stage in bf16 (autocast, trained weights in fp32 masters): the bf16 proofs' reference."""
+    return checked_baseline(train_stage(proof_dir, "baseline-bf16", [], precision="bf16"))
+
+
+# A bf16 proof passes within this many times the bf16 noise floor. The floor is measured, not assumed: the
+# same padded training with each batch's rows in the opposite order, the same sums added in another order,
+# so all that differs is where bf16 rounds (1.3e-5 of what training moved, against 1.6e-6 in fp32).
+NOISE_FLOOR_MARGIN = 3.0
+
+
+@pytest.fixture(scope="module")
+def bf16_noise_floor(proof_dir, baseline_bf16) -> float:
+    """|reversed rows - baseline| / |trained - initial| of two equivalent padded bf16 runs."""
+    reordered = train_stage(proof_dir, "baseline-bf16-reversed", [], precision="bf16", rows_reversed=True)
+    assert all(torch.equal(reordered.initial[k], baseline_bf16.initial[k]) for k in reordered.initial)
+    floor = distance(reordered.trained, baseline_bf16.trained) / baseline_bf16.moved
+    print(f"bf16 noise floor: |rows reversed - baseline| / |trained - initial| = {floor:.1e}")
+    assert 0 < floor < 1e-3, "bf16 rounds, far less than training moves"
+    return floor
+
+
+def assert_within_bf16_noise(name: str, run: TrainedStage, baseline_bf16: TrainedStage, floor: float) -> None:
+    ratio = distance(run.trained, baseline_bf16.trained) / baseline_bf16.moved
+    bound = NOISE_FLOOR_MARGIN * floor
+    print(
+        f"{name} (bf16): |sped up - baseline| / |trained - initial| = {ratio:.1e}; bound {bound:.1e} "
+        f"= {NOISE_FLOOR_MARGIN} x the bf16 noise floor {floor:.1e}"
+    )
+    assert ratio < bound, (ratio, bound)
+
+
+# Packing is not exact in bf16 (0.03 of what training moved from the padded bf16 run, 2000x the noise floor
+# above: packed rows go through other kernels, per-sample causal attention instead of the masked dense one,
+# which round otherwise). What it keeps: it ends as close to the exact (fp32) training as padded bf16 does.
+# The floor there is bf16's own error, |padded bf16 - padded fp32| (0.16 of what training moved); packing may
+# add at most a tenth of it (0.995x seen). A wrong position adds 0.25 of what training moved (in fp32).
+BF16_OWN_ERROR_MARGIN = 1.1
+
+
+def test_padding_free_stage_in_bf16_ends_as_near_the_exact_training_as_padded_bf16_does(
+    baseline, baseline_bf16, bf16_noise_floor, proof_dir
+):
+    packed = train_stage(proof_dir, "padding-free-bf16", ["training.padding_free=true"], precision="bf16")
+    to_padded = distance(packed.trained, baseline_bf16.trained) / baseline.moved
+    own_error = distance(baseline_bf16.trained, baseline.trained) / baseline.moved
+    packed_error = distance(packed.trained, baseline.trained) / baseline.moved
+    print(
+        f"padding_free (bf16): |packed - padded| / moved = {to_padded:.1e} (noise floor {bf16_noise_floor:.1e}: "
+        f"not exact in bf16); |packed bf16 - fp32| = {packed_error:.3f} against bf16's own "
+        f"|padded bf16 - fp32| = {own_error:.3f}, bound {BF16_OWN_ERROR_MARGIN} x"
+    )
+    assert packed_error < BF16_OWN_ERROR_MARGIN * own_error, (packed_error, own_error)
 
 
 def test_padding_free_stage_ends_where_padded_training_does(baseline, proof_dir):
@@ -492,7 +559,7 @@ def test_padding_free_stage_ends_where_padded_training_does(baseline, proof_dir)
     to another moves them further than that. TRL counts the same real tokens both ways."""
     packed = train_stage(proof_dir, "padding-free", ["training.padding_free=true"])
     ratio = distance(packed.trained, baseline.trained) / baseline.moved
-    print(f"padding_free: |packed - padded| / |trained - initial| = {ratio:.1e}")
+    print(f"padding_free (fp32): |packed - padded| / |trained - initial| = {ratio:.1e}")
     assert ratio < 1e-4, ratio
     tokens = {
         way: m["train_tokens_per_second"] * m["train_runtime_s"]
@@ -534,7 +601,7 @@ def test_sparse_lora_dropout_stage_drops_at_p_and_differs_from_torch_dropout_onl
     noise = distance(other_stream.trained, torch_dropout.trained)
     ratio, noise_ratio = distance(sparse.trained, torch_dropout.trained) / noise, noise / torch_dropout.moved
     print(
-        f"sparse_lora_dropout: drop rate {rate:.4f} over {n} elements; |sparse - torch| / |torch - torch, "
+        f"sparse_lora_dropout (fp32): drop rate {rate:.4f} over {n} elements; |sparse - torch| / |torch - torch, "
         f"other stream| = {ratio:.2f}; dropout noise / |trained - initial| = {noise_ratio:.2f}"
     )
     assert ratio < 1.5, ratio
@@ -577,12 +644,31 @@ def test_loss_positions_only_stage_ends_where_the_whole_last_layer_does(baseline
     )
     ratio = distance(cut.trained, baseline.trained) / baseline.moved
     print(
-        f"loss_positions_only (checkpointing {checkpointing}): |cut - whole| / |trained - initial| = {ratio:.1e}"
+        f"loss_positions_only (fp32, checkpointing {checkpointing}): |cut - whole| / |trained - initial| = {ratio:.1e}"
     )
     assert ratio < 1e-4, ratio
     assert text_decoder_layers(cut.trainer.model)[-1].gradient_checkpointing is checkpointing
     assert cut.trainer.loss_positions.positions is None
     assert cut.metrics()["eval_loss"] == pytest.approx(baseline.metrics()["eval_loss"], rel=1e-5)
+
+
+def test_loss_positions_only_stage_in_bf16_ends_within_the_bf16_noise_floor(
+    baseline_bf16, bf16_noise_floor, proof_dir
+):
+    cut = train_stage(
+        proof_dir, "loss-positions-only-bf16", ["training.loss_positions_only=true"], precision="bf16"
+    )
+    assert_within_bf16_noise("loss_positions_only", cut, baseline_bf16, bf16_noise_floor)
+
+
+def test_vision_feature_cache_in_bf16_learns_exactly_what_the_uncached_stage_does(baseline_bf16, proof_dir):
+    """The features are stored as the bf16 autocast made them (the key names the autocast dtype) and read
+    back unchanged: bit for bit, in bf16 as in fp32."""
+    cached = train_stage(
+        proof_dir, "feature-cache-bf16", ["training.vision_feature_cache=true"], precision="bf16"
+    )
+    assert cached.metrics()["vision_feature_cache"]["hits"] > 0
+    assert_learns_exactly_what_the_baseline_does(cached, baseline_bf16)
 
 
 def test_matmul_patch_embedding_stage_ends_where_the_convolution_does(proof_dir):
@@ -596,7 +682,7 @@ def test_matmul_patch_embedding_stage_ends_where_the_convolution_does(proof_dir)
     )
     assert not any(torch.equal(convolution.trained[k], convolution.initial[k]) for k in convolution.trained)
     ratio = distance(matmul.trained, convolution.trained) / convolution.moved
-    print(f"matmul_patch_embedding: |matmul - convolution| / |trained - initial| = {ratio:.1e}")
+    print(f"matmul_patch_embedding (fp32): |matmul - convolution| / |trained - initial| = {ratio:.1e}")
     assert ratio < 1e-3, ratio
 
 
@@ -644,6 +730,6 @@ def test_group_by_length_sees_every_row_once_per_epoch_and_reaches_random_batche
     random_batches = eval_loss(baseline, baseline.trained)
     by_length = eval_loss(baseline, grouped.trained)
     ratio = abs(by_length - random_batches) / (before - random_batches)
-    print(f"group_by_length: |eval loss grouped - random| / eval loss gained = {ratio:.3f}")
+    print(f"group_by_length (fp32): |eval loss grouped - random| / eval loss gained = {ratio:.3f}")
     assert before - random_batches > 0.1, "the steps train"
     assert ratio < 0.2, ratio

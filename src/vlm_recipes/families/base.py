@@ -65,6 +65,23 @@ class VisionGeometry:
 
 
 @dataclass(frozen=True)
+class DtypeBoundary:
+    """A place in the forward where a tensor made by one role is read by another. Roles can hold different
+    dtypes (trained fp32 masters beside frozen bf16 weights), and where they meet, what crosses is cast to
+    the dtype of `dtype_of`'s weights (a module path; "": the receiving `module` itself).
+
+    `side` "input": the floating inputs of `module` are cast before it runs (those named in `inputs`, or all
+    of them); "output": its output is cast after it ran."""
+
+    crossing: str  # what crosses, for the log: "vision tower -> projector"
+    module: str  # the module path that receives (side "input") or produces (side "output") it
+    side: str = "input"
+    inputs: tuple[str, ...] = ()  # keyword inputs to cast (side "input"); (): every floating input
+    dtype_of: str = ""
+    why: str = ""  # where the cast is not obvious: what in the model needs it
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]  # config.model_type values this family handles
@@ -208,6 +225,23 @@ class Family:
         processor's, or TRL's training variant of it). For a published template whose {% generation %}
         markers leave the stop token out of the loss, which TRL only warns about."""
         return None
+
+    def dtype_boundaries(self) -> list[DtypeBoundary]:
+        """Where roles meet in the forward, each crossing cast to the receiver's dtype (the dtype-boundary
+        guard installs them). The default: image and video features enter every projector module in its
+        dtype, and the language model takes its input embeddings (the image features scattered into them)
+        in its own. A family whose model casts elsewhere (SmolVLM) adds its own."""
+        return [
+            *(DtypeBoundary("vision tower -> projector", prefix) for prefix in self.projector_modules()),
+            DtypeBoundary(
+                "image features -> language model", self.role_prefixes["llm"][0], inputs=("inputs_embeds",)
+            ),
+        ]
+
+    def projector_modules(self) -> tuple[str, ...]:
+        """The projector role's modules that take the tower's output (a bare parameter such as LLaVA's
+        image_newline is not one)."""
+        return self.role_prefixes["projector"]
 
     def vision_geometry(self, config) -> VisionGeometry:
         raise NotImplementedError

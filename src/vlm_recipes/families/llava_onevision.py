@@ -102,6 +102,11 @@ class LlavaOnevisionFamily(Family):
         # image_newline is a bare parameter, not a module: nothing for bitsandbytes to skip (or quantize)
         return [m for m in super().quantization_skip_modules(parts) if m != _IMAGE_NEWLINE]
 
+    def projector_modules(self) -> tuple[str, ...]:
+        return tuple(
+            m for m in super().projector_modules() if m != _IMAGE_NEWLINE
+        )  # a parameter, not a module
+
     def unread_parameters(self, model: nn.Module) -> list[str]:
         """The tower's post_layernorm and the layers after the deepest `vision_feature_layer`: the model reads
         the tower's hidden_states (index 0: the embeddings, i: after layer i - 1), never its last output."""

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
 from vlm_recipes.families.tiny import MODEL_SEED, TINY_TEXT_DIMS, train_byte_level_bpe
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
@@ -102,6 +102,19 @@ class SmolVLMFamily(Family):
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return self.image_encoder_owner(model).vision_model
+
+    def dtype_boundaries(self) -> list[DtypeBoundary]:
+        # SmolVLMModel.forward casts the image features to `self.dtype`, its first parameter's dtype (the
+        # tower's: fp32 while it trains), not to the embeddings' they are scattered into; the embeddings are
+        # brought to that dtype for the scatter, and the language model takes the result in its own.
+        embeddings = DtypeBoundary(
+            "text embeddings -> image-token scatter",
+            "model.text_model.embed_tokens",
+            side="output",
+            dtype_of="model",
+            why="SmolVLM casts image features to its first parameter's dtype",
+        )
+        return [embeddings, *super().dtype_boundaries()]
 
     # ---------------------------------------------------------------- the vision feature cache
     # A cached unit is one real tile. Its "pixels" are the tile with its pixel mask stacked as a 4th

@@ -31,6 +31,8 @@ class BuiltModel:
     compute_dtype: torch.dtype
     lora_targets: list[str]
     decisions: list[Decision] = field(default_factory=list)  # made while building (a LoRA role trained fully)
+    # frozen parameters inside fully trained roles: kept in the trained dtype (guards.cast_frozen_to_compute)
+    frozen_in_trained_roles: list[str] = field(default_factory=list)
 
 
 def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
@@ -110,10 +112,11 @@ def load_model(
 
 def apply_training_modes(
     model: nn.Module, stage: Stage, family: Family, decisions: list[Decision] | None = None
-) -> tuple[nn.Module, list[str]]:
+) -> tuple[nn.Module, list[str], list[str]]:
     """Freeze everything, add LoRA adapters to lora roles, unfreeze full roles.
 
-    Returns the (possibly PEFT-wrapped) model and the LoRA target module names."""
+    Returns the (possibly PEFT-wrapped) model, the LoRA target module names, and the frozen parameters
+    inside fully trained roles (kept in the trained dtype: they compute on the trained layers' output)."""
     model.requires_grad_(False)
     modes = {role: getattr(stage.train, role) for role in ROLES}
     for role in roles_without_linear_layers(model, family, modes):
@@ -140,17 +143,21 @@ def apply_training_modes(
         model = get_peft_model(model, config)  # freezes the base; adapters are fp32
     full_roles = {role for role, mode in modes.items() if mode == "full"}
     unread = {name.removeprefix("base_model.model.") for name in family.unread_parameters(model)}
+    kept_frozen: list[str] = []
     for role, params in params_by_role(model, family).items():
         if role not in full_roles:
             continue
         for name, param in params:
             if name.removeprefix("base_model.model.") in unread:
-                continue  # the forward never reads it: no gradient would come (see Family.unread_parameters)
-            param.requires_grad_(True)
+                # the loss never reads it, so no gradient would come (see Family.unread_parameters): frozen,
+                # but it still computes on the trained layers' output, so it keeps their dtype
+                kept_frozen.append(name)
+            else:
+                param.requires_grad_(True)
             if stage.training.trainable_dtype == "fp32" and param.dtype != torch.float32:
                 # fp32 master weights: bf16 cannot represent small updates to large weights.
                 param.data = param.data.float()
-    return model, targets
+    return model, targets, kept_frozen
 
 
 def roles_without_linear_layers(model: nn.Module, family: Family, modes: dict[str, str]) -> list[str]:
@@ -187,7 +194,7 @@ def build_stage_model(
         stage.training.max_memory_per_gpu,
     )
     decisions: list[Decision] = []
-    model, targets = apply_training_modes(model, stage, family, decisions)
+    model, targets, kept_frozen = apply_training_modes(model, stage, family, decisions)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
     if isinstance(source_dtype, str):
         source_dtype = getattr(torch, source_dtype)
@@ -200,4 +207,5 @@ def build_stage_model(
         compute_dtype=compute_dtype,
         lora_targets=targets,
         decisions=decisions,
+        frozen_in_trained_roles=kept_frozen,
     )

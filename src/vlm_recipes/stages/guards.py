@@ -16,8 +16,10 @@ itself. The pure functions take an Environment, so tests fake 2 GPUs or an fp16-
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,8 +54,16 @@ class Environment:
         return f"CPU (native bf16 {'yes' if self.bf16_supported else 'no'})"
 
 
+# A test-only switch: set to 1 or 0, the CPU is taken to have native bf16 or not, whatever it has, so the
+# suite can be run both ways on one machine (`precision: auto` picks bf16 or fp32 from it). Never in a run.
+TEST_ONLY_CPU_BF16_SWITCH = "VLM_RECIPES_TEST_ONLY_CPU_NATIVE_BF16"
+
+
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16/AMX CPUs run bf16 autocast at fp32 speed or better; elsewhere it is emulated and slow."""
+    forced = os.environ.get(TEST_ONLY_CPU_BF16_SWITCH)
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -194,16 +204,21 @@ def _is_quantized(param: torch.Tensor) -> bool:
     return not param.is_floating_point()  # bitsandbytes stores 4-bit/8-bit weights as uint8/int8
 
 
-def cast_frozen_to_compute(model: nn.Module, compute_dtype: torch.dtype) -> Decision:
+def cast_frozen_to_compute(
+    model: nn.Module, compute_dtype: torch.dtype, frozen_in_trained_roles: Collection[str] = ()
+) -> Decision:
     """Frozen floating weights → compute dtype (memory, and no fp32 activation reaching a bf16 layer);
-    their module's floating buffers follow. fp32-kept modules and trainable parameters are left alone."""
+    their module's floating buffers follow. fp32-kept modules, trainable parameters and
+    `frozen_in_trained_roles` (frozen weights a trained role computes with: a bf16 norm fed by fp32 layers
+    stops with `mixed dtype`) are left alone."""
     keep = keep_fp32_patterns(model, compute_dtype)
+    exempt = set(frozen_in_trained_roles)
     cast, kept = 0, 0
     for module_name, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
         casted_here = False
         for pname, param in own:
-            if param.requires_grad or _is_quantized(param):
+            if param.requires_grad or _is_quantized(param) or f"{module_name}.{pname}".lstrip(".") in exempt:
                 continue
             if keep and matches_any(f"{module_name}.{pname}".lstrip("."), keep):
                 if param.dtype != torch.float32:
@@ -219,10 +234,11 @@ def cast_frozen_to_compute(model: nn.Module, compute_dtype: torch.dtype) -> Deci
                 if buffer.is_floating_point() and buffer.dtype != compute_dtype:
                     module._buffers[bname] = buffer.to(compute_dtype)
                     cast += 1
+    in_trained = f"; {len(exempt)} in fully trained roles keep their dtype" if exempt else ""
     return Decision(
         "frozen-dtype",
         f"frozen weights in {dtype_name(compute_dtype)}",
-        f"{cast} tensors cast; {kept} kept fp32 ({', '.join(keep) or 'the model declares none'})",
+        f"{cast} tensors cast; {kept} kept fp32 ({', '.join(keep) or 'the model declares none'}){in_trained}",
     )
 
 

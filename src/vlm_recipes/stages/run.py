@@ -28,6 +28,7 @@ from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.runs import FINAL_DIR, mark_done
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.stages.audit import audit_freeze
+from vlm_recipes.stages.boundaries import install_dtype_boundaries
 from vlm_recipes.stages.build import BuiltModel, build_stage_model, detect_family, load_processor
 from vlm_recipes.stages.checks import check_same_start, check_stopped_early
 from vlm_recipes.stages.context import StageContext
@@ -166,12 +167,13 @@ def apply_guards(
     quant = stage.quantization
     decisions = [
         verify_quantization_scope(built.model, built.family, quant.mode, quant.skip_roles),
-        cast_frozen_to_compute(built.model, built.compute_dtype),
+        cast_frozen_to_compute(built.model, built.compute_dtype, built.frozen_in_trained_roles),
         apply_trainable_dtype(
             built.model, stage.training.trainable_dtype, built.compute_dtype, "after loading"
         ),
         place_tensors(built.model, device),
         check_precision_agrees(precision, built.model),
+        install_dtype_boundaries(built.model, built.family),
     ]
     if env.device == "cpu" and (decision := keep_cpu_4bit_weights_trainable(built.model)):
         decisions.append(decision)
