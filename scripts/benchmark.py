@@ -87,6 +87,14 @@ MEASURED = (  # what every run reports; summaries are medians of these
 README_BEGIN, README_END = "<!-- benchmark table: begin -->", "<!-- benchmark table: end -->"
 
 
+def readme_markers(report: dict) -> tuple[str, str]:
+    """Where a results file's tables go in README: one block per precision (fp32's markers unnamed)."""
+    precision = report["about"]["precision"]
+    if precision == "fp32":
+        return README_BEGIN, README_END
+    return f"<!-- benchmark table ({precision}): begin -->", f"<!-- benchmark table ({precision}): end -->"
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -328,13 +336,11 @@ def render_tables(report: dict) -> str:
 
 def update_readme(report: dict, readme: Path = REPO / "README.md") -> None:
     text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        print(
-            f"{readme}: the lines {README_BEGIN} and {README_END} mark where the tables go; add them",
-            file=sys.stderr,
-        )
+    first, last = readme_markers(report)
+    if first not in text or last not in text:
+        print(f"{readme}: the lines {first} and {last} mark where the tables go; add them", file=sys.stderr)
         sys.exit(2)
-    begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    begin, end = text.index(first) + len(first), text.index(last)
     readme.write_text(text[:begin] + "\n" + render_tables(report) + "\n" + text[end:])
 
 

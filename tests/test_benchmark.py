@@ -12,7 +12,8 @@ import time
 import pytest
 from conftest import REPO
 
-RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"
+RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario
+RESULTS_BF16 = REPO / "benchmarks" / "results" / "cpu-2-cores-bf16.json"  # bf16: the first epoch
 
 
 def load_script(name: str, path):
@@ -91,15 +92,21 @@ def test_committed_results_have_the_keys_the_script_writes():
     assert committed["about"]["git_sha"] and "-dirty" not in committed["about"]["git_sha"]
 
 
-def test_readme_tables_are_generated_from_the_committed_results():
-    readme = (REPO / "README.md").read_text()
-    block = readme[
-        readme.index(bench.README_BEGIN) + len(bench.README_BEGIN) : readme.index(bench.README_END)
-    ]
-    assert block.strip() == bench.render_tables(json.loads(RESULTS.read_text())).strip(), (
-        "README's benchmark tables differ from benchmarks/results/cpu-2-cores.json: "
-        "run `python scripts/benchmark.py --readme benchmarks/results/cpu-2-cores.json`"
+@pytest.mark.parametrize("results", [RESULTS, RESULTS_BF16], ids=lambda path: path.stem)
+def test_readme_tables_are_generated_from_the_committed_results(results):
+    readme, report = (REPO / "README.md").read_text(), json.loads(results.read_text())
+    first, last = bench.readme_markers(report)
+    block = readme[readme.index(first) + len(first) : readme.index(last)]
+    assert block.strip() == bench.render_tables(report).strip(), (
+        f"README's benchmark tables differ from {results.relative_to(REPO)}: "
+        f"run `python scripts/benchmark.py --readme {results.relative_to(REPO)}`"
     )
+
+
+def test_committed_bf16_results_were_measured_in_bf16_on_a_cpu_with_native_bf16():
+    about = json.loads(RESULTS_BF16.read_text())["about"]
+    assert about["precision"] == "bf16" and "native bf16 yes" in about["machine"]["description"]
+    assert about["git_sha"] and "-dirty" not in about["git_sha"]
 
 
 def test_summary_is_the_median_and_ratios_are_ours_over_trl():
