@@ -22,15 +22,13 @@ import torch
 from torch import nn
 
 from vlm_recipes.families import Family
-from vlm_recipes.families.base import DtypeBoundary
+from vlm_recipes.families.base import DtypeBoundary, _unwrap_name
 from vlm_recipes.stages.guards import Decision, GuardError, dtype_name
-
-_PEFT_PREFIX = "base_model.model."
 
 
 def modules_by_path(model: nn.Module) -> dict[str, nn.Module]:
     """Every module by its path in the model as loaded (a PEFT wrapper's prefix removed)."""
-    return {name.removeprefix(_PEFT_PREFIX): module for name, module in model.named_modules()}
+    return {_unwrap_name(name): module for name, module in model.named_modules()}
 
 
 def weights_dtype(module: nn.Module) -> torch.dtype | None:
@@ -81,7 +79,7 @@ def role_dtypes(model: nn.Module, family: Family) -> dict[str, str]:
     for name, param in model.named_parameters():
         if not param.is_floating_point() or "lora_" in name:
             continue
-        role = family.role_of(name.removeprefix(_PEFT_PREFIX)) or "other"
+        role = family.role_of(_unwrap_name(name)) or "other"
         found.setdefault(role, set()).add(dtype_name(param.dtype))
     return {role: "+".join(sorted(d)) for role, d in found.items()}
 
