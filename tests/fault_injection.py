@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.stages import resilience
+from vlm_recipes.methods import resilience
 from vlm_recipes.stages import run as stage_run
 
 FAULT = os.environ.get("VLM_RECIPES_FAULT", "")

@@ -17,9 +17,9 @@ from conftest import write_recipe
 from PIL import Image
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.data.demo_data import ensure_demo_dataset
 from vlm_recipes.data.rows import load_split
-from vlm_recipes.demo import ensure_demo_model
+from vlm_recipes.demo.data import ensure_demo_dataset
+from vlm_recipes.demo.models import ensure_demo_model
 
 ROW = {
     "id": "r",

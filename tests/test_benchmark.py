@@ -1,9 +1,9 @@
-"""The benchmark's code: its baseline runs, its arithmetic is right, its committed results and README tables
-are what the script writes. Speed itself is measured by scripts/benchmark.py, never by a test."""
+"""The benchmark's code: its baseline runs, its arithmetic is right, its committed results and the tables in
+docs/performance.md are what the script writes. Speed itself is measured by scripts/benchmark.py, never by a
+test."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -12,19 +12,10 @@ import time
 import pytest
 from conftest import REPO
 
+from vlm_recipes.evaluation import baseline_trl, bench, bench_tables
+
 RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario
 RESULTS_BF16 = REPO / "benchmarks" / "results" / "cpu-2-cores-bf16.json"  # bf16: the first epoch
-
-
-def load_script(name: str, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_script("benchmark_script", REPO / "scripts" / "benchmark.py")
 
 
 def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=None):
@@ -44,26 +35,31 @@ def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=Non
         "step_time_p90_s": 0.7,
     }
     flops = flops or {"vision": 3e9, "projector": 1e9, "llm": 6e9}
-    return bench.with_throughput(measured, samples, flops, None)
+    return bench_tables.with_throughput(measured, samples, flops, None)
 
 
 def synthetic_report(stages, scenarios) -> dict:
     """The report main() writes, from made-up runs through the script's own functions."""
     import argparse
 
-    from vlm_recipes.stages.guards import Environment
+    from vlm_recipes.decisions import Environment
 
     args = argparse.Namespace(threads=2, batch_size=4, repeats=1)
     flops = {stage: {"vision": 3e9, "projector": 1e9, "llm": 6e9} for stage in stages}
     setup = {"rows": 8, "flops": flops, "last_layer_flops": dict.fromkeys(stages, 1e6), "peak_tflops": None}
     model = {"name": "bench-qwen2-vl", "parameters": 16_700_000, "family": "qwen2-vl"}
     about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
-    ways_of = {c: bench.WAYS_OF.get(c, [bench.BASELINE, bench.SPEEDUPS_ON]) for c in scenarios}
+    ways_of = {
+        c: bench_tables.WAYS_OF.get(c, [bench_tables.BASELINE, bench_tables.SPEEDUPS_ON]) for c in scenarios
+    }
     runs = {
         c: {w: [run(20.0, 1.3, 10.0, 6.0, {1: 7.0, 5: 6.5}, samples=8)] for w in ways}
         for c, ways in ways_of.items()
     }
-    return {"about": about, "stages": {s: {c: bench.compare(runs[c]) for c in scenarios} for s in stages}}
+    return {
+        "about": about,
+        "stages": {s: {c: bench_tables.compare(runs[c]) for c in scenarios} for s in stages},
+    }
 
 
 def key_tree(value):
@@ -78,13 +74,15 @@ def key_tree(value):
 def test_committed_results_have_the_keys_the_script_writes():
     committed = json.loads(RESULTS.read_text())
     stages, scenarios = list(committed["stages"]), list(committed["about"]["scenarios"])
-    assert stages == list(bench.RECIPES) and scenarios == list(bench.SCENARIOS), "the default run, all of it"
+    assert stages == list(bench.RECIPES) and scenarios == list(bench_tables.SCENARIOS), (
+        "the default run, all of it"
+    )
     written = synthetic_report(stages, scenarios)
     for tree in (committed, written):
         for scenario in (s for stage in tree["stages"].values() for s in stage.values()):
             # each run as its process reported it: what the summaries read must be there
             for each in (run for way_runs in scenario.pop("runs").values() for run in way_runs):
-                measured = set(bench.MEASURED) - {"peak_gpu_allocated_gb"}  # on a GPU only
+                measured = set(bench_tables.MEASURED) - {"peak_gpu_allocated_gb"}  # on a GPU only
                 assert {*measured, "loss_curve", "vision_fraction_computed", "flops_skipped"} <= set(each)
         for stage in tree["about"]["flops_per_sample_by_role"]:  # any model: the roles are the keys
             assert set(tree["about"]["flops_per_sample_by_role"][stage]) == {"vision", "projector", "llm"}
@@ -94,11 +92,11 @@ def test_committed_results_have_the_keys_the_script_writes():
 
 @pytest.mark.parametrize("results", [RESULTS, RESULTS_BF16], ids=lambda path: path.stem)
 def test_readme_tables_are_generated_from_the_committed_results(results):
-    readme, report = (REPO / "README.md").read_text(), json.loads(results.read_text())
-    first, last = bench.readme_markers(report)
+    readme, report = (REPO / "docs" / "performance.md").read_text(), json.loads(results.read_text())
+    first, last = bench_tables.readme_markers(report)
     block = readme[readme.index(first) + len(first) : readme.index(last)]
-    assert block.strip() == bench.render_tables(report).strip(), (
-        f"README's benchmark tables differ from {results.relative_to(REPO)}: "
+    assert block.strip() == bench_tables.render_tables(report).strip(), (
+        f"docs/performance.md's benchmark tables differ from {results.relative_to(REPO)}: "
         f"run `python scripts/benchmark.py --readme {results.relative_to(REPO)}`"
     )
 
@@ -112,12 +110,12 @@ def test_committed_bf16_results_were_measured_in_bf16_on_a_cpu_with_native_bf16(
 def test_summary_is_the_median_and_ratios_are_ours_over_trl():
     baseline = [run(w, 1.0, t, 6.0, {1: 7.0}) for w, t in ((30.0, 10.0), (31.0, 12.0), (90.0, 11.0))]
     ours = [run(w, 0.9, t, 6.03, {1: 7.07}) for w, t in ((15.0, 5.0), (16.0, 4.0), (14.0, 6.0))]
-    compared = bench.compare({bench.BASELINE: baseline, bench.SPEEDUPS_ON: ours})
-    assert compared["summary"][bench.BASELINE]["wall_s"] == 31.0, (
+    compared = bench_tables.compare({bench_tables.BASELINE: baseline, bench_tables.SPEEDUPS_ON: ours})
+    assert compared["summary"][bench_tables.BASELINE]["wall_s"] == 31.0, (
         "the median, not the mean (90 s is an outlier)"
     )
-    assert compared["summary"][bench.BASELINE]["train_runtime_s"] == 11.0
-    versus = compared["versus_trl"][bench.SPEEDUPS_ON]
+    assert compared["summary"][bench_tables.BASELINE]["train_runtime_s"] == 11.0
+    versus = compared["versus_trl"][bench_tables.SPEEDUPS_ON]
     assert versus["wall_s"] == pytest.approx(15.0 / 31.0)
     assert versus["samples_per_s"] == pytest.approx((8 / 5.0) / (8 / 11.0)), "median samples/s over runs"
     assert versus["peak_rss_gb"] == pytest.approx(0.9)
@@ -128,8 +126,8 @@ def test_summary_is_the_median_and_ratios_are_ours_over_trl():
 def test_loss_curve_gap_compares_the_steps_both_logged_whatever_their_key_type():
     ours = {"1": 2.0, "5": 1.1, "10": 9.0}  # as read back from JSON
     baseline = {1: 2.0, 5: 1.0}
-    assert bench.loss_curve_gap(ours, baseline) == pytest.approx(0.1)
-    assert bench.loss_curve_gap({3: 1.0}, baseline) is None
+    assert bench_tables.loss_curve_gap(ours, baseline) == pytest.approx(0.1)
+    assert bench_tables.loss_curve_gap({3: 1.0}, baseline) is None
 
 
 def test_model_flops_count_only_the_tower_work_actually_run():
@@ -142,16 +140,16 @@ def test_model_flops_count_only_the_tower_work_actually_run():
         "cached features: no tower FLOPs"
     )
     assert third["model_tflops_per_s"] == pytest.approx(8 * (6e9 + 4e9 / 3) / 2.0 / 1e12)
-    assert bench.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
-    assert bench.fraction_computed(None) == 1.0
+    assert bench_tables.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
+    assert bench_tables.fraction_computed(None) == 1.0
 
 
 def test_model_flops_leave_out_what_the_last_layer_skipped_at_unlabelled_positions():
     counted = {"in_training": {"labelled": 30, "positions": 130}}
-    assert bench.flops_skipped(counted, 2e6) == 100 * 2e6
-    assert bench.flops_skipped(None, 2e6) == 0.0
+    assert bench_tables.flops_skipped(counted, 2e6) == 100 * 2e6
+    assert bench_tables.flops_skipped(None, 2e6) == 0.0
     whole = run(10, 1, 2.0, 6.0, {1: 7.0})
-    cut = bench.with_throughput(
+    cut = bench_tables.with_throughput(
         {**whole, "flops_skipped": 4e9}, 8, {"vision": 3e9, "projector": 1e9, "llm": 6e9}, None
     )
     assert cut["model_tflops_per_s"] == pytest.approx((8 * 10e9 - 4e9) / 2.0 / 1e12)
@@ -161,9 +159,9 @@ def test_last_layer_flops_per_position_are_its_output_projection_mlp_and_lm_head
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
     from vlm_recipes.evaluation.flops import last_layer_flops_per_position
-    from vlm_recipes.stages.build import detect_family
+    from vlm_recipes.model.build import detect_family
 
     family, config = detect_family(str(ensure_demo_model()))
     with torch.device("meta"):
@@ -179,15 +177,14 @@ def test_last_layer_flops_per_position_are_its_output_projection_mlp_and_lm_head
 @pytest.mark.parametrize("stage", ["llm-lora", "vision-full"])
 def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_demo_cache):
     """The plain-TRL baseline stays runnable, the QLoRA one included (its numbers are the benchmark's)."""
-    from vlm_recipes.data.demo_data import ensure_bench_dataset
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.models import ensure_demo_model
 
-    baseline = load_script("baseline_trl", REPO / "benchmarks" / "baseline_trl.py")
     out = tmp_path / "baseline.json"
     model = ensure_demo_model("demo:bench-qwen2-vl")
     data = ensure_bench_dataset() / "bench.jsonl"
     args = [f"--stage={stage}", f"--model={model}", f"--data={data}", "--rows=4", "--batch-size=2"]
-    baseline.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
+    baseline_trl.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
     measured = json.loads(out.read_text())
     assert measured["steps"] == 2 and math.isfinite(measured["eval_loss"])
     assert measured["step_time_median_s"] > 0 and measured["time_to_first_step_s"] > 0
@@ -235,9 +232,9 @@ def test_readme_tables_refuse_a_missing_file_or_markers(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as refused:
         bench.main()
     assert refused.value.code == 2 and "absent.json: no such results file" in capsys.readouterr().err
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "performance.md"
     readme.write_text("# no tables here\n")
     with pytest.raises(SystemExit) as refused:
-        bench.update_readme(json.loads(RESULTS.read_text()), readme)
+        bench_tables.update_readme(json.loads(RESULTS.read_text()), readme)
     assert refused.value.code == 2 and "mark where the tables go" in capsys.readouterr().err
     assert readme.read_text() == "# no tables here\n", "nothing written"

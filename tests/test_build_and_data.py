@@ -9,13 +9,14 @@ import torch
 from conftest import model_inputs
 
 from vlm_recipes.data.lengths import check_lengths, sample_lengths
-from vlm_recipes.data.rows import DataError, load_split
-from vlm_recipes.families import UnsupportedModelError, family_for_model_type
+from vlm_recipes.data.rows import load_split
+from vlm_recipes.errors import DataError, UnsupportedModelError
+from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.methods.trainer import role_parameter_groups
+from vlm_recipes.model.build import build_stage_model, load_processor
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
-from vlm_recipes.stages.build import build_stage_model, load_processor
-from vlm_recipes.stages.trainer import role_parameter_groups
 
 
 def test_roles_use_the_longest_prefix():
@@ -88,7 +89,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
     from PIL import Image
 
     from vlm_recipes.data import lengths, rows
-    from vlm_recipes.data.demo_data import ensure_demo_dataset
+    from vlm_recipes.demo.data import ensure_demo_dataset
 
     copy = tmp_path / "copy"
     shutil.copytree(ensure_demo_dataset(), copy)
@@ -170,8 +171,8 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir, tmp_path):
     """The sampler groups by text + image tokens (Trainer cannot infer lengths of image samples)."""
     from vlm_recipes.data.rows import load_stage_data
-    from vlm_recipes.stages.guards import Environment
-    from vlm_recipes.stages.trainer import build_sft_config, build_trainer
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.sft import build_sft_config, build_trainer
 
     stage = load_recipe(
         "r2-vision-only", ["training.group_by_length=true", "training.per_device_batch_size=8"]
@@ -200,8 +201,8 @@ def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_pa
     """Per-role learning rates used to drop Trainer's no-weight-decay group for biases and norms: with
     weight_decay > 0 that decayed them. The optimizer keeps both splits: role × (decay, no decay)."""
     from vlm_recipes.data.rows import load_stage_data
-    from vlm_recipes.stages.guards import Environment
-    from vlm_recipes.stages.trainer import build_sft_config, build_trainer
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.sft import build_sft_config, build_trainer
 
     stage = load_recipe(
         "r2-vision-only",

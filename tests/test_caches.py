@@ -15,10 +15,11 @@ from transformers import AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from vlm_recipes.cache_storage import CacheBudget, compact_pixels, expand_pixels
-from vlm_recipes.caches import PreprocessedSampleCollator, remembered_token_counts
+from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
+from vlm_recipes.caches.storage import CacheBudget, compact_pixels, expand_pixels
+from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.data.rows import undecoded
-from vlm_recipes.demo import ensure_demo_model
+from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.files import write_safetensors
 
 
@@ -139,7 +140,7 @@ def test_cache_cap_evicts_the_least_recently_used_entries(tmp_path, caplog):
     budget.written(new)  # 6 entries: down to 90% of 3.5, the three oldest go
     assert [p.exists() for p in paths] == [False, False, False, True, True]
     assert new.exists() and on_disk(tmp_path) == budget.total <= budget.max_bytes
-    with caplog.at_level("INFO", logger="vlm_recipes.cache_storage"):
+    with caplog.at_level("INFO", logger="vlm_recipes.caches.storage"):
         stats = budget.eviction_stats("preprocessed", (0, 0))
         budget.eviction_stats("preprocessed", (0, 0))
     assert stats == {"evicted": 3, "evicted_gb": round(3 * size / 1e9, 4)}

@@ -14,8 +14,10 @@ import pytest
 import torch
 from PIL import Image, ImageChops
 
-from vlm_recipes import demo, files
-from vlm_recipes.data import demo_data, demo_samples
+from vlm_recipes import files
+from vlm_recipes.demo import data as demo_data
+from vlm_recipes.demo import models as demo_models
+from vlm_recipes.demo import samples as demo_samples
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def data_dir(demo_cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir(demo_cache: Path) -> Path:
-    return demo.ensure_demo_model()
+    return demo_models.ensure_demo_model()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +172,7 @@ def test_model_build_is_deterministic(
 ) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
     rng_state = torch.random.get_rng_state()
-    other = demo.ensure_demo_model()
+    other = demo_models.ensure_demo_model()
     assert torch.equal(torch.random.get_rng_state(), rng_state), "building must not reseed the caller"
     for name in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"):
         assert (other / name).read_bytes() == (model_dir / name).read_bytes(), name
@@ -248,9 +250,9 @@ def test_assistant_mask_covers_exactly_the_answer(data_dir: Path, processor, tas
 
 
 def test_resolve_sources(model_dir: Path, data_dir: Path) -> None:
-    assert demo.resolve_model_source(demo.DEMO_MODEL_ID) == str(model_dir)
+    assert demo_models.resolve_model_source(demo_models.DEMO_MODEL_ID) == str(model_dir)
     for other in ("Qwen/Qwen2-VL-2B-Instruct", "/models/local", "runs/stage1/checkpoint-10"):
-        assert demo.resolve_model_source(other) == other
+        assert demo_models.resolve_model_source(other) == other
     assert demo_data.resolve_data_source("demo:train") == str(data_dir / "train.jsonl")
     assert demo_data.resolve_data_source("demo:eval") == str(data_dir / "eval.jsonl")
     for other in ("data/train.jsonl", "HuggingFaceM4/ChartQA", ""):
@@ -292,9 +294,9 @@ def test_interrupted_build_is_rebuilt(
 
 def test_damaged_model_is_rebuilt(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
-    target = demo.ensure_demo_model()
+    target = demo_models.ensure_demo_model()
     (target / "model.safetensors").unlink()
-    assert demo.ensure_demo_model() == target
+    assert demo_models.ensure_demo_model() == target
     assert (target / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
 
 

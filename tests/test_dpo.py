@@ -17,14 +17,15 @@ from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.preference import PREFERENCE
-from vlm_recipes.data.rows import DataError, load_split, load_stage_data
+from vlm_recipes.data.rows import load_split, load_stage_data
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.compare import compare_runs, format_comparison, load_run
 from vlm_recipes.files import read_json
+from vlm_recipes.methods.dpo import build_dpo_config, build_dpo_trainer
+from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
-from vlm_recipes.runs import format_summary
-from vlm_recipes.stages.build import build_stage_model, detect_family, load_processor
-from vlm_recipes.stages.dpo import build_dpo_config, build_dpo_trainer
-from vlm_recipes.stages.guards import Environment
+from vlm_recipes.runs.manifest import format_summary
 
 CPU = Environment(device="cpu", gpu_count=0, bf16_supported=False)
 FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import model_inputs, single_image_demo_rows
 
+from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import DtypeBoundary
+from vlm_recipes.model.boundaries import decide_dtype_boundaries, install_dtype_boundaries
+from vlm_recipes.model.build import build_stage_model, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
 from vlm_recipes.stages import run
-from vlm_recipes.stages.boundaries import decide_dtype_boundaries, install_dtype_boundaries
-from vlm_recipes.stages.build import build_stage_model, load_processor
-from vlm_recipes.stages.guards import Decision, Environment
 
 CPU = Environment("cpu", 0, bf16_supported=True)
 ROLES = ("vision", "projector", "llm")
@@ -83,7 +83,7 @@ def test_roles_of_any_dtypes_meet_with_autocast_on_and_off_and_in_generate(tiny_
 def test_the_failures_the_guard_exists_for_without_it(model, modes, left_out, error, monkeypatch):
     from conftest import TINY_MODELS
 
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
     from vlm_recipes.families import family_of_demo_model
 
     family, _ = family_of_demo_model(TINY_MODELS[model])
@@ -125,8 +125,8 @@ def test_the_decision_names_each_crossing_its_dtype_and_why():
 def test_a_boundary_naming_a_module_the_model_lacks_is_refused(demo_model_dir):
     from dataclasses import replace
 
+    from vlm_recipes.errors import GuardError
     from vlm_recipes.families.qwen2_vl import QWEN2_VL
-    from vlm_recipes.stages.guards import GuardError
 
     built = build_stage_model(str(demo_model_dir), stage_with(dict.fromkeys(ROLES, "frozen")), "bf16", "cpu")
     wrong = replace(QWEN2_VL, role_prefixes={**QWEN2_VL.role_prefixes, "projector": ("model.visual.mergr",)})

@@ -16,7 +16,7 @@ from conftest import TRAIN, model_inputs, write_recipe
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.demo import ensure_demo_model
+from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.files import read_json
 
@@ -121,8 +121,8 @@ def test_run_manifest_records_provenance(seed_runs):
 
 def test_r3_stage2_loads_stage1_weights(seed_runs):
     """The 4-bit load of stage 1's final/ keeps the tuned vision tower: compare the loaded model itself."""
+    from vlm_recipes.model.build import build_stage_model
     from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.stages.build import build_stage_model
 
     stage1_final = seed_runs["r3-two-stage"] / "stage-1-vision-full" / "final"
     stage2 = load_recipe("r3-two-stage").stages[1]

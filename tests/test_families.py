@@ -21,13 +21,14 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.data.rows import load_split
+from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
-from vlm_recipes.families.base import LoraTargetError, lora_target_modules, params_by_role
+from vlm_recipes.families.base import lora_target_modules, params_by_role
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 from vlm_recipes.files import read_json
+from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
-from vlm_recipes.stages.build import load_processor
 
 ROLES = ("vision", "projector", "llm")
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY_MODELS, run_train
 
 from vlm_recipes.cli.compare import main as compare_main
-from vlm_recipes.cli.doctor import main as doctor_main
+from vlm_recipes.cli.inspect import main as doctor_main
 from vlm_recipes.cli.train import main as train_main
 from vlm_recipes.files import read_json
 
@@ -47,7 +47,7 @@ class SharedRun:
 
 @pytest.fixture(scope="module", params=NEW_FAMILIES)
 def shared_run(request, tmp_path_factory, private_demo_cache) -> SharedRun:
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
 
     model = request.param
     ensure_demo_model(model)  # built once here, not raced by the ranks

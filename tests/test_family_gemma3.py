@@ -25,8 +25,8 @@ from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.families.gemma3 import GEMMA3
+from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
-from vlm_recipes.stages.build import load_processor
 
 MODEL = TINY_MODELS["gemma3"]
 # (height, width): tiny, square, wide 4:1, tall 1:4, and larger than the seed recipes' max_pixels (448x448)
@@ -35,7 +35,7 @@ SIZES = {"tiny": (12, 12), "square": (448, 448), "wide": (100, 400), "tall": (40
 
 @pytest.fixture(scope="module")
 def model_dir(private_demo_cache) -> Path:
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
 
     return ensure_demo_model(MODEL)
 

@@ -30,9 +30,9 @@ from vlm_recipes.families.llava_onevision import (
     LLAVA_ONEVISION_CHAT_TEMPLATE,
     LLAVA_ONEVISION_TRAINING_CHAT_TEMPLATE,
 )
+from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
-from vlm_recipes.stages.build import load_processor
 
 MODEL = TINY_MODELS["llava-onevision"]
 # (height, width): tiny, one tile, 2x2 tiles, wide 4:1, tall 1:4, odd sizes, far beyond the pinpoints
@@ -48,7 +48,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def model_dir(private_demo_cache) -> Path:
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
 
     return ensure_demo_model(MODEL)
 

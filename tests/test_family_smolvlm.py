@@ -20,8 +20,8 @@ from transformers import AutoProcessor
 
 from vlm_recipes.data.lengths import sample_lengths, sample_token_counts
 from vlm_recipes.families.smolvlm import SMOLVLM, tile_grid
+from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
-from vlm_recipes.stages.build import load_processor
 
 MODEL = TINY_MODELS["smolvlm"]
 # (height, width): tiny, square at and above the tile, wide 4:1, tall 1:4, odd (17x32: where the processor
@@ -31,7 +31,7 @@ SIZES = [(10, 12), (64, 64), (128, 128), (50, 200), (400, 100), (33, 77), (17, 3
 
 @pytest.fixture(scope="module")
 def model_dir(private_demo_cache) -> Path:
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
 
     return ensure_demo_model(MODEL)
 

@@ -20,12 +20,12 @@ from transformers import (
 from trl import SFTTrainer
 
 from vlm_recipes.data.rows import load_stage_data
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import GuardError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
-from vlm_recipes.recipes.load import load_recipe
-from vlm_recipes.stages.build import build_stage_model
-from vlm_recipes.stages.guards import (
-    Environment,
-    GuardError,
+from vlm_recipes.methods.sft import build_sft_config, build_trainer
+from vlm_recipes.model.build import build_stage_model
+from vlm_recipes.model.guards import (
     cast_frozen_to_compute,
     check_precision_agrees,
     decide_parallelism,
@@ -34,8 +34,8 @@ from vlm_recipes.stages.guards import (
     place_tensors,
     verify_quantization_scope,
 )
+from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.stages.run import apply_guards
-from vlm_recipes.stages.trainer import build_sft_config, build_trainer
 
 CPU = Environment("cpu", 0, bf16_supported=True)
 CPU_NO_BF16 = Environment("cpu", 0, bf16_supported=False)

@@ -9,16 +9,13 @@ from pathlib import Path
 import pytest
 from conftest import TRAIN, run_train
 
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import GuardError
 from vlm_recipes.files import read_json
-from vlm_recipes.stages.guards import Environment, GuardError, apply_parallelism
-from vlm_recipes.stages.parallel import (
-    CONFIGS_DIR,
-    ModelFootprint,
-    NodeSettings,
-    ParallelPlan,
-    decide_parallel,
-    launch_command,
-)
+from vlm_recipes.launch.launcher import CONFIGS_DIR, launch_command
+from vlm_recipes.model.guards import apply_parallelism
+from vlm_recipes.plan import ModelFootprint, ParallelPlan, decide_parallel
+from vlm_recipes.runs.layout import NodeSettings
 
 QUICK = [
     "--max-steps",
@@ -147,8 +144,8 @@ def test_auto_with_two_fake_gpus_shards_a_model_too_big_for_one():
 
 
 def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path):
+    from vlm_recipes.methods.sft import build_sft_config
     from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.stages.trainer import build_sft_config
 
     plan, _ = decide_parallel("model-parallel", TWO_GPUS)
     assert plan == ParallelPlan("model-parallel", 1)
@@ -230,8 +227,8 @@ def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_d
     from accelerate import Accelerator
     from transformers import AutoModelForImageTextToText
 
+    from vlm_recipes.model.build import build_stage_model
     from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.stages.build import build_stage_model
     from vlm_recipes.stages.outputs import model_for_final
 
     stage = load_recipe(

@@ -15,7 +15,11 @@ from vlm_recipes.recipes.validate import RecipeError
 SEEDS = ["r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint"]
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "src" / "vlm_recipes" / "recipes" / "builtin").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
 def test_every_shipped_recipe_loads_and_validates(path):
     recipe = load_recipe(str(path))
     assert recipe.stages and recipe.description and recipe.model

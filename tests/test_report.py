@@ -142,7 +142,7 @@ def test_notebook_runs_top_to_bottom_on_demo_runs(sweep, monkeypatch, capsys):
 
 def test_predict_script_answers_an_image_and_scores_a_file(sweep, capsys, tmp_path):
     from vlm_recipes.cli.predict import main as predict_main
-    from vlm_recipes.data.demo_data import ensure_demo_dataset
+    from vlm_recipes.demo.data import ensure_demo_dataset
 
     run = sweep / "r2-vision-only" / "s-seed0"
     image = next((ensure_demo_dataset() / "images").glob("*.png"))
@@ -191,7 +191,7 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from vlm_recipes.data.rows import load_split
-    from vlm_recipes.demo import ensure_demo_model
+    from vlm_recipes.demo.models import ensure_demo_model
     from vlm_recipes.evaluation.evaluate import evaluate_generation
 
     base = ensure_demo_model()

@@ -16,9 +16,11 @@ from conftest import TRAIN
 
 from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
+from vlm_recipes.errors import RunBusyError
 from vlm_recipes.evaluation.compare import find_runs
 from vlm_recipes.files import read_json
-from vlm_recipes.runs import LOCK_HELD_ENV, RunBusyError, lock_run_dir, release_run_lock, run_state
+from vlm_recipes.runs.lock import LOCK_HELD_ENV, lock_run_dir, release_run_lock
+from vlm_recipes.runs.manifest import run_state
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "vlm-recipes"
 # r2's stage, short: a complete checkpoint every 2 steps, no generation (this is about the run directory)
@@ -131,7 +133,7 @@ def failing_stage(error: BaseException):
 )
 def test_a_run_that_stops_early_says_so(tmp_path, monkeypatch, capsys, error, code, status, recorded):
     import vlm_recipes.stages.run as stage_run
-    from vlm_recipes.stages.resilience import StageInterrupted, TrainingDiverged
+    from vlm_recipes.errors import StageInterrupted, TrainingDiverged
 
     error = {
         "diverged": TrainingDiverged("stopped at step 3: loss is NaN"),

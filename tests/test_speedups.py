@@ -24,9 +24,10 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-from vlm_recipes.caches import PreprocessedSampleCollator
+from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import undecoded
+from vlm_recipes.model.build import build_stage_model
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.speedups import packing
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
@@ -39,7 +40,6 @@ from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionColla
 from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
 from vlm_recipes.speedups.sparse_dropout import SparseDropout
 from vlm_recipes.stages import run as stage_run
-from vlm_recipes.stages.build import build_stage_model
 
 PER_SAMPLE_LOSS_TOLERANCE = 1e-5  # fp32 on CPU; observed differences are ~5e-7 (summation order)
 

@@ -21,14 +21,15 @@ from PIL import Image
 from test_speedups import PER_SAMPLE_LOSS_TOLERANCE, padded_collator, token_losses
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlm_recipes.caches import PreprocessedSampleCollator
+from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.lengths import sample_token_counts
 from vlm_recipes.data.preference import PREFERENCE
-from vlm_recipes.data.rows import DataError, VideoRules, load_split, undecoded
+from vlm_recipes.data.rows import VideoRules, load_split, undecoded
 from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
-from vlm_recipes.demo import ensure_demo_model
+from vlm_recipes.demo.models import ensure_demo_model
+from vlm_recipes.errors import DataError
 from vlm_recipes.families import family_of_demo_model
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache

@@ -12,72 +12,32 @@ import dataclasses
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import time
 from pathlib import Path
 
-import torch
 from accelerate import PartialState
 
+from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.files import read_json, write_json
+from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
+from vlm_recipes.plan import ParallelPlan, plan_parallel
+from vlm_recipes.ranks import broadcast_from_main, launched, process_state
 from vlm_recipes.recipes.schema import Recipe, Stage
-from vlm_recipes.runs import (
+from vlm_recipes.runs.layout import (
     FINAL_DIR,
-    LOCK_HELD_ENV,
-    RunExistsError,
     RunOptions,
     describe_source,
-    held_lock_fd,
     is_done,
-    mark_run_ended,
-    prepare_run_dir,
-    release_run_lock,
     resolve_source,
     run_dir_for,
     stage_dirs,
-    stage_summary,
-    write_manifest,
 )
-from vlm_recipes.stages.guards import Decision, Environment
-from vlm_recipes.stages.parallel import (
-    ParallelPlan,
-    broadcast_from_main,
-    decide_parallel,
-    launch_command,
-    launched,
-    process_state,
-)
+from vlm_recipes.runs.lock import prepare_run_dir, release_run_lock
+from vlm_recipes.runs.manifest import mark_run_ended, stage_summary, write_manifest
 
 log = logging.getLogger(__name__)
 
 PARALLEL_ENV = "VLM_RECIPES_PARALLEL"  # the launcher tells its children the plan, for their reports
-
-
-def plan_parallel(
-    recipe: Recipe, env: Environment, options: RunOptions
-) -> list[tuple[ParallelPlan, Decision]]:
-    """How each stage uses the devices (pure decisions; raises GuardError for impossible requests)."""
-    plans = []
-    for stage in recipe.stages:
-        footprint = gpu_memory = None
-        if env.device == "cuda" and env.gpu_count > 1 and stage.parallel == "auto":
-            from vlm_recipes.stages.plan import estimate_footprint
-
-            footprint = estimate_footprint(recipe, stage)
-            gpu_memory = torch.cuda.get_device_properties(0).total_memory / 2**30
-        plans.append(
-            decide_parallel(
-                stage.parallel,
-                env,
-                footprint,
-                gpu_memory,
-                options.nproc_per_node,
-                options.node.nnodes,
-                stage.training.max_memory_per_gpu,
-            )
-        )
-    return plans
 
 
 def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
@@ -131,57 +91,6 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
     return run_dir
 
 
-def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None:
-    """Run a launcher command (torchrun / accelerate) to its end. The children are one writer with this
-    process: they are told this process holds the run's lock, and inherit the locked file, so the lock
-    stays held while any of them lives (even if this process is killed)."""
-    child_env = {**os.environ, **env}
-    lock_fd = held_lock_fd(run_dir)
-    if lock_fd is not None:
-        child_env[LOCK_HELD_ENV] = str(run_dir.resolve())
-    process = subprocess.Popen(command, env=child_env, pass_fds=(lock_fd,) if lock_fd is not None else ())
-    try:
-        code = process.wait()
-    except KeyboardInterrupt as exc:  # the children got Ctrl-C too; SIGTERM only this process: pass it on
-        if exc.args == ("SIGTERM",):
-            process.send_signal(signal.SIGTERM)  # torchrun and accelerate pass it to their workers
-        log.warning(
-            "%s: waiting for the launched processes to save and stop", exc.args[0] if exc.args else "Ctrl-C"
-        )
-        try:
-            process.wait(timeout=300)
-        except (KeyboardInterrupt, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
-        raise
-    if code != 0:
-        raise LaunchFailed(code, run_dir)
-
-
-class LaunchFailed(RuntimeError):
-    """A launched process group failed; its processes printed why, and rank 0 recorded it in run.json."""
-
-    def __init__(self, code: int, run_dir: Path):
-        super().__init__(f"the launched processes exited with code {code}")
-        self.code = code
-        self.run_dir = run_dir
-
-    def recorded_error(self) -> str:
-        """The error a child recorded in run.json ("DataError: ..."), or "" when none did."""
-        try:
-            return read_json(self.run_dir / "run.json").get("error") or ""
-        except (OSError, ValueError):
-            return ""
-
-
-def wait_for(path: Path, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while not path.exists():
-        if time.time() > deadline:
-            raise RunExistsError(f"{path} did not appear within {seconds:.0f} s: is node 0 running this run?")
-        time.sleep(1.0)
-
-
 def train_stages(
     recipe: Recipe,
     options: RunOptions,
@@ -199,7 +108,7 @@ def train_stages(
         _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest)
     except BaseException as exc:
         if state.is_main_process:
-            from vlm_recipes.stages.resilience import StageInterrupted
+            from vlm_recipes.errors import StageInterrupted
 
             interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
             mark_run_ended(run_dir, "interrupted" if interrupted else "failed", exc)

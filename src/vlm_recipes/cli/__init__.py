@@ -4,29 +4,25 @@ vlm-recipes train ...     run a recipe             (= python scripts/train_recip
 vlm-recipes compare ...   compare finished runs    (= python scripts/compare_recipes.py ...)
 vlm-recipes predict ...   answer with a trained model (= python scripts/predict.py ...)
 vlm-recipes inspect ...   what the guards see in a model (= python scripts/inspect_checkpoint.py ...)
-vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ..., from a checkout)
+vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ...)
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
-from pathlib import Path
 
 # command → (module with main(argv, prog), one line of help)
 COMMANDS = {
     "train": ("vlm_recipes.cli.train", "run a recipe: stages, checkpoints, evaluation (`train --help`)"),
     "compare": ("vlm_recipes.cli.compare", "compare finished runs: table, comparison.md, comparison.png"),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
-    "inspect": ("vlm_recipes.cli.doctor", "print what the guards see in a model directory"),
+    "inspect": ("vlm_recipes.cli.inspect", "print what the guards see in a model directory"),
     "bench": (
-        None,
-        "benchmark against a plain TRL script: runs scripts/benchmark.py, so only from a source checkout "
-        "(it needs benchmarks/baseline_trl.py beside it)",
+        "vlm_recipes.evaluation.bench",
+        "benchmark against a plain TRL script, in the scenarios a user runs",
     ),
 }
-CHECKOUT = Path(__file__).resolve().parents[3]  # the repository root, when installed from a checkout
 EXIT_BAD_INPUT = 2
 
 
@@ -53,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     command, rest = argv[0], argv[1:]
     prog = f"vlm-recipes {command}"
-    if command == "bench":
-        return bench(rest, prog)
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(rest, prog=prog)
 
@@ -67,26 +61,3 @@ def run_as_module(argv: list[str]) -> int:
     from vlm_recipes.cli.train import main as train
 
     return train(argv, prog="python -m vlm_recipes")
-
-
-def bench(argv: list[str], prog: str) -> int:
-    """scripts/benchmark.py's main, with `argv` as its command line."""
-    script = CHECKOUT / "scripts" / "benchmark.py"
-    baseline = CHECKOUT / "benchmarks" / "baseline_trl.py"
-    if not (script.is_file() and baseline.is_file()):
-        print(
-            f"{prog}: error: the benchmark runs from a source checkout: {script} and {baseline} are not "
-            "there (this vlm-recipes is installed without them). Clone the repository and run "
-            "`pip install -e .` there, or run `python scripts/benchmark.py` in the checkout.",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
-    spec = importlib.util.spec_from_file_location("vlm_recipes_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    saved = sys.argv
-    sys.argv = [prog, *argv]  # the script parses sys.argv
-    try:
-        return module.main()
-    finally:
-        sys.argv = saved

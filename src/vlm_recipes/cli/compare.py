@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlm_recipes.errors import BadInput
 from vlm_recipes.evaluation.compare import find_runs, format_comparison, write_comparison
-from vlm_recipes.runs import run_state
+from vlm_recipes.runs.manifest import run_state
 
 
 def _not_comparable(run_dir: Path) -> str | None:
@@ -50,9 +51,9 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
     out = args.out or args.output_dir / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
     try:
         comparison, markdown, png = write_comparison(run_dirs, out)
-    except ValueError as exc:
+    except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     print(format_comparison(comparison))
     print(f"\nComparison: {markdown}\nPlot:       {png}")
     return 0

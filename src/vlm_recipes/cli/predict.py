@@ -8,13 +8,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from vlm_recipes.errors import BadInput
 from vlm_recipes.files import read_json, write_jsonl
-from vlm_recipes.runs import FINAL_DIR, run_state
+from vlm_recipes.runs.layout import FINAL_DIR
+from vlm_recipes.runs.manifest import run_state
 
 
 def resolve_model_dir(path: str) -> str:
     """A run directory (its final model), a stage directory (its final/), a model directory or id."""
-    from vlm_recipes.demo import resolve_model_source
+    from vlm_recipes.demo.models import resolve_model_source
 
     candidate = Path(path)
     if (candidate / "run.json").is_file():
@@ -53,12 +55,14 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlm_recipes.data.rows import DataError, VideoRules, load_split
-    from vlm_recipes.data.video import VideoError, VideoLoader, VideoSampling
+    from vlm_recipes.data.rows import VideoRules, load_split
+    from vlm_recipes.data.video import VideoLoader, VideoSampling
+    from vlm_recipes.decisions import DTYPES, Environment
+    from vlm_recipes.errors import DataError
     from vlm_recipes.evaluation.evaluate import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.model.build import detect_family
+    from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.schema import DataSettings
-    from vlm_recipes.stages.build import detect_family
-    from vlm_recipes.stages.guards import DTYPES, Environment, decide_precision
 
     try:
         model_dir = resolve_model_dir(args.model)
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
         if missing:
             raise FileNotFoundError(f"not found: {', '.join(missing)}")
         if args.video and videos is None:
-            raise ValueError(f"{model_dir} is a {family.name} model, which takes no video")
+            raise DataError(f"{model_dir} is a {family.name} model, which takes no video: give --image only")
         content = [{"type": "image", "image": Image.open(p).convert("RGB")} for p in args.image]
         content += [{"type": "video"} for _ in args.video]
         content.append({"type": "text", "text": args.prompt})
@@ -109,6 +113,6 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
         (answer,) = generate_answers(model, processor, [prompt], args.max_new_tokens, 1, videos=videos)
         print(answer)
         return 0
-    except (OSError, DataError, VideoError, ValueError) as exc:
+    except (OSError, BadInput) as exc:  # a missing file is bad input too
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,12 +18,10 @@ import time
 import typing
 from pathlib import Path
 
+from vlm_recipes.errors import GuardError
 from vlm_recipes.logs import is_main_process, setup_logging
 
 DEFAULT_RECIPE = "r3-two-stage"
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_INTERRUPTED = 130
 # Numeric flags that are not recipe keys: (attribute, flag, lowest, highest or None)
 FLAG_RANGES = [
     ("nproc_per_node", "--nproc-per-node", 1, None),
@@ -80,7 +78,7 @@ def build_parser(prog: str = "train_recipe.py") -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--accelerate-config",
-        help="fsdp/deepspeed: a config in configs/accelerate/ (fsdp, zero2, zero3) or a path",
+        help="fsdp/deepspeed: a shipped accelerate config (fsdp, zero2, zero3) or a path",
     )
     parser.add_argument("--nnodes", type=int, default=1, help="machines in a multi-node run")
     parser.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run")
@@ -138,7 +136,7 @@ def describe_schema() -> str:
 
 def select_gpus(spec: str) -> None:
     """`--gpu 6,7`: make exactly those GPUs visible, before CUDA starts, and check they exist."""
-    from vlm_recipes.stages.guards import GuardError
+    from vlm_recipes.errors import GuardError
 
     ids = [i.strip() for i in spec.split(",") if i.strip()]
     if not ids or not all(i.isdigit() for i in ids):
@@ -298,8 +296,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(describe_schema())
         return 0
 
+    from vlm_recipes.errors import BadInput, StageInterrupted, StageStopped
     from vlm_recipes.recipes.load import available_recipes
-    from vlm_recipes.recipes.validate import RecipeError
 
     if isinstance(args.resume, str):
         args.output_dir = Path(args.resume).parent.parent
@@ -312,28 +310,15 @@ def _main(argv: list[str] | None, prog: str) -> int:
     try:
         check_flags(args)
         jobs = build_jobs(args, names, base_name)
-    except RecipeError as exc:
+    except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exc.exit_code
 
-    from vlm_recipes.data.rows import DataError
-    from vlm_recipes.families import LoraTargetError, UnsupportedModelError
-    from vlm_recipes.runner import LaunchFailed, run_recipe
-    from vlm_recipes.runs import RunExistsError, RunOptions, format_summary
-    from vlm_recipes.stages.build import MissingProcessorError
-    from vlm_recipes.stages.guards import GuardError
-    from vlm_recipes.stages.parallel import NodeSettings
-    from vlm_recipes.stages.resilience import StageInterrupted, TrainingDiverged
+    from vlm_recipes.launch.launcher import LaunchFailed
+    from vlm_recipes.runner import run_recipe
+    from vlm_recipes.runs.layout import NodeSettings, RunOptions
+    from vlm_recipes.runs.manifest import format_summary
 
-    bad_input = (
-        RecipeError,
-        DataError,
-        GuardError,
-        UnsupportedModelError,
-        LoraTargetError,
-        MissingProcessorError,
-        RunExistsError,
-    )
     run_dirs: list[Path] = []
     try:
         if args.gpu is not None:
@@ -343,7 +328,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 "a multi-node run needs the same --run-name on every node (a timestamp would differ)"
             )
         if args.dry_run:
-            from vlm_recipes.stages.plan import format_plan, plan_recipe
+            from vlm_recipes.plan import format_plan, plan_recipe
 
             for recipe, run_name in jobs:
                 print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
@@ -358,26 +343,23 @@ def _main(argv: list[str] | None, prog: str) -> int:
             run_dirs.append(run_recipe(recipe, options))
             if args.until_stage is None and is_main_process():
                 print("\n" + format_summary(run_dirs[-1]))
-    except bad_input as exc:
+    except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exc.exit_code
     except LaunchFailed as exc:  # the launched processes printed their own error
-        # torchrun reports any failed child as its own failure (exit 1): the kind of error a child
-        # recorded gives the exit code a single process would have
-        kind = exc.recorded_error().split(":", 1)[0]
-        if kind in {cls.__name__ for cls in bad_input}:
-            return EXIT_BAD_INPUT
-        return EXIT_DIVERGED if kind == TrainingDiverged.__name__ else exc.code
-    except TrainingDiverged as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return EXIT_DIVERGED
+        # torchrun reports any failed child as its own failure (exit 1): the exit code a child recorded
+        # in run.json is the one a single process would have returned
+        return exc.recorded_exit_code()
     except (StageInterrupted, KeyboardInterrupt) as exc:
         detail = f"{exc}\n" if isinstance(exc, StageInterrupted) else ""
         print(
             f"\ninterrupted: {detail}finished stages are kept. Continue with:\n  {resume_command(args, base_name)}",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
+        return StageInterrupted.exit_code
+    except StageStopped as exc:  # diverged: the message says at which step and why
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
         from vlm_recipes.evaluation.compare import format_comparison, write_comparison
 

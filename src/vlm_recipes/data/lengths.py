@@ -11,10 +11,11 @@ from __future__ import annotations
 import datasets
 from PIL import Image
 
-from vlm_recipes.caches import remembered_token_counts
-from vlm_recipes.data.rows import BadRow, DataError, fail_or_skip, undecoded
+from vlm_recipes.caches.token_counts import remembered_token_counts
+from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
-from vlm_recipes.families import Family
+from vlm_recipes.errors import DataError
+from vlm_recipes.families.base import Family
 
 
 def sample_token_counts(

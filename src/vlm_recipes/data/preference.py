@@ -19,7 +19,7 @@ from vlm_recipes.data.rows import (
     image_problem,
     undecoded,
 )
-from vlm_recipes.families import Family
+from vlm_recipes.families.base import Family
 
 
 def _messages_problem(value, key: str, answer: bool) -> str | None:

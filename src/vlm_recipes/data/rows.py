@@ -28,18 +28,15 @@ import datasets
 import pyarrow as pa
 from PIL import Image
 
-from vlm_recipes.data.demo_data import resolve_data_source
-from vlm_recipes.data.video import VideoError, VideoSampling, plan_frames, read_header
+from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
+from vlm_recipes.demo.data import resolve_data_source
+from vlm_recipes.errors import DataError, VideoError
 from vlm_recipes.recipes.schema import DataSettings
 
 log = logging.getLogger(__name__)
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 MAX_LISTED_PROBLEMS = 10
-
-
-class DataError(ValueError):
-    """Rows that cannot be trained on; the message lists where they are and why."""
 
 
 @dataclass

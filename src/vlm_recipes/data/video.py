@@ -32,11 +32,9 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 from transformers.video_utils import VideoMetadata
 
+from vlm_recipes.errors import VideoError
+
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-
-
-class VideoError(ValueError):
-    """A video that cannot be read; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -212,14 +210,6 @@ def load_video(path: Path, sampling: VideoSampling, factor: int) -> tuple[torch.
     return decode_frames(path, plan), plan.metadata()
 
 
-def video_identity(path: str) -> bytes:
-    """What identifies a video's content in cache keys: path, size and modification time (of every frame,
-    for a folder)."""
-    path_ = Path(path)
-    files = _frame_files(path_) if path_.is_dir() else [path_]
-    return "\n".join(f"{f} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files).encode()
-
-
 @dataclass(frozen=True)
 class VideoLoader:
     """A sample's videos for one model: decoded at its frame sizes, and the processor's arguments for them
@@ -239,3 +229,11 @@ class VideoLoader:
 
     def load(self, path: str | Path) -> tuple[torch.Tensor, VideoMetadata]:
         return load_video(Path(path), self.sampling, self.factor)
+
+
+def video_identity(path: str) -> bytes:
+    """What identifies a video's content in cache keys: path, size and modification time (of every frame,
+    for a folder)."""
+    path_ = Path(path)
+    files = _frame_files(path_) if path_.is_dir() else [path_]
+    return "\n".join(f"{f} {f.stat().st_size} {f.stat().st_mtime_ns}" for f in files).encode()

@@ -15,12 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.runs import run_state
-
-
-class RunNotComparable(ValueError):
-    """A named run cannot be compared: it has not finished (failed, interrupted, running, killed)."""
+from vlm_recipes.runs.manifest import run_state
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from vlm_recipes.data.collate import attach_videos
 from vlm_recipes.data.video import VideoLoader
+from vlm_recipes.errors import DataError
 
 # ---------------------------------------------------------------------------------------------
 # Scoring (pure functions, tested against hand-computed cases)
@@ -276,7 +277,7 @@ def with_videos(batch: list[Prompt], videos: VideoLoader | None) -> tuple[list[l
     if not any(p.videos for p in batch):
         return [p.messages for p in batch], {}
     if videos is None:
-        raise ValueError("a prompt has a video but the model takes no video")
+        raise DataError("a prompt has a video but the model takes no video")
     loaded = [[videos.load(path) for path in p.videos] for p in batch]
     messages = [
         attach_videos(p.messages, [frames for frames, _ in v]) for p, v in zip(batch, loaded, strict=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlm_recipes.families import Family
+from vlm_recipes.families.base import Family
 
 ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
 FORMULA = (

@@ -6,7 +6,8 @@ tests; `FAMILIES` lists the supported ones.
 
 from __future__ import annotations
 
-from vlm_recipes.families.base import Family, LoraTargetError, UnsupportedModelError
+from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
+from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL

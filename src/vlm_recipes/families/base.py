@@ -16,15 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlm_recipes.recipes.schema import ROLES
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
-class LoraTargetError(ValueError):
-    pass
+from vlm_recipes.errors import LoraTargetError
+from vlm_recipes.roles import ROLES
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ __all__ = [  # RecipeError and Problem live in validate.py; importing them from 
     "resolve_recipe_dict",
 ]
 
-BUILTIN_RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+BUILTIN_RECIPES_DIR = Path(__file__).resolve().parent / "builtin"  # the shipped recipes (package data)
 
 
 # ---------------------------------------------------------------------------------------------

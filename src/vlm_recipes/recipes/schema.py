@@ -34,7 +34,6 @@ DpoLoss = Literal[
     "sft",
 ]
 
-ROLES = ("vision", "projector", "llm")
 # Parts a quantized load can leave in full precision: the training roles plus the output head.
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
 
@@ -149,7 +148,7 @@ class DataSettings:
     )
     # Video rows (the Qwen line): frames taken and sized by qwen-vl-utils' rules (data/video.py). The
     # defaults fit a 7B model with LoRA or QLoRA on a 24 GB GPU and data.max_length 2048: at most 32 frames
-    # of 256x256 px, i.e. 16 x 81 = 1296 video tokens on Qwen2-VL (README: Videos and several images).
+    # of 256x256 px, i.e. 16 x 81 = 1296 video tokens on Qwen2-VL (docs/recipes.md: Videos and several images).
     video_fps: float = doc("frames taken per second of video (qwen-vl-utils' fps)", 2.0, range=ABOVE_0)
     max_frames: int = doc(
         "most frames taken from one video (an even count; a folder of frames counts as a video)",

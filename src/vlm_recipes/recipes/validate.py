@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, ROLES, Range, Recipe
+from vlm_recipes.errors import BadInput
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, Range, Recipe
+from vlm_recipes.roles import ROLES
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 DEMO_DATA = ("demo:train", "demo:eval", "demo:bench", "demo:preference-train", "demo:preference-eval")
@@ -32,7 +34,7 @@ class Problem:
         return f"{self.where}: {self.message}"
 
 
-class RecipeError(ValueError):
+class RecipeError(BadInput, ValueError):
     """A recipe (or an override of it, or a command-line value) is not valid. Carries every problem found."""
 
     def __init__(self, problems: list[Problem], title: str = "Recipe is not valid"):
@@ -145,7 +147,7 @@ def model_source_problem(source: str) -> str | None:
     if source.startswith("demo:"):
         # imported here: the registry imports every family's transformers classes (seconds), and recipes/
         # stays light so that a bad command line or recipe is reported at once
-        from vlm_recipes.demo import DEMO_MODEL_IDS
+        from vlm_recipes.demo.models import DEMO_MODEL_IDS
 
         if source in DEMO_MODEL_IDS:
             return None

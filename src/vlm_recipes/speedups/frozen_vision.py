@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlm_recipes.cache_storage import CacheBudget, read_entry, write_entry
-from vlm_recipes.caches import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
-from vlm_recipes.families import Family
+from vlm_recipes.caches.keys import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
+from vlm_recipes.caches.storage import CacheBudget, read_entry, write_entry
+from vlm_recipes.families.base import Family
 from vlm_recipes.files import write_json
 from vlm_recipes.speedups.patch_embedding import patch_convolution_as_matmul
 

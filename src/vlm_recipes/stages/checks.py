@@ -9,16 +9,11 @@ from pathlib import Path
 
 import torch
 
+from vlm_recipes.decisions import Decision
+from vlm_recipes.errors import GuardError, StageInterrupted, TrainingDiverged
+from vlm_recipes.methods.resilience import InterruptCallback, NonFiniteCallback, complete_checkpoints
+from vlm_recipes.ranks import gather_from_ranks
 from vlm_recipes.stages.context import StageContext
-from vlm_recipes.stages.guards import Decision, GuardError
-from vlm_recipes.stages.parallel import gather_from_ranks
-from vlm_recipes.stages.resilience import (
-    InterruptCallback,
-    NonFiniteCallback,
-    StageInterrupted,
-    TrainingDiverged,
-    complete_checkpoints,
-)
 
 log = logging.getLogger(__name__)
 

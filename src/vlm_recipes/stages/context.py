@@ -8,9 +8,10 @@ from pathlib import Path
 
 from accelerate import PartialState
 
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.plan import ParallelPlan
+from vlm_recipes.ranks import process_state
 from vlm_recipes.recipes.schema import Recipe, Stage
-from vlm_recipes.stages.guards import Decision, Environment
-from vlm_recipes.stages.parallel import ParallelPlan, process_state
 
 
 @dataclass

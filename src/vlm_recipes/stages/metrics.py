@@ -11,11 +11,11 @@ import torch
 
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
+from vlm_recipes.decisions import Environment
 from vlm_recipes.evaluation.evaluate import evaluate_generation
 from vlm_recipes.files import write_jsonl
+from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Environment
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from transformers import AutoModelForImageTextToText
 from trl import SFTTrainer
 
 from vlm_recipes.files import write_json
-from vlm_recipes.runs import ADAPTER_DIR, FINAL_DIR, PROVENANCE_FILE, read_provenance
-from vlm_recipes.stages.build import BuiltModel
+from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.guards import keep_fp32_patterns, matches_any
+from vlm_recipes.runs.layout import ADAPTER_DIR, FINAL_DIR, PROVENANCE_FILE, read_provenance
 from vlm_recipes.stages.context import StageContext
-from vlm_recipes.stages.guards import keep_fp32_patterns, matches_any
 
 
 def save_stage_outputs(

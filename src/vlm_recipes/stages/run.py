@@ -20,22 +20,18 @@ from vlm_recipes.data.rows import (
     load_stage_data,
 )
 from vlm_recipes.data.video import VideoSampling
+from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.evaluation.timing import StepTimer
-from vlm_recipes.families import FAMILIES, Family
-from vlm_recipes.families.base import count_params_by_role
+from vlm_recipes.families import FAMILIES
+from vlm_recipes.families.base import Family, count_params_by_role
 from vlm_recipes.files import write_json
-from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.runs import FINAL_DIR, mark_done
-from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
-from vlm_recipes.stages.audit import audit_freeze
-from vlm_recipes.stages.boundaries import install_dtype_boundaries
-from vlm_recipes.stages.build import BuiltModel, build_stage_model, detect_family, load_processor
-from vlm_recipes.stages.checks import check_same_start, check_stopped_early
-from vlm_recipes.stages.context import StageContext
-from vlm_recipes.stages.doctor import inspect_model
-from vlm_recipes.stages.guards import (
-    Decision,
-    Environment,
+from vlm_recipes.methods import method_of
+from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
+from vlm_recipes.methods.sft import RecipeTrainer
+from vlm_recipes.model.audit import audit_freeze
+from vlm_recipes.model.boundaries import install_dtype_boundaries
+from vlm_recipes.model.build import BuiltModel, build_stage_model, detect_family, load_processor
+from vlm_recipes.model.guards import (
     apply_trainable_dtype,
     cast_frozen_to_compute,
     check_precision_agrees,
@@ -47,13 +43,17 @@ from vlm_recipes.stages.guards import (
     place_tensors,
     verify_quantization_scope,
 )
-from vlm_recipes.stages.methods import method_of
+from vlm_recipes.model.inspect import inspect_model
+from vlm_recipes.plan import batch_decision
+from vlm_recipes.ranks import broadcast_from_main
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.runs.layout import FINAL_DIR, mark_done
+from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
+from vlm_recipes.speedups.install import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
+from vlm_recipes.stages.checks import check_same_start, check_stopped_early
+from vlm_recipes.stages.context import StageContext
 from vlm_recipes.stages.metrics import collect_metrics, evaluate_stage, peak_memory, reset_peak_memory
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
-from vlm_recipes.stages.parallel import batch_decision, broadcast_from_main
-from vlm_recipes.stages.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
-from vlm_recipes.stages.speedups import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
-from vlm_recipes.stages.trainer import RecipeTrainer
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlm_recipes.families import Family
-from vlm_recipes.families.base import DtypeBoundary, _unwrap_name
-from vlm_recipes.stages.guards import Decision, GuardError, dtype_name
+from vlm_recipes.decisions import Decision, dtype_name
+from vlm_recipes.errors import GuardError
+from vlm_recipes.families.base import DtypeBoundary, Family, _unwrap_name
 
 
 def modules_by_path(model: nn.Module) -> dict[str, nn.Module]:

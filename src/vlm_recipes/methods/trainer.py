@@ -1,45 +1,26 @@
-"""The one SFTTrainer of a stage: the recipe's settings as an SFTConfig, the trainer subclass that resumes
-from the runner's checkpoints, and the per-role learning rates."""
+"""What every method's trainer shares: the TrainingArguments every method sets the same way, the mixin
+that resumes from the runner's checkpoints and gives each role its learning rate, the trainable-dtype
+guard after the trainer is built, and TrainingMethod, what a method module declares."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.caches import PreprocessedSampleCollator
-from vlm_recipes.data.rows import StageData
-from vlm_recipes.families import Family
-from vlm_recipes.families.base import params_by_role
+from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
+from vlm_recipes.data.rows import RowFormat
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.families.base import Family, params_by_role
+from vlm_recipes.methods.resilience import restore_trainable
+from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.guards import apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
-from vlm_recipes.speedups.packing import is_packed
-from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Decision, Environment, apply_parallelism, apply_trainable_dtype
-from vlm_recipes.stages.resilience import restore_trainable
 
 log = logging.getLogger(__name__)
-
-
-def build_sft_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> SFTConfig:
-    return SFTConfig(
-        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
-        # Lengths are checked before training (data.check_lengths): the collator must never truncate
-        # through image tokens.
-        max_length=None,
-        assistant_only_loss=True,
-    )
 
 
 def common_training_args(
@@ -137,64 +118,6 @@ class RecipeTrainerMixin:
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
 
 
-class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
-    """The SFT stage's trainer."""
-
-    loss_positions: LastLayerAtLossPositions | None = None  # training.loss_positions_only
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.loss_positions is not None:
-            inputs = self.loss_positions.select(inputs)  # kept set through backward (checkpointing)
-        # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
-        # multimodal position ids, i.e. 1. Count the packed row's length instead.
-        counted_before = self._total_train_tokens
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if model.training and is_packed(inputs):
-            length = torch.tensor(inputs["position_ids"].shape[-1], device=inputs["position_ids"].device)
-            tokens = self.accelerator.gather_for_metrics(length).sum().item()
-            self._total_train_tokens = counted_before + tokens
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        return result
-
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self._forget_loss_positions()
-
-    def prediction_step(self, *args, **kwargs):
-        try:
-            return super().prediction_step(*args, **kwargs)
-        finally:
-            self._forget_loss_positions()
-
-    def _forget_loss_positions(self) -> None:
-        """After the step's backward: any other forward (generation) runs the whole last layer."""
-        if self.loss_positions is not None:
-            self.loss_positions.positions = None
-
-
-def build_trainer(
-    built: BuiltModel,
-    stage: Stage,
-    args: SFTConfig,
-    data: StageData,
-    decisions: list[Decision] | None = None,
-    callbacks: list | None = None,
-) -> SFTTrainer:
-    """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
-    apply_parallelism(args)
-    trainer = RecipeTrainer(
-        model=built.model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        callbacks=callbacks,
-    )
-    return prepare_trainer(trainer, built, stage, decisions, "after SFTTrainer was built")
-
-
 def prepare_trainer(
     trainer: RecipeTrainerMixin, built: BuiltModel, stage: Stage, decisions: list[Decision] | None, when: str
 ):
@@ -208,3 +131,17 @@ def prepare_trainer(
     if decisions is not None:
         decisions.append(decision)
     return trainer
+
+
+@dataclass(frozen=True)
+class TrainingMethod:
+    name: str
+    row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
+    # (stage, output_dir, precision, env, has_eval, distributed, unused_possible) -> TrainingArguments
+    build_config: Callable
+    # (built, stage, args, data, decisions, callbacks) -> a RecipeTrainerMixin trainer
+    build_trainer: Callable
+    # (ds, processor, family, max_length, source, on_bad_sample) -> (ds, lengths, skipped)
+    check_lengths: Callable
+    max_length: Callable[[Stage], int | None]
+    eval_metrics: Callable[[dict], dict]  # trainer.evaluate()'s output -> extra keys of metrics.json

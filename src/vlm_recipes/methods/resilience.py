@@ -22,14 +22,6 @@ COMPLETE_MARKER = "COMPLETE"
 TRAINABLE_FILE = "trainable.safetensors"
 
 
-class TrainingDiverged(RuntimeError):
-    """Loss or gradients became NaN/inf and the stage stopped (nan_policy: stop)."""
-
-
-class StageInterrupted(RuntimeError):
-    """Ctrl-C or SIGTERM: a checkpoint was saved and the stage stopped."""
-
-
 def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
     """(complete, incomplete) `checkpoint-N` directories, each sorted by step."""
     found = sorted(checkpoints_dir.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))

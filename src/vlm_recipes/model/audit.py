@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText
 
-from vlm_recipes.caches import content_digest
-from vlm_recipes.families import Family
-from vlm_recipes.recipes.schema import ROLES, Stage
-from vlm_recipes.stages.guards import GuardError
+from vlm_recipes.caches.keys import content_digest
+from vlm_recipes.errors import GuardError
+from vlm_recipes.families.base import Family
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
 

@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import BadInput
 from vlm_recipes.logs import setup_logging
-from vlm_recipes.stages.doctor import format_inspection, inspect_model
-from vlm_recipes.stages.guards import Environment, GuardError, decide_precision
+from vlm_recipes.model.guards import decide_precision
+from vlm_recipes.model.inspect import format_inspection, inspect_model
 
 
 def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> int:
     """Load a model directory (a stage's final/, or a hub id where reachable) and print the inspection."""
 
-    from vlm_recipes.demo import resolve_model_source
-    from vlm_recipes.families import UnsupportedModelError
+    from vlm_recipes.decisions import DTYPES
+    from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.model.build import detect_family, load_model
+    from vlm_recipes.model.guards import place_tensors, verify_quantization_scope
     from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, QuantizationSettings
-    from vlm_recipes.stages.build import detect_family, load_model
-    from vlm_recipes.stages.guards import DTYPES, place_tensors, verify_quantization_scope
 
     parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("path", help="model directory, demo:tiny-qwen2-vl, or a hub id")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> 
         checks = [str(verify_quantization_scope(model, family, quant.mode, quant.skip_roles))]
         info = inspect_model(model, family, env, quantized)  # before placement: show what loading left
         checks.append(str(place_tensors(model, None)))
-    except (OSError, GuardError, UnsupportedModelError) as exc:
+    except (OSError, BadInput) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     title = f"{args.path}: {family.name}, loaded {args.quantization} in {precision.choice}"

@@ -13,10 +13,12 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
-from vlm_recipes.families import Family, family_for_model_type
-from vlm_recipes.families.base import linear_modules_of_role, lora_target_modules, params_by_role
-from vlm_recipes.recipes.schema import ROLES, DataSettings, QuantizationSettings, Stage
-from vlm_recipes.stages.guards import DTYPES, Decision
+from vlm_recipes.decisions import DTYPES, Decision
+from vlm_recipes.errors import MissingProcessorError
+from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families.base import Family, linear_modules_of_role, lora_target_modules, params_by_role
+from vlm_recipes.recipes.schema import DataSettings, QuantizationSettings, Stage
+from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +40,6 @@ class BuiltModel:
 def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     return family_for_model_type(config.model_type), config
-
-
-class MissingProcessorError(ValueError):
-    pass
 
 
 def load_processor(source: str, data: DataSettings, family: Family, trust_remote_code: bool = False):

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from vlm_recipes.data.demo_samples import (
+from vlm_recipes.demo.samples import (
     COLOURS,
     describe_sample,
     motion_sample,

@@ -9,11 +9,18 @@ from pathlib import Path
 
 from trl import DPOConfig, DPOTrainer
 
+from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
 from vlm_recipes.data.rows import StageData
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.methods.trainer import (
+    RecipeTrainerMixin,
+    TrainingMethod,
+    common_training_args,
+    prepare_trainer,
+)
+from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Decision, Environment, apply_parallelism
-from vlm_recipes.stages.trainer import RecipeTrainerMixin, common_training_args, prepare_trainer
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +111,15 @@ def dpo_eval_metrics(eval_metrics: dict) -> dict:
         "eval_reward_accuracy": eval_metrics.get("eval_rewards/accuracies"),
         "eval_reward_margin": eval_metrics.get("eval_rewards/margins"),
     }
+
+
+# Besides the generated answers (scored against `chosen`): eval reward accuracy and margin.
+DPO = TrainingMethod(
+    name="dpo",
+    row_format=PREFERENCE,
+    build_config=build_dpo_config,
+    build_trainer=build_dpo_trainer,
+    check_lengths=check_preference_lengths,
+    max_length=dpo_max_length,
+    eval_metrics=dpo_eval_metrics,
+)

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import logging
 
-from vlm_recipes.caches import PreprocessedSampleCollator, speedup_cache, speedup_cache_budget
+from transformers import Trainer
+
+from vlm_recipes.caches.keys import speedup_cache, speedup_cache_budget
+from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import StageData, undecoded
-from vlm_recipes.families import Family
+from vlm_recipes.decisions import Decision
+from vlm_recipes.errors import GuardError
+from vlm_recipes.families.base import Family
+from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
 from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
-from vlm_recipes.stages.build import BuiltModel
-from vlm_recipes.stages.guards import Decision, GuardError
-from vlm_recipes.stages.trainer import RecipeTrainer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def rope_index_of(built: BuiltModel):
     return built.family.rope_index(built.model)
 
 
-def wrap_collator(trainer: RecipeTrainer, built: BuiltModel, stage: Stage) -> None:
+def wrap_collator(trainer: Trainer, built: BuiltModel, stage: Stage) -> None:
     """The speed-ups that change how batches are made; TRL's collator still does all the processing."""
     if stage.training.preprocessed_cache:
         trainer.sample_cache = PreprocessedSampleCollator(
@@ -131,7 +134,7 @@ def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -
 
 
 def compute_loss_positions_only(
-    trainer: RecipeTrainer, built: BuiltModel, stage: Stage, decisions: list[Decision] | None
+    trainer: Trainer, built: BuiltModel, stage: Stage, decisions: list[Decision] | None
 ) -> None:
     """The last decoder layer and the LM head computed only where the loss reads them."""
     if not stage.training.loss_positions_only:

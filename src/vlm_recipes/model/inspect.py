@@ -9,17 +9,10 @@ from collections import Counter, defaultdict
 import torch
 from torch import nn
 
-from vlm_recipes.families import Family
-from vlm_recipes.families.base import stored_numel
-from vlm_recipes.stages.guards import (
-    Environment,
-    GuardError,
-    decide_parallelism,
-    decide_precision,
-    dtype_name,
-    keep_fp32_patterns,
-    module_devices,
-)
+from vlm_recipes.decisions import Environment, dtype_name
+from vlm_recipes.errors import GuardError
+from vlm_recipes.families.base import Family, stored_numel
+from vlm_recipes.model.guards import decide_parallelism, decide_precision, keep_fp32_patterns, module_devices
 
 
 def inspect_model(model: nn.Module, family: Family, env: Environment, quantized: bool) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.data.demo_data import VERSION, tokenizer_corpus
+from vlm_recipes.demo.data import VERSION, tokenizer_corpus
+from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.families import FAMILIES, family_of_demo_model
 from vlm_recipes.files import build_dir_atomically, cache_dir
 
@@ -32,7 +33,9 @@ def ensure_demo_model(model_id: str = DEMO_MODEL_ID) -> Path:
     """The directory of a demo model (weights, processor, tokenizer, chat template); built on first use."""
     found = family_of_demo_model(model_id)
     if found is None:
-        raise ValueError(f"unknown demo model {model_id!r}; demo models: {', '.join(DEMO_MODEL_IDS)}")
+        raise UnsupportedModelError(
+            f"unknown demo model {model_id!r}; demo models: {', '.join(DEMO_MODEL_IDS)}"
+        )
     family, dims = found
     name = model_id.removeprefix("demo:")
     return build_dir_atomically(

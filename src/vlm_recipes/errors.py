@@ -1,0 +1,80 @@
+"""The package's errors: two families, each carrying the exit code the command line returns.
+
+- BadInput (exit 2): the recipe, the data, the model or the command line cannot be used as given. The
+  message names the file, key or row and the fix; the CLI prints it without a traceback.
+- StageStopped: a stage stopped before its end. StageInterrupted (130: Ctrl-C or SIGTERM, a checkpoint
+  saved) or TrainingDiverged (3: NaN/inf with nan_policy: stop).
+
+The CLI catches these two bases. A launched process group (torchrun, accelerate) records the failing
+child's error and exit code in run.json; the launcher returns that code (`exit_code_of`).
+Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class BadInput(Exception):
+    """Input that cannot be used as given; the message says where and how to fix it."""
+
+    exit_code = 2
+
+
+class GuardError(BadInput, RuntimeError):
+    """A stage cannot run as configured; the message says why and how to fix it."""
+
+
+class DataError(BadInput, ValueError):
+    """Rows that cannot be trained on; the message lists where they are and why."""
+
+
+class VideoError(BadInput, ValueError):
+    """A video that cannot be read; the message says which and why."""
+
+
+class UnsupportedModelError(BadInput, ValueError):
+    """The model's architecture is not one of the supported families."""
+
+
+class LoraTargetError(BadInput, ValueError):
+    """A role has no layer LoRA can adapt, or a target names none."""
+
+
+class MissingProcessorError(BadInput, ValueError):
+    """The model directory has no processor (image processor, tokenizer, chat template)."""
+
+
+class RunExistsError(BadInput, RuntimeError):
+    """The run directory cannot be used as asked (exists, missing, or another process writes it)."""
+
+
+class RunBusyError(RunExistsError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunNotComparable(BadInput, ValueError):
+    """A named run cannot be compared: it has not finished (failed, interrupted, running, killed)."""
+
+
+class StageStopped(Exception):
+    """A stage stopped before its end; what it finished is kept."""
+
+    exit_code = 1
+
+
+class StageInterrupted(StageStopped, RuntimeError):
+    """Ctrl-C or SIGTERM: a checkpoint was saved and the stage stopped."""
+
+    exit_code = 130
+
+
+class TrainingDiverged(StageStopped, RuntimeError):
+    """Loss or gradients became NaN/inf and the stage stopped (nan_policy: stop)."""
+
+    exit_code = 3
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The exit code a process ending with `error` returns: its family's, 130 for Ctrl-C, else 1."""
+    if isinstance(error, KeyboardInterrupt):
+        return StageInterrupted.exit_code
+    return getattr(error, "exit_code", 1)

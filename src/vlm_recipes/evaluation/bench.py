@@ -1,0 +1,384 @@
+"""Benchmark vlm-recipes against a plain TRL script, in the scenarios a user runs.
+
+    vlm-recipes bench                          # both stages, every scenario -> benchmark.json
+    vlm-recipes bench --stages llm-lora --scenarios first-epoch --repeats 3
+    vlm-recipes bench --readme benchmarks/results/cpu-2-cores.json   # docs/performance.md's tables
+    vlm-recipes bench --model demo:qwen2-vl-2b-shaped                # on a GPU: real dimensions
+
+Scenarios, each a row of the table. No run warms up the caches a measured run reads:
+- first-epoch: one epoch on empty caches (token counts included), seed 0: every seed recipe's first run.
+- second-seed: one epoch with seed 1 over the same data, reading the caches first-epoch's run left: the
+  next seed, recipe or run over the same data.
+- three-epochs: three epochs, caches empty at the start (they fill during the first).
+
+Ways: plain TRL (`evaluation/baseline_trl.py`, the script one writes by hand), vlm-recipes with its speed-ups
+off (first-epoch only: the runner's own overhead, computing what TRL computes), and vlm-recipes with them on.
+Every run is a fresh process, and both ways are measured over the same window and the same work: wall time
+and peak RSS are the whole process's (`os.wait4`), samples/s is samples trained / the training loop's
+runtime, the GPU peak (on a GPU) is reset before training and read after evaluating, on both sides. The
+eval loss (the first 32 rows, after training) is the loss check. Model TFLOP/s counts the FLOPs actually
+run: where the vision feature cache answered, the tower's and projector's are left out.
+
+Within a repeat the ways alternate in order; medians over repeats are compared as ours / TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+from vlm_recipes.evaluation.bench_tables import (
+    BASELINE,
+    SCENARIOS,
+    SPEEDUPS_ON,
+    TABLES_DOC,
+    WAYS,
+    WAYS_OF,
+    compare,
+    flops_skipped,
+    fraction_computed,
+    render_tables,
+    update_readme,
+    with_throughput,
+)
+
+HERE = Path(__file__).resolve().parent
+BASELINE_SCRIPT = HERE / "baseline_trl.py"  # the plain TRL script one writes by hand
+BENCH_RECIPES = HERE / "bench_recipes"
+RECIPES = {"llm-lora": "bench-llm-lora.yaml", "vision-full": "bench-vision-full.yaml"}
+SPEEDUPS = {  # each switchable; the feature cache only exists for a frozen tower
+    "llm-lora": [
+        "training.padding_free=true",
+        "training.preprocessed_cache=true",
+        "training.vision_feature_cache=true",
+        "training.sparse_lora_dropout=true",
+        "training.loss_positions_only=true",
+        "training.matmul_patch_embedding=true",
+    ],
+    "vision-full": [
+        "training.padding_free=true",
+        "training.preprocessed_cache=true",
+        "training.loss_positions_only=true",
+        "training.matmul_patch_embedding=true",
+    ],
+}
+# Speed-ups off, ours computes what TRL computes, adapters in the compute dtype as TRL casts them for QLoRA
+# (bf16), where that is bf16. Where it is fp32 (a CPU without native bf16) TRL still casts QLoRA adapters to
+# bf16, which such a CPU emulates; ours keeps them in fp32 there. The speed-up runs keep the recipe default,
+# fp32 adapters (the trainable-dtype guard).
+SAME_AS_BASELINE = {"llm-lora": ["training.trainable_dtype=compute"], "vision-full": []}
+LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_process(command: list[str], env: dict) -> tuple[float, float]:
+    """Run a command to its end; its wall seconds and the whole process's peak RSS in GB."""
+    with tempfile.TemporaryFile() as output:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            output.seek(0)
+            tail = output.read()[-3000:].decode(errors="replace")
+            sys.exit(f"benchmark run failed ({process.returncode}): {' '.join(command)}\n{tail}")
+    return wall, usage.ru_maxrss / 2**20  # Linux: kilobytes
+
+
+def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: Path) -> dict:
+    """One vlm-recipes run, its caches in `caches`."""
+    epochs, seed, _, _ = SCENARIOS[scenario]
+    out, run_name = caches / "runs", f"{scenario}-{time.time_ns()}"
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_recipes",
+        "--recipe",
+        str(BENCH_RECIPES / RECIPES[stage]),
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+        "--epochs",
+        str(epochs),
+        f"training.seed={seed}",
+        f"training.per_device_batch_size={setup['batch_size']}",
+        f"training.eval_batch_size={setup['batch_size']}",
+        f"precision={setup['precision']}",
+        f"model={setup['model']}",
+        f"data.train={setup['data']}",
+        f"data.eval={setup['data']}",
+        f"data.max_train_samples={setup['rows']}",
+        *extra,
+    ]
+    wall, rss = run_process(command, cache_env(setup["env"], caches))
+    metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
+    gpu = metrics["peak_memory"]
+    return {
+        "wall_s": wall,
+        "peak_rss_gb": rss,
+        "peak_gpu_allocated_gb": gpu.get("allocated_gb"),
+        "train_runtime_s": metrics["train_runtime_s"],
+        "final_loss": metrics["final_train_loss"],
+        "eval_loss": metrics.get("eval_loss"),
+        "loss_curve": {point["step"]: point["loss"] for point in metrics["loss_curve"]},
+        "vision_fraction_computed": fraction_computed(metrics.get("vision_feature_cache")),
+        "flops_skipped": flops_skipped(metrics.get("loss_positions_only"), setup["last_layer_flops"][stage]),
+        **{k: metrics.get(k) for k in ("time_to_first_step_s", "step_time_median_s", "step_time_p90_s")},
+    }
+
+
+def cache_env(env: dict, caches: Path) -> dict:
+    """Every cache a run fills (datasets' Arrow files; ours: token counts and the speed-ups') in `caches`."""
+    return {
+        **env,
+        "HF_DATASETS_CACHE": str(caches / "datasets"),
+        "VLM_RECIPES_CACHE": str(caches),
+        "VLM_RECIPES_SPEEDUP_CACHE": str(caches),
+    }
+
+
+def run_baseline(stage: str, scenario: str, setup: dict, caches: Path) -> dict:
+    epochs, seed, _, _ = SCENARIOS[scenario]
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        command = [
+            sys.executable,
+            str(BASELINE_SCRIPT),
+            f"--stage={stage}",
+            f"--model={setup['model']}",
+            f"--data={setup['data']}",
+            f"--rows={setup['rows']}",
+            f"--epochs={epochs}",
+            f"--seed={seed}",
+            f"--batch-size={setup['batch_size']}",
+            f"--out={result.name}",
+            *(["--bf16"] if setup["precision"] == "bf16" else []),
+        ]
+        wall, rss = run_process(command, cache_env(setup["env"], caches))
+        measured = json.loads(Path(result.name).read_text())
+    return {
+        **measured,
+        "wall_s": wall,
+        "peak_rss_gb": rss,
+        "vision_fraction_computed": 1.0,
+        "flops_skipped": 0.0,
+    }
+
+
+def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> dict:
+    if way == BASELINE:
+        result = run_baseline(stage, scenario, setup, caches)
+    else:
+        extra = SPEEDUPS[stage] if way == SPEEDUPS_ON else SAME_AS_BASELINE[stage]
+        result = run_ours(stage, scenario, extra, setup, caches)
+    epochs = SCENARIOS[scenario][0]
+    return with_throughput(result, setup["rows"] * epochs, setup["flops"][stage], setup["peak_tflops"])
+
+
+# --------------------------------------------------------------------------- summarizing
+
+
+# --------------------------------------------------------------------------- the tables
+
+
+# --------------------------------------------------------------------------- what was run where
+
+
+def git_sha() -> str:
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True)
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "?"
+
+
+def processor_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+        name = next(
+            line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> tuple[dict, dict, dict]:
+    """The model's size, each stage's mean FLOPs per sample by role, and each stage's FLOPs at a position
+    that training.loss_positions_only skips when unlabelled (on the meta device: shapes only)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.evaluation.flops import flops_per_sample_by_role, last_layer_flops_per_position
+    from vlm_recipes.model.build import detect_family
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.roles import ROLES
+
+    family, config = detect_family(str(model))
+    with torch.device("meta"):
+        bare = AutoModelForImageTextToText.from_config(config)
+    flops, last_layer = {}, {}
+    for stage in stages:
+        train = load_recipe(str(BENCH_RECIPES / RECIPES[stage])).stages[0].train
+        modes = {r: getattr(train, r) for r in ROLES}
+        flops[stage] = flops_per_sample_by_role(bare, family, modes, rows)
+        last_layer[stage] = last_layer_flops_per_position(bare, family, modes)
+    parameters = sum(p.numel() for p in bare.parameters())
+    return {"name": model.name, "parameters": parameters, "family": family.name}, flops, last_layer
+
+
+def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
+    """Text and image tokens of every sample trained on, padding excluded (both ways see the same)."""
+    from transformers import AutoProcessor
+
+    from vlm_recipes.data.lengths import sample_token_counts
+    from vlm_recipes.data.rows import load_split, undecoded
+    from vlm_recipes.model.build import detect_family
+
+    family, _ = detect_family(str(model))
+    processor = AutoProcessor.from_pretrained(model)
+    family.apply_pixel_bounds(processor.image_processor, 3136, 200704)  # the bench recipes' pixel bounds
+    ds, _ = load_split(str(data), "train", rows)
+    return sample_token_counts(undecoded(ds), processor, family)
+
+
+def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:
+    """What the results file says of the run: code, libraries, machine, command, model, data, scenarios."""
+    from vlm_recipes.evaluation.flops import FORMULA
+
+    return {
+        "git_sha": git_sha(),
+        "command": "vlm-recipes bench " + " ".join(sys.argv[1:]),
+        "machine": {
+            "description": environment.describe(),
+            "processor": processor_name(),
+            "threads": args.threads,
+            "platform": platform.platform(),
+        },
+        "libraries": {name: version(name) for name in LIBRARIES},
+        "model": model,
+        "rows": setup["rows"],
+        "batch_size": args.batch_size,
+        "precision": precision,
+        "repeats": args.repeats,
+        "scenarios": {name: SCENARIOS[name][3] for name in scenarios},
+        "speedups": {stage: SPEEDUPS[stage] for stage in setup["flops"]},
+        "flops_formula": FORMULA,
+        "flops_per_sample_by_role": setup["flops"],
+        "last_layer_flops_per_position": setup["last_layer_flops"],
+        "peak_tflops": setup["peak_tflops"],
+    }
+
+
+def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--stages", default="llm-lora,vision-full")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--rows", type=int, default=128, help="bench rows per epoch (of 256)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per way and scenario (medians)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: what a stage picks here")
+    parser.add_argument("--model", default="demo:bench-qwen2-vl", help="model id or directory")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
+    parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
+    parser.add_argument(
+        "--readme", type=Path, help="rewrite docs/performance.md's tables from this results file; no run"
+    )
+    args = parser.parse_args(argv)
+    if args.readme:
+        if not args.readme.is_file():
+            parser.error(f"--readme {args.readme}: no such results file (--out writes one)")
+        if not TABLES_DOC.is_file():
+            parser.error(f"--readme: no {TABLES_DOC} here: run it in the repository's checkout")
+        update_readme(json.loads(args.readme.read_text()))
+        print(f"{TABLES_DOC}: tables from {args.readme}")
+        return 0
+
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.evaluation.flops import peak_tflops
+    from vlm_recipes.model.guards import decide_precision
+
+    environment = Environment.detect()
+    precision = args.precision or decide_precision("auto", environment, quantized=False).choice
+    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
+    stages, asked = args.stages.split(","), args.scenarios.split(",")
+    if unknown := [name for name in asked + stages if name not in {**SCENARIOS, **RECIPES}]:
+        parser.error(
+            f"unknown --stages/--scenarios {unknown}; stages: {list(RECIPES)}, scenarios: {list(SCENARIOS)}"
+        )
+    scenarios = [name for name in SCENARIOS if name in asked]  # second-seed after first-epoch
+    if "second-seed" in scenarios and "first-epoch" not in scenarios:
+        parser.error("--scenarios: second-seed reads the caches first-epoch's run leaves; name both")
+    counts = token_counts(model, data, args.rows)
+    model_info, flops, last_layer_flops = model_about(model, stages, counts)
+    setup = {
+        "model": model,
+        "data": data,
+        "rows": len(counts),
+        "batch_size": args.batch_size,
+        "precision": precision,
+        "flops": flops,
+        "last_layer_flops": last_layer_flops,
+        "peak_tflops": args.peak_tflops or peak_tflops(environment.device),
+        "env": {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "MKL_NUM_THREADS": str(args.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+        },
+    }
+    about = describe_run(args, scenarios, environment, precision, model_info, setup)
+    print(
+        f"{about['machine']['description']}, {about['machine']['processor']}, {args.threads} threads\n"
+        f"{model_info['name']}: {model_info['parameters'] / 1e6:.1f}M parameters; {setup['rows']} rows per "
+        f"epoch, batch {args.batch_size}, {precision}, {args.repeats} repeat(s); git {about['git_sha']}\n"
+    )
+    runs = {
+        s: {c: {w: [] for w in WAYS_OF.get(c, [BASELINE, SPEEDUPS_ON])} for c in scenarios} for s in stages
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat, stage in ((r, s) for r in range(args.repeats) for s in stages):
+            for scenario in scenarios:
+                ways = list(runs[stage][scenario])
+                for way in ways if repeat % 2 == 0 else reversed(ways):
+                    # each way its own caches (datasets' too): first-epoch fills them, second-seed reads
+                    # them, three-epochs starts empty
+                    run_of = "first-epoch" if SCENARIOS[scenario][2] != "empty" else scenario
+                    caches = Path(tmp) / f"{stage}-{repeat}-{run_of}-{WAYS.index(way)}"
+                    result = run_one(stage, scenario, way, setup, caches)
+                    runs[stage][scenario][way].append(result)
+                    print(
+                        f"  {stage} {scenario} {way}, run {repeat + 1}: {result['wall_s']:.0f} s, "
+                        f"{result['samples_per_s']:.2f} samples/s, {result['peak_rss_gb']:.2f} GB, "
+                        f"eval loss {result['eval_loss']:.4f}",
+                        flush=True,
+                    )
+    report = {
+        "about": about,
+        "stages": {s: {c: compare(runs[s][c]) for c in scenarios} for s in stages},
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    print("\n" + render_tables(report) + f"\n\nwritten {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Start a stage's process group on this node (torchrun for DDP, accelerate launch for FSDP and DeepSpeed
+with the configs shipped in launch/configs/) and wait for it.
+
+Never torch.nn.DataParallel: a stage that needs several devices either shards the model in one process
+(model-parallel) or runs one process per device, launched here. What each stage needs is decided in
+`plan.py`; the children continue the same run directory, sharing its lock (runs/lock.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vlm_recipes.errors import GuardError, RunExistsError
+from vlm_recipes.files import read_json
+from vlm_recipes.plan import ParallelPlan
+from vlm_recipes.runs.layout import NodeSettings
+from vlm_recipes.runs.lock import LOCK_HELD_ENV, held_lock_fd
+
+log = logging.getLogger(__name__)
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # package data
+DEFAULT_ACCELERATE_CONFIG = {"fsdp": "fsdp", "deepspeed": "zero2"}  # names of files in CONFIGS_DIR
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching
+
+
+def accelerate_config_path(mode: str, choice: str | None) -> Path:
+    """`--accelerate-config zero3` or a path; by default fsdp.yaml for fsdp, zero2.yaml for deepspeed."""
+    choice = choice or DEFAULT_ACCELERATE_CONFIG[mode]
+    path = Path(choice)
+    if path.suffix in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise GuardError(f"--accelerate-config {choice}: no such file")
+        return path
+    named = CONFIGS_DIR / f"{choice}.yaml"
+    if not named.is_file():
+        names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+        raise GuardError(
+            f"--accelerate-config {choice}: not one of {names} (or give a path to a config file)"
+        )
+    return named
+
+
+def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSettings) -> list[str]:
+    """The command that starts one process per device on this node running `train_recipe.py script_args`."""
+    script = str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0].endswith(".py") else "-m"
+    target = [script] if script != "-m" else ["-m", "vlm_recipes"]
+    if plan.mode == "ddp":
+        rendezvous = (
+            ["--standalone"]
+            if node.nnodes == 1
+            else [
+                "--nnodes",
+                str(node.nnodes),
+                "--node_rank",
+                str(node.node_rank),
+                "--master_addr",
+                node.master_addr,
+                "--master_port",
+                str(node.master_port),
+            ]
+        )
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(plan.processes_per_node),
+            *rendezvous,
+            *target,
+            *script_args,
+        ]
+    config = accelerate_config_path(plan.mode, node.accelerate_config)
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        str(plan.world_size),
+        "--num_machines",
+        str(node.nnodes),
+        "--machine_rank",
+        str(node.node_rank),
+        "--main_process_ip",
+        node.master_addr,
+        "--main_process_port",
+        str(node.master_port),
+        *target,
+        *script_args,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a launched process: accelerate's process state (the one Trainer uses too)
+
+
+def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None:
+    """Run a launcher command (torchrun / accelerate) to its end. The children are one writer with this
+    process: they are told this process holds the run's lock, and inherit the locked file, so the lock
+    stays held while any of them lives (even if this process is killed)."""
+    child_env = {**os.environ, **env}
+    lock_fd = held_lock_fd(run_dir)
+    if lock_fd is not None:
+        child_env[LOCK_HELD_ENV] = str(run_dir.resolve())
+    process = subprocess.Popen(command, env=child_env, pass_fds=(lock_fd,) if lock_fd is not None else ())
+    try:
+        code = process.wait()
+    except KeyboardInterrupt as exc:  # the children got Ctrl-C too; SIGTERM only this process: pass it on
+        if exc.args == ("SIGTERM",):
+            process.send_signal(signal.SIGTERM)  # torchrun and accelerate pass it to their workers
+        log.warning(
+            "%s: waiting for the launched processes to save and stop", exc.args[0] if exc.args else "Ctrl-C"
+        )
+        try:
+            process.wait(timeout=300)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+        raise
+    if code != 0:
+        raise LaunchFailed(code, run_dir)
+
+
+class LaunchFailed(RuntimeError):
+    """A launched process group failed; its processes printed why, and rank 0 recorded it in run.json."""
+
+    def __init__(self, code: int, run_dir: Path):
+        super().__init__(f"the launched processes exited with code {code}")
+        self.code = code
+        self.run_dir = run_dir
+
+    def recorded_exit_code(self) -> int:
+        """The exit code the failing child recorded in run.json (bad input 2, diverged 3, ...), else the
+        launcher's own."""
+        try:
+            return int(read_json(self.run_dir / "run.json").get("exit_code") or self.code)
+        except (OSError, ValueError, TypeError):
+            return self.code
+
+
+def wait_for(path: Path, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while not path.exists():
+        if time.time() > deadline:
+            raise RunExistsError(f"{path} did not appear within {seconds:.0f} s: is node 0 running this run?")
+        time.sleep(1.0)

@@ -1,0 +1,123 @@
+"""SFT stages: TRL's SFTTrainer with the recipe's settings as an SFTConfig, its collator wrapped by the
+video loader and the batch speed-ups, and the last layer at loss positions only when asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from vlm_recipes.data.collate import VideoCollator
+from vlm_recipes.data.lengths import check_lengths
+from vlm_recipes.data.rows import MESSAGES, StageData
+from vlm_recipes.data.video import VideoLoader, VideoSampling
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.methods.trainer import (
+    RecipeTrainerMixin,
+    TrainingMethod,
+    common_training_args,
+    prepare_trainer,
+)
+from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.guards import apply_parallelism
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.speedups.install import compute_loss_positions_only, wrap_collator
+from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
+from vlm_recipes.speedups.packing import is_packed
+
+
+def build_sft_config(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
+) -> SFTConfig:
+    return SFTConfig(
+        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
+        # Lengths are checked before training (data.check_lengths): the collator must never truncate
+        # through image tokens.
+        max_length=None,
+        assistant_only_loss=True,
+    )
+
+
+class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
+    """The SFT stage's trainer."""
+
+    loss_positions: LastLayerAtLossPositions | None = None  # training.loss_positions_only
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.loss_positions is not None:
+            inputs = self.loss_positions.select(inputs)  # kept set through backward (checkpointing)
+        # TRL counts a padding-free batch's tokens as `position_ids.size(1)`: the batch axis of the 4-row
+        # multimodal position ids, i.e. 1. Count the packed row's length instead.
+        counted_before = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and is_packed(inputs):
+            length = torch.tensor(inputs["position_ids"].shape[-1], device=inputs["position_ids"].device)
+            tokens = self.accelerator.gather_for_metrics(length).sum().item()
+            self._total_train_tokens = counted_before + tokens
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
+
+    def training_step(self, *args, **kwargs):
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._forget_loss_positions()
+
+    def prediction_step(self, *args, **kwargs):
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._forget_loss_positions()
+
+    def _forget_loss_positions(self) -> None:
+        """After the step's backward: any other forward (generation) runs the whole last layer."""
+        if self.loss_positions is not None:
+            self.loss_positions.positions = None
+
+
+def build_trainer(
+    built: BuiltModel,
+    stage: Stage,
+    args: SFTConfig,
+    data: StageData,
+    decisions: list[Decision] | None = None,
+    callbacks: list | None = None,
+) -> SFTTrainer:
+    """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
+    apply_parallelism(args)
+    trainer = RecipeTrainer(
+        model=built.model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        callbacks=callbacks,
+    )
+    return prepare_trainer(trainer, built, stage, decisions, "after SFTTrainer was built")
+
+
+def build_sft_stage_trainer(built, stage, args, data, decisions=None, callbacks=None):
+    trainer = build_trainer(built, stage, args, data, decisions, callbacks)
+    videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
+    trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos)
+    wrap_collator(trainer, built, stage)  # the batch speed-ups wrap TRL's SFT collator
+    compute_loss_positions_only(trainer, built, stage, decisions)
+    return trainer
+
+
+SFT = TrainingMethod(
+    name="sft",
+    row_format=MESSAGES,
+    build_config=build_sft_config,
+    build_trainer=build_sft_stage_trainer,
+    check_lengths=check_lengths,
+    max_length=lambda stage: stage.data.max_length,
+    eval_metrics=lambda eval_metrics: {},
+)

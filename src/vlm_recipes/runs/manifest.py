@@ -1,0 +1,169 @@
+"""run.json: the resolved recipe, library versions, git sha, hardware and seeds; the run's status
+(`running`, `finished`, `failed` with the error and its exit code, `interrupted`), per-stage summaries, and
+the table printed at the end. `run_state` tells a run killed outright from a live one by its lock."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import exit_code_of
+from vlm_recipes.files import read_json, write_json
+from vlm_recipes.recipes.load import recipe_to_dict
+from vlm_recipes.recipes.schema import Recipe, Stage
+from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
+from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
+
+LIBRARIES = (
+    "vlm-recipes",
+    "torch",
+    "torchvision",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "tokenizers",
+)
+
+
+ENDED = ("finished", "failed", "interrupted")
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def run_state(run_dir: Path) -> tuple[str, str]:
+    """(status, why the run cannot be used; "" when finished), from its run.json and its lock: `running`
+    in run.json with nobody holding the lock is a run killed outright (status `dead`)."""
+    try:
+        manifest = read_json(run_dir / "run.json")
+    except (OSError, ValueError) as exc:
+        return "unreadable", f"run.json cannot be read ({exc})"
+    status = manifest.get("status", "unknown")
+    if status == "finished":
+        return status, ""
+    if status == "failed":
+        return status, f"it failed: {manifest.get('error') or 'no error recorded'}"
+    if status == "interrupted":
+        return status, f"it was interrupted ({manifest.get('error') or 'Ctrl-C'}); continue it with --resume"
+    if status != "running":
+        return status, f"unexpected status {status!r} in run.json"
+    holder = read_lock_holder(run_dir)
+    held = lock_is_held(run_dir)
+    if held:
+        return status, f"it is still running ({describe_writer(holder)})"
+    if held is False:
+        return "dead", (
+            f"it stopped without finishing ({describe_holder(holder)} is gone: killed or crashed); "
+            "continue it with --resume"
+        )
+    return status, "it has not finished (no lock file: still running elsewhere, or stopped without a word)"
+
+
+def mark_run_ended(
+    run_dir: Path, status: str, error: BaseException | str, keep_recorded: bool = False
+) -> None:
+    """Record in run.json that the run ended early: `failed` with the error, or `interrupted`. With
+    `keep_recorded` (a launcher, which only knows its children's exit code), an end a child already
+    recorded is kept."""
+    try:
+        manifest = read_json(run_dir / "run.json")
+    except (OSError, ValueError):
+        return
+    if keep_recorded and manifest.get("status") in ("failed", "interrupted"):
+        return
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".removesuffix(": ")
+    code = 1 if isinstance(error, str) else exit_code_of(error)
+    manifest.update(status=status, error=text, exit_code=code, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    write_json(run_dir / "run.json", manifest)
+
+
+def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Environment) -> dict:
+    manifest = {
+        "recipe": recipe.name,
+        "run_name": run_dir.name,
+        "run_dir": str(run_dir),
+        "command": " ".join(sys.argv),
+        "resolved_recipe": recipe_to_dict(recipe),
+        "versions": library_versions(),
+        "git_sha": git_sha(),
+        "seeds": sorted({s.training.seed for s in recipe.stages}),
+        "hardware": env.describe(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "status": "running",
+        "stages": [],
+    }
+    previous = run_dir / "run.json"
+    if options.resume and previous.exists():  # a continued run keeps its origin
+        earlier = read_json(previous)
+        manifest["started_at"] = earlier.get("started_at", manifest["started_at"])
+        manifest["command"] = earlier.get("command", manifest["command"])
+    write_json(previous, manifest)
+    return manifest
+
+
+def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:
+    return {
+        "index": index,
+        "name": stage.name,
+        "method": stage.method,
+        "dir": str(stage_dir),
+        "source": source,
+        "final_model": str(stage_dir / FINAL_DIR),
+        **{
+            k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
+        },
+        "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
+        "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
+    }
+
+
+def format_summary(run_dir: Path) -> str:
+    """The table printed at the end of a run (with DPO's eval reward accuracy when a stage has one)."""
+    manifest = read_json(run_dir / "run.json")
+    stages = manifest["stages"]
+    rewards = any(s.get("eval_reward_accuracy") is not None for s in stages)
+    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
+    header += f" {'reward acc':>10}" * rewards + f" {'time':>7}"
+    lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
+    for s in stages:
+        line = (
+            f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "
+            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11}"
+        )
+        line += f" {_num(s.get('eval_reward_accuracy'), 3):>10}" * rewards
+        lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
+    lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
+    return "\n".join(lines)
+
+
+def _num(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
