@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ import transformers
 from vlm_recipes.caches.storage import CacheBudget
 from vlm_recipes.data.video import video_identity
 from vlm_recipes.files import cache_dir
+from vlm_recipes.versions import installed_version
 
 # The libraries whose output each cache stores: a new version of any of them gives new keys, so an entry
 # made by the old one (a fixed resize, another tokenization) is never read.
@@ -32,15 +32,9 @@ TOKEN_COUNT_LIBRARIES = ("transformers", "tokenizers", "pillow", "av")
 VISION_FEATURE_LIBRARIES = ("torch", "transformers")
 
 
-def library_versions(*names: str) -> str:
+def versions_key(*names: str) -> str:
     """`name version` of each installed distribution (`name absent` where it is not installed)."""
-    versions = []
-    for name in names:
-        try:
-            versions.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{name} absent")
-    return ", ".join(versions)
+    return ", ".join(f"{name} {installed_version(name) or 'absent'}" for name in names)
 
 
 def speedup_cache_root() -> Path:

@@ -19,7 +19,7 @@ processors resize 8-bit images before they rescale and normalize, so each colour
 distinct floats, and a pixel is one byte (its index) instead of four: a 448x448 image takes 1.2 MB instead
 of 4.8 MB, and reads back bit for bit.
 
-A key also covers the versions of the libraries that made the entry (`library_versions`): a new
+A key also covers the versions of the libraries that made the entry (`versions_key`): a new
 transformers, tokenizers, TRL, torch or Pillow may process the same row differently.
 
 Size: the speed-up caches (preprocessed samples, vision features) are capped together by
@@ -39,9 +39,9 @@ from PIL import Image
 from vlm_recipes.caches.keys import (
     PREPROCESSED_SAMPLE_LIBRARIES,
     content_digest,
-    library_versions,
     processor_digest,
     row_parts,
+    versions_key,
 )
 from vlm_recipes.caches.storage import CacheBudget, compact_pixels, expand_pixels, read_entry, write_entry
 
@@ -76,7 +76,7 @@ class PreprocessedSampleCollator:
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.directory = Path(root) / content_digest(
             processor_digest(processor, padded.chat_template),
-            library_versions(*PREPROCESSED_SAMPLE_LIBRARIES),
+            versions_key(*PREPROCESSED_SAMPLE_LIBRARIES),
         )
         self.budget = budget
         self.evicted_before = tuple(budget.evicted["preprocessed"]) if budget else (0, 0)

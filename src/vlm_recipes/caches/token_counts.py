@@ -9,9 +9,9 @@ from collections.abc import Callable
 from vlm_recipes.caches.keys import (
     TOKEN_COUNT_LIBRARIES,
     content_digest,
-    library_versions,
     processor_digest,
     row_parts,
+    versions_key,
 )
 from vlm_recipes.files import cache_dir, write_json
 
@@ -25,7 +25,7 @@ def remembered_token_counts(
     parts = [processor_digest(processor), *([settings] if settings else [])]
     for row in rows:
         parts += row_parts(row)
-    parts.append(library_versions(*TOKEN_COUNT_LIBRARIES))
+    parts.append(versions_key(*TOKEN_COUNT_LIBRARIES))
     path = cache_dir() / "token-counts" / f"{content_digest(*parts)}.json"
     if path.exists():
         return [tuple(pair) for pair in json.loads(path.read_text())]

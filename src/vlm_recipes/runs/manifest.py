@@ -4,8 +4,6 @@ the table printed at the end. `run_state` tells a run killed outright from a liv
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from vlm_recipes.recipes.load import recipe_to_dict
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
+from vlm_recipes.versions import library_versions
 
 LIBRARIES = (
     "vlm-recipes",
@@ -34,16 +33,6 @@ LIBRARIES = (
 
 
 ENDED = ("finished", "failed", "interrupted")
-
-
-def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def git_sha() -> str | None:
@@ -113,7 +102,7 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
         "run_dir": str(run_dir),
         "command": " ".join(sys.argv),
         "resolved_recipe": recipe_to_dict(recipe),
-        "versions": library_versions(),
+        "versions": library_versions(LIBRARIES),
         "git_sha": git_sha(),
         "seeds": sorted({s.training.seed for s in recipe.stages}),
         "hardware": env.describe(),

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlm_recipes.caches.keys import VISION_FEATURE_LIBRARIES, content_digest, library_versions, weights_digest
+from vlm_recipes.caches.keys import VISION_FEATURE_LIBRARIES, content_digest, versions_key, weights_digest
 from vlm_recipes.caches.storage import CacheBudget, read_entry, write_entry
 from vlm_recipes.families.base import Family
 from vlm_recipes.files import write_json
@@ -77,7 +77,7 @@ class VisionFeatureCache:
         self.owner = family.image_encoder_owner(model)
         tower = family.vision_tower(model)
         self.directory = Path(root) / content_digest(
-            weights_digest(tower), library_versions(*VISION_FEATURE_LIBRARIES), computed_by(tower)
+            weights_digest(tower), versions_key(*VISION_FEATURE_LIBRARIES), computed_by(tower)
         )
         self.budget = budget
         self.evicted_before = tuple(budget.evicted["vision-features"]) if budget else (0, 0)
