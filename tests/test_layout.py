@@ -140,3 +140,25 @@ def test_every_error_is_bad_input_or_a_stopped_stage():
     )
     assert not outside, f"derive these from errors.BadInput or errors.StageStopped: {outside}"
     assert len(errors) > 10  # the walk found the package's errors
+
+
+def test_every_data_file_of_the_package_ships_in_the_wheel():
+    """`pip install .` (not editable) copies only .py files and the package-data globs: a built-in recipe,
+    an accelerate config or a benchmark recipe outside them would be missing from an installed package."""
+    import tomllib
+
+    globs = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["vlm_recipes"]
+    data_files = [
+        p
+        for p in PACKAGE.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
+    assert len(data_files) >= 11  # five recipes, four accelerate configs, two benchmark recipes
+    unshipped = [
+        str(p.relative_to(PACKAGE))
+        for p in data_files
+        if not any(p.relative_to(PACKAGE).match(g) for g in globs)
+    ]
+    assert not unshipped, f"add to [tool.setuptools.package-data] in pyproject.toml: {unshipped}"
