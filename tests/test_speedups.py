@@ -114,7 +114,9 @@ def test_packed_per_sample_losses_equal_unpacked(tiny, tiny_per_sample, family, 
         pytest.skip(why)
     model, processor = tiny if attention != PER_SAMPLE_SDPA else tiny_per_sample
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, family.rope_index(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, family.rope_index(model), family.rope_index_keys)(
+        [dict(r) for r in rows]
+    )
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     one_by_one = [token_losses(model, padded([dict(r)])) for r in rows]
     together = token_losses(model, packed)
@@ -191,7 +193,9 @@ def test_packed_batch_keeps_each_samples_own_positions(tiny, family, rows):
         pytest.skip(why)
     model, processor = tiny
     padded = padded_collator(processor)
-    packed = PaddingFreeVisionCollator(padded, family.rope_index(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(padded, family.rope_index(model), family.rope_index_keys)(
+        [dict(r) for r in rows]
+    )
     start = 0
     for row in rows:
         alone = padded([dict(row)])
@@ -350,14 +354,14 @@ def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tm
     assert VisionFeatureCache(tmp_path, model, family).directory != cache.directory
 
 
-def test_preprocessed_samples_assemble_to_exactly_the_collators_batch(tiny, rows, tmp_path):
+def test_preprocessed_samples_assemble_to_exactly_the_collators_batch(tiny, family, rows, tmp_path):
     """Cold (images decoded from their files) and warm (read back), the batch is TRL's, tensor for tensor."""
     _, processor = tiny
     padded = padded_collator(processor)
     expected = padded([dict(r) for r in rows])
     files = [dict(r) for r in undecoded(single_image_demo_rows(6))]
     as_stored = files[:2] + [rows[2]] + files[2:]  # images as file references, the text-only row as is
-    cached = PreprocessedSampleCollator(padded, tmp_path)
+    cached = PreprocessedSampleCollator(padded, tmp_path, image_padding=family.image_padding)
     assert_reads_back_the_batch(cached, as_stored, expected)
     assert (cached.misses, cached.hits) == (len(rows), len(rows))
 

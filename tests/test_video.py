@@ -365,7 +365,9 @@ def test_packed_video_rows_keep_per_sample_losses(qwen, media, attention):
         assert attend_per_sample(model) == "sdpa"
     _, rows = load_rows(media, family, processor)
     collator = video_collator(family, processor)
-    packed = PaddingFreeVisionCollator(collator, family.rope_index(model))([dict(r) for r in rows])
+    packed = PaddingFreeVisionCollator(collator, family.rope_index(model), family.rope_index_keys)(
+        [dict(r) for r in rows]
+    )
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     assert len(packed["video_grid_thw"]) == 4 and len(packed["image_grid_thw"]) == 6
     if family.name == "qwen2.5-vl":  # not 1 s, the default get_rope_index assumes without them

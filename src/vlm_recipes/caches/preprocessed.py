@@ -30,6 +30,7 @@ deleted.
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,18 @@ def decoded(image):
 
 class PreprocessedSampleCollator:
     """Wraps the padded collator SFTTrainer built: one row at a time through it on a miss, then the
-    batch is assembled from the rows exactly as that collator pads it (right padding)."""
+    batch is assembled from the rows exactly as that collator pads it (right padding). `image_padding`:
+    how the family's processor pads image tensors across a batch (`Family.image_padding`)."""
 
-    def __init__(self, padded, root: Path, budget: CacheBudget | None = None):
+    def __init__(
+        self,
+        padded,
+        root: Path,
+        budget: CacheBudget | None = None,
+        image_padding: Mapping[str, str] | None = None,
+    ):
         self.padded = padded
+        self.image_padding = dict(image_padding or {})
         processor = padded.processor
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.directory = Path(root) / content_digest(
@@ -91,7 +100,8 @@ class PreprocessedSampleCollator:
         return stats
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return assemble([self._sample(example) for example in examples], self.pad_token_id)
+        samples = [self._sample(example) for example in examples]
+        return assemble(samples, self.pad_token_id, self.image_padding)
 
     def _sample(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
         path = self.directory / f"{self._key(example)}.safetensors"
@@ -113,8 +123,12 @@ class PreprocessedSampleCollator:
         return content_digest(*row_parts(example), *settings)
 
 
-def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """One-row samples → a right-padded batch: per-token tensors padded, per-image tensors concatenated."""
+def assemble(
+    samples: list[dict[str, torch.Tensor]], pad_token_id: int, image_padding: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """One-row samples → a right-padded batch: per-token tensors padded, image tensors as `image_padding`
+    says (`Family.image_padding`: "per sample" or "tiles"), any other tensor concatenated."""
+    image_padding = image_padding or {}
     lengths = [s["input_ids"].shape[1] for s in samples]
     longest = max(lengths)
     batch: dict[str, torch.Tensor] = {}
@@ -130,27 +144,19 @@ def assemble(samples: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[
             for i, (tensor, n) in enumerate(zip(present, lengths, strict=True)):
                 out[i, :n] = tensor[0]
             batch[key] = out
-        elif key == "pixel_values" and any("image_sizes" in s for s in samples):
+        elif image_padding.get(key) == "tiles":
             batch[key] = _pad_tiles(present)
-        elif key in PER_SAMPLE_IMAGE_KEYS and all(
-            t.dim() >= PER_SAMPLE_IMAGE_KEYS[key] and t.shape[0] == 1 for t in present
-        ):
+        elif image_padding.get(key) == "per sample":
             batch[key] = _pad_image_slots(samples, key)
         else:
             batch[key] = torch.cat(present)
     return batch
 
 
-# Images kept per sample, [1, images, ..., H, W] (SmolVLM's tiles and their pixel masks): the processor pads
-# a batch to its most images (all-zero images, which the model drops) and its largest H and W (zeros).
-# Their least number of dimensions so: Gemma 3's pixel_values are [images, 3, H, W], concatenated.
-PER_SAMPLE_IMAGE_KEYS = {"pixel_values": 5, "pixel_attention_mask": 4}
-
-
 def _pad_tiles(present: list[torch.Tensor]) -> torch.Tensor:
-    """Images as tiles, [images, tiles, 3, H, W] with `image_sizes` (LLaVA-OneVision's anyres): the
-    processor pads every image to the batch's most tiles (all-zero tiles, which the model never reads) and
-    keeps one row per image (none for a text-only sample)."""
+    """Images as tiles, [images, tiles, 3, H, W] (LLaVA-OneVision's anyres): the processor pads every image
+    to the batch's most tiles (all-zero tiles, which the model never reads) and keeps one row per image
+    (none for a text-only sample)."""
     most = max(t.shape[1] for t in present)
     return torch.cat(
         [torch.cat([t, t.new_zeros(t.shape[0], most - t.shape[1], *t.shape[2:])], 1) for t in present]
@@ -158,6 +164,9 @@ def _pad_tiles(present: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _pad_image_slots(samples: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
+    """Images kept per sample, [1, images, ..., H, W] (SmolVLM's tiles and their pixel masks): the processor
+    pads a batch to its most images (all-zero images, which the model drops) and its largest H and W
+    (zeros)."""
     present = [s[key] for s in samples if key in s]
     shape = [max(t.shape[d] for t in present) for d in range(1, present[0].dim())]
     out = present[0].new_zeros((len(samples), *shape))

@@ -1,7 +1,7 @@
 """Model families: everything the runner knows about a family, one module each.
 
-Adding a family means adding one module here (a `Family` instance, its tiny offline builder) and its
-tests; `FAMILIES` lists the supported ones.
+Adding a family means adding one module here (its `Family` instance: what the family is) and one in
+`tiny/` (its tiny offline builder), and its tests; `FAMILIES` lists the supported ones.
 """
 
 from __future__ import annotations

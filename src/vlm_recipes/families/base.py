@@ -1,7 +1,9 @@
 """What the runner asks of a model family, in one place.
 
 A family module (``families/qwen2_vl.py``, ...) defines one ``Family`` instance; the registry in
-``families/__init__.py`` lists them. Nothing outside ``families/`` names a family's modules.
+``families/__init__.py`` lists them; its tiny offline builder is in ``families/tiny/``. Nothing outside
+``families/`` names a family's modules: the speed-ups and caches ask the family (``rope_index_keys``,
+``image_padding``, ``decoder_layer``).
 
 Roles: each role is a set of module-name prefixes, and a parameter belongs to the role with the longest
 matching prefix, so ``model.visual.merger.*`` is the projector although it sits inside ``model.visual``.
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -75,6 +78,40 @@ class DtypeBoundary:
 
 
 @dataclass(frozen=True)
+class DecoderLayer:
+    """The language model's decoder layers by transformers' module names, the same in every family here: the
+    loss-positions speed-up (speedups/loss_positions.py) runs the last layer's parts itself.
+
+    A pre-norm layer (Llama, Qwen2, Qwen3) is input norm, attention, post-attention norm, MLP; Gemma 3's
+    sandwich-norm layer adds a norm before and after its MLP (and its post-attention norm then normalizes
+    the attention's output before the residual)."""
+
+    layers: str = "layers"  # the ModuleList of the model's `get_decoder()`
+    input_norm: str = "input_layernorm"
+    attention: str = "self_attn"
+    attention_output: str = "o_proj"  # the attention's output projection, a child of `attention`
+    post_attention_norm: str = "post_attention_layernorm"
+    mlp: str = "mlp"
+    pre_mlp_norm: str = "pre_feedforward_layernorm"  # sandwich norm only
+    post_mlp_norm: str = "post_feedforward_layernorm"  # sandwich norm only
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The language model's decoder layers (under PEFT too)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return getattr(base.get_decoder(), self.layers)
+
+    @property
+    def pre_norm(self) -> set[str]:
+        """The children of a pre-norm layer."""
+        return {self.input_norm, self.attention, self.post_attention_norm, self.mlp}
+
+    @property
+    def sandwich_norm(self) -> set[str]:
+        """The children of a sandwich-norm layer."""
+        return self.pre_norm | {self.pre_mlp_norm, self.post_mlp_norm}
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]  # config.model_type values this family handles
@@ -82,6 +119,22 @@ class Family:
     lm_head_prefixes: tuple[str, ...]  # the output head (part of llm; kept out of 4-bit by default)
     # demo:… ids of this family's tiny offline models → their dimensions (see build_tiny)
     demo_models: dict[str, dict] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ what the speed-ups and caches ask
+    # (class attributes: a family class that differs sets its own)
+
+    # The batch keys `rope_index` takes as keyword arguments besides input_ids and attention_mask (those a
+    # batch holds are passed: padding-free packing computes each sample's positions with them).
+    rope_index_keys: ClassVar[tuple[str, ...]] = ()
+    # How the processor batches an image tensor that is neither per token nor concatenated along its first
+    # dimension, by batch key (the preprocessed-sample cache assembles a batch from one-row samples the same
+    # way): "per sample", [samples, images, ..., H, W] zero-padded to the batch's most images and largest
+    # sides (SmolVLM's tiles and their pixel masks); "tiles", [images, tiles, ...] zero-padded to the batch's
+    # most tiles (LLaVA-OneVision's anyres). Any other image tensor is concatenated (the Qwen line's
+    # patches, Gemma 3's images).
+    image_padding: ClassVar[dict[str, str]] = {}
+    # The language model's decoder layers and their parts (the loss-positions speed-up cuts the last one).
+    decoder_layer: ClassVar[DecoderLayer] = DecoderLayer()
 
     # ------------------------------------------------------------------ roles
 
@@ -241,7 +294,8 @@ class Family:
 
     def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
         """Save a tiny model of this family (real processor class, special tokens and chat template,
-        a tokenizer trained on `corpus`, random weights) to `out`."""
+        a tokenizer trained on `corpus`, random weights) to `out`: a call into its builder in
+        ``families/tiny/``."""
         raise NotImplementedError
 
 

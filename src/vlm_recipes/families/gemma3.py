@@ -1,5 +1,5 @@
-"""Gemma 3: roles, image features, token counts, FLOP geometry, and the tiny offline builder
-(`demo:tiny-gemma3`).
+"""Gemma 3: roles, image features, token counts, FLOP geometry (the tiny offline builder of
+`demo:tiny-gemma3`: `tiny/gemma3.py`).
 
 What differs from the Qwen line (transformers' models/gemma3):
 - a SigLIP tower (`model.vision_tower`) sees every image resized to one fixed square (`size`, 896x896 on
@@ -36,13 +36,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED
+from vlm_recipes.families.tiny.gemma3 import build_tiny_gemma3
 
-# Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
-# <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,
-# 256000 and 262144 there), appended after the BPE vocab here.
-GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
-GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 PADDING_FREE_REFUSAL = (
     "gemma3 attends bidirectionally among each image's tokens (token_type_ids). In a packed row "
     "transformers 5.23 builds the sliding-window layers' mask with those image blocks looked up at "
@@ -180,39 +175,6 @@ def pan_and_scan_settings(processor) -> dict:
     return settings
 
 
-def gemma_tokenizer(corpus: list[str]):
-    """A GemmaTokenizer (the class Gemma3Processor is given) around a BPE trained on `corpus` the way
-    Gemma's is built: spaces replaced by "▁", byte fallback (<0x00>..<0xFF>) for anything unseen."""
-    import json
-
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import GemmaTokenizer
-
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    bpe.normalizer = normalizers.Replace(" ", "▁")
-    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=[*GEMMA_SPECIAL_TOKENS, *bytes_], show_progress=False
-    )
-    # the template's own words, and "\n\n" as one token, as in Gemma's vocab
-    bpe.train_from_iterator([*corpus, *["user\n", "model\n", "\n\n"] * 50], trainer)
-    state = json.loads(bpe.to_str())["model"]
-    vocab, merges = dict(state["vocab"]), [tuple(m) for m in state["merges"]]
-    for token in GEMMA_IMAGE_TOKENS:
-        vocab[token] = len(vocab)
-    boi, eoi, image = GEMMA_IMAGE_TOKENS
-    tok = GemmaTokenizer(
-        vocab=vocab,
-        merges=merges,
-        extra_special_tokens={"boi_token": boi, "eoi_token": eoi, "image_token": image},
-        model_max_length=4096,
-    )
-    # the turn markers are special added tokens in Gemma's tokenizer: never split, skipped when decoding
-    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA_SPECIAL_TOKENS[5:]])
-    return tok
-
-
 _TINY = {
     "hidden": 64,
     "intermediate": 128,
@@ -228,80 +190,6 @@ _TINY = {
     "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
     "tokens_per_image": 4,
 }
-
-
-def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessor,
-        Gemma3Processor,
-        GenerationConfig,
-    )
-    from trl.chat_template_utils import gemma3_chat_template
-
-    tok = gemma_tokenizer(corpus)
-    # google/gemma-3-*-it's template (TRL's gemma3), which TRL swaps for its training variant with
-    # {% generation %} markers for assistant-only loss.
-    tok.chat_template = gemma3_chat_template
-    side = dims["image_size"]
-    processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessor(
-            size={"height": side, "width": side},
-            do_pan_and_scan=False,
-            pan_and_scan_min_crop_size=256,
-            pan_and_scan_max_num_crops=4,
-            pan_and_scan_min_ratio_to_activate=1.2,
-        ),
-        tokenizer=tok,
-        chat_template=gemma3_chat_template,
-        image_seq_length=dims["tokens_per_image"],
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA_SPECIAL_TOKENS, *GEMMA_IMAGE_TOKENS)}
-    config = Gemma3Config(
-        text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["head_dim"],
-            "query_pre_attn_scalar": dims["head_dim"],
-            "sliding_window": dims["sliding_window"],
-            "layer_types": ["sliding_attention", "full_attention"][: dims["layers"]],
-            "max_position_embeddings": 4096,
-            "pad_token_id": ids["<pad>"],
-            "bos_token_id": ids["<bos>"],
-            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
-        },
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": side,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
-        mm_tokens_per_image=dims["tokens_per_image"],
-        boi_token_index=ids["<start_of_image>"],
-        eoi_token_index=ids["<end_of_image>"],
-        image_token_index=ids["<image_soft_token>"],
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):  # reproducible weights, the caller's RNG untouched
-        torch.manual_seed(MODEL_SEED)
-        model = Gemma3ForConditionalGeneration._from_config(config, dtype=torch.float32)
-    # as gemma-3-*-it: a turn ends generation as well as <eos>
-    model.generation_config = GenerationConfig(
-        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
-        pad_token_id=ids["<pad>"],
-        bos_token_id=ids["<bos>"],
-    )
-    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as _MODEL_FILES expects
-    processor.save_pretrained(out)
 
 
 GEMMA3 = Gemma3Family(

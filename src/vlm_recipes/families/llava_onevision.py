@@ -1,6 +1,6 @@
 """LLaVA-OneVision (model_type `llava_onevision`, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf): roles, image
-features, pixel bounds, exact token counts, FLOP geometry, and the tiny offline builder
-(`demo:tiny-llava-onevision`).
+features, pixel bounds, exact token counts, FLOP geometry (the tiny offline builder of
+`demo:tiny-llava-onevision`: `tiny/llava_onevision.py`).
 
 Modules (transformers 5.23): a SigLIP tower `model.vision_tower`, a two-layer MLP projector
 `model.multi_modal_projector` plus the learned `model.image_newline` vector (both the projector role), a
@@ -44,11 +44,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.qwen2_vl import save_tiny_model
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS, qwen_tokenizer
-
-# Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
-LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS
+from vlm_recipes.families.tiny.llava_onevision import build_tiny_llava_onevision
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf's chat_template (transformers' convert_llava_onevision_weights_to_hf.py
 # writes it), byte for byte. TRL ships no variant of it: it already has {% generation %} markers, but they
@@ -94,6 +91,8 @@ def _real_tiles(pixels: torch.Tensor) -> int:
 
 class LlavaOnevisionFamily(Family):
     """LLaVA-OneVision: anyres tiles through a SigLIP tower, an MLP projector, image_newline tokens."""
+
+    image_padding = {"pixel_values": "tiles"}  # each image's tiles, padded to the batch's most tiles
 
     def feature_cache_refusal(self, most_images_per_sample: int) -> str | None:
         return MULTI_IMAGE_CACHE_REFUSAL if most_images_per_sample > 1 else None
@@ -217,7 +216,7 @@ class LlavaOnevisionFamily(Family):
         )
 
     def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_llava_onevision(out, dims, corpus)
+        build_tiny_llava_onevision(out, dims, corpus, LLAVA_ONEVISION_CHAT_TEMPLATE)
 
 
 _TINY = {
@@ -232,66 +231,6 @@ _TINY = {
     "pinpoints": [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]],
     "aspect_ratio": "anyres_max_2",
 }
-
-
-def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        LlavaOnevisionConfig,
-        LlavaOnevisionForConditionalGeneration,
-        LlavaOnevisionImageProcessor,
-        LlavaOnevisionProcessor,
-        LlavaOnevisionVideoProcessor,
-    )
-
-    tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
-    tok.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
-    side = dims["tile"]
-    size = {"height": side, "width": side}
-    processor = LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=dims["pinpoints"]),
-        tokenizer=tok,
-        video_processor=LlavaOnevisionVideoProcessor(size=size),
-        num_image_tokens=(side // 14) ** 2,
-        vision_feature_select_strategy="full",
-        chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
-        vision_aspect_ratio=dims["aspect_ratio"],
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
-    config = LlavaOnevisionConfig(
-        text_config={
-            "model_type": "qwen2",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 4096,
-            "rope_theta": 1e6,
-            "pad_token_id": ids["<|endoftext|>"],
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "tie_word_embeddings": False,
-        },
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": side,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
-        image_token_index=ids["<image>"],
-        video_token_index=ids["<video>"],
-        vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
-        image_grid_pinpoints=dims["pinpoints"],
-        vision_aspect_ratio=dims["aspect_ratio"],
-        tie_word_embeddings=False,
-    )
-    save_tiny_model(out, LlavaOnevisionForConditionalGeneration, config, processor, ids, dims)
 
 
 LLAVA_ONEVISION = LlavaOnevisionFamily(

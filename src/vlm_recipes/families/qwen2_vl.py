@@ -1,5 +1,5 @@
 """Qwen2-VL: roles, image features, pixel bounds, token counts, positions for packing, FLOP geometry, and
-the tiny offline builder (`demo:tiny-qwen2-vl`).
+its demo models' dimensions (the tiny offline builder: `tiny/qwen2_vl.py`).
 
 `Qwen2VLFamily` is also the base of Qwen2.5-VL and Qwen3-VL (`qwen2_5_vl.py`, `qwen3_vl.py`): the three
 share the processor (Qwen2VLImageProcessor: patches end to end, t*h*w per image, smart_resize), the
@@ -16,25 +16,19 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED, TINY_TEXT_DIMS, qwen_tokenizer
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS
+from vlm_recipes.families.tiny.qwen2_vl import build_tiny_qwen2_vl
 
-# The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
-QWEN_VL_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-_MIN_PIXELS, _MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16  # 4..16 merged image tokens per image: fast on CPU
+# The batch keys the Qwen-VL `get_rope_index` takes (Qwen2.5-VL's also second_per_grid_ts, video timing;
+# the others ignore it): the image and video grids and the token types place the 3-D positions.
+QWEN_VL_ROPE_INDEX_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 class Qwen2VLFamily(Family):
     """Qwen2-VL: a ViT (`model.visual`) whose merger (the projector) merges 2x2 patches into one token;
     3-D multimodal RoPE computed by the model's own `get_rope_index`."""
+
+    rope_index_keys = QWEN_VL_ROPE_INDEX_KEYS
 
     def image_encoder_owner(self, model: nn.Module) -> nn.Module:
         for module in model.modules():
@@ -139,7 +133,7 @@ _TINY = {
     "vision_depth": 2,
     "vision_dim": 32,
     "vision_heads": 2,
-    "max_pixels": _MAX_PIXELS,
+    "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
 }
 _BENCH = {
     "hidden": 512,
@@ -169,102 +163,6 @@ _QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
     "dtype": "bfloat16",
     "max_pixels": 28 * 28 * 256,
 }
-
-
-def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
-    from trl.chat_template_utils import qwen2_5_vl_chat_template
-
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS)
-    # TRL matches this template byte for byte (it is Qwen2-VL-2B-Instruct's) and swaps in its
-    # training variant with {% generation %} markers for assistant-only loss.
-    tok.chat_template = qwen2_5_vl_chat_template
-    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": dims["max_pixels"]}
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
-        tokenizer=tok,
-        video_processor=Qwen2VLVideoProcessor(size=size),  # v5 processors want it passed explicitly
-        chat_template=qwen2_5_vl_chat_template,
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
-        text_config=qwen2_text_config(dims, len(tok), ids),
-        vision_config={
-            "depth": dims["vision_depth"],
-            "embed_dim": dims["vision_dim"],
-            "num_heads": dims["vision_heads"],
-            "mlp_ratio": dims.get("vision_mlp_ratio", 2),
-            "hidden_size": dims["hidden"],  # merger output = text hidden size
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(out, Qwen2VLForConditionalGeneration, config, processor, ids, dims)
-
-
-def save_tiny_model(out: Path, model_class, config, processor, ids: dict[str, int], dims: dict) -> None:
-    """Random weights (reproducible, the caller's RNG untouched), generation config, processor: to `out`."""
-    from transformers import GenerationConfig
-
-    # fork_rng keeps the caller's RNG state untouched while making the random init reproducible.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(MODEL_SEED)
-        model = model_class._from_config(config, dtype=getattr(torch, dims.get("dtype", "float32")))
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None
-    )
-    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as _MODEL_FILES expects
-    processor.save_pretrained(out)  # tokenizer, image/video processor config and chat_template.jinja
-
-
-def qwen_text_config(dims: dict, vocab: int, ids: dict[str, int], **extra) -> dict:
-    """The text model config every tiny Qwen-VL shares; `extra` adds or replaces keys."""
-    return {
-        "vocab_size": dims.get(
-            "vocab", -(-vocab // 64) * 64
-        ),  # rounded up; the tokenizer never yields the rest
-        "hidden_size": dims["hidden"],
-        "intermediate_size": dims["intermediate"],
-        "num_hidden_layers": dims["layers"],
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        "max_position_embeddings": 4096,
-        "pad_token_id": ids["<|endoftext|>"],
-        **extra,
-    }
-
-
-def qwen2_text_config(dims: dict, vocab: int, ids: dict[str, int]) -> dict:
-    """Qwen2's text model, as Qwen2-VL and Qwen2.5-VL configure it."""
-    return qwen_text_config(
-        dims,
-        vocab,
-        ids,
-        max_window_layers=dims["layers"],
-        # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]},
-        bos_token_id=None,
-        eos_token_id=ids["<|im_end|>"],
-    )
-
-
-def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
-    """The model config's ids of the image, video and vision start/end tokens."""
-    return {
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-    }
 
 
 # Qwen2-VL and Qwen2.5-VL name their modules alike (Qwen3-VL adds DeepStack mergers to the projector)

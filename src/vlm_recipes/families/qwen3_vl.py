@@ -1,5 +1,5 @@
-"""Qwen3-VL: Qwen2-VL's layout with a new tower, DeepStack and interleaved mRoPE, and the tiny offline
-builder (`demo:tiny-qwen3-vl`).
+"""Qwen3-VL: Qwen2-VL's layout with a new tower, DeepStack and interleaved mRoPE (the tiny offline builder
+of `demo:tiny-qwen3-vl`: `tiny/qwen3_vl.py`).
 
 What differs from Qwen2-VL (transformers' models/qwen3_vl):
 - 16 px patches (Qwen2-VL: 14), so images are resized to multiples of 32 px; image mean/std 0.5;
@@ -20,26 +20,10 @@ from pathlib import Path
 
 import torch
 
-from vlm_recipes.families.qwen2_vl import (
-    QWEN_VL_SPECIAL_TOKENS,
-    Qwen2VLFamily,
-    qwen_text_config,
-    qwen_vision_token_ids,
-    save_tiny_model,
-)
-from vlm_recipes.families.tiny import qwen_tokenizer
+from vlm_recipes.families.qwen2_vl import Qwen2VLFamily
+from vlm_recipes.families.tiny.qwen3_vl import build_tiny_qwen3_vl
 
-# Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
-_QWEN3_ADDED_TOKENS = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-)
 _DEEPSTACK = "deepstack."  # cache key prefix of a DeepStack level's features: deepstack.0, deepstack.1, ...
-_MIN_PIXELS, _MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 16  # 4..16 merged image tokens per image: fast on CPU
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -93,64 +77,8 @@ _TINY = {
     "vision_positions": 64,  # an 8x8 learned grid (the real one: 48x48 = 2304)
     # two levels after intermediate layers, never the last, like the real [5, 11, 17] of 24 layers
     "deepstack": [0, 1],
-    "max_pixels": _MAX_PIXELS,
+    "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
 }
-
-
-def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
-    from trl.chat_template_utils import qwen3_vl_chat_template
-
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, _QWEN3_ADDED_TOKENS)
-    # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
-    # {% generation %} markers for assistant-only loss.
-    tok.chat_template = qwen3_vl_chat_template
-    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": dims["max_pixels"]}
-    half = [0.5, 0.5, 0.5]  # Qwen3-VL's preprocessor_config.json (Qwen2-VL: the CLIP mean/std)
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(
-            size=size, patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=half, image_std=half
-        ),
-        tokenizer=tok,
-        video_processor=Qwen3VLVideoProcessor(size=size, image_mean=half, image_std=half),
-        chat_template=qwen3_vl_chat_template,
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
-        text_config=qwen_text_config(
-            dims,
-            len(tok),
-            ids,
-            head_dim=dims["head_dim"],
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5e6,
-                "mrope_section": dims["mrope"],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config={
-            "depth": dims["vision_depth"],
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_heads": dims["vision_heads"],
-            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-            "num_position_embeddings": dims["vision_positions"],
-            "deepstack_visual_indexes": dims["deepstack"],
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, ids, dims)
 
 
 QWEN3_VL = Qwen3VLFamily(

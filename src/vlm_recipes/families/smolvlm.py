@@ -1,6 +1,6 @@
 """SmolVLM (SmolVLM2, model_type `smolvlm`) and Idefics3 (SmolVLM v1 checkpoints such as
 HuggingFaceTB/SmolVLM-Instruct, model_type `idefics3`): roles, image features, pixel bounds, exact token
-counts, FLOP geometry, and the tiny offline builder (`demo:tiny-smolvlm`).
+counts, FLOP geometry (the tiny offline builder of `demo:tiny-smolvlm`: `tiny/smolvlm.py`).
 
 Both name their modules alike (transformers 5.23): a SigLIP tower `model.vision_model`, a connector
 `model.connector` (pixel shuffle by `scale_factor`, then one linear layer: the projector), a Llama text
@@ -40,23 +40,9 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
-from vlm_recipes.families.tiny import MODEL_SEED, TINY_TEXT_DIMS, train_byte_level_bpe
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS
+from vlm_recipes.families.tiny.smolvlm import build_tiny_smolvlm
 
-# GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
-# as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
-_PRETOKENIZE_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_ROW_COL_TOKENS = tuple(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))
-# SmolVLM2's special tokens (SmolLM2's chat tokens, then the image ones SmolVLM adds)
-SMOLVLM_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<global-img>",
-    *_ROW_COL_TOKENS,
-    "<fake_token_around_image>",
-    "<image>",
-    "<end_of_utterance>",
-)
 _TILE_KEY = 3  # the pixel mask rides along as a 4th channel of a cached tile (see image_units)
 
 
@@ -93,6 +79,9 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int]:
 
 class SmolVLMFamily(Family):
     """SmolVLM / Idefics3: tiles of a fixed size through a SigLIP tower, pixel-shuffled by the connector."""
+
+    # a sample's tiles and their pixel masks, padded to the batch's most tiles (see the module docstring)
+    image_padding = {"pixel_values": "per sample", "pixel_attention_mask": "per sample"}
 
     def image_encoder_owner(self, model: nn.Module) -> nn.Module:
         for module in model.modules():
@@ -223,103 +212,6 @@ _TINY = {
     "scale_factor": 2,
     "longest_edge": 128,  # at most 2x2 tiles + the global view: 20 <image> tokens per image
 }
-
-
-def smolvlm_tokenizer(corpus: list[str]):
-    """A GPT2Tokenizer (the class SmolVLM2's tokenizer_config names) around a byte-level BPE trained on
-    `corpus`, with SmolVLM2's special tokens appended and its eos / pad / bos."""
-    from tokenizers import pre_tokenizers
-    from transformers import GPT2Tokenizer
-
-    vocab, merges = train_byte_level_bpe(corpus, _PRETOKENIZE_REGEX)
-    for token in SMOLVLM_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    tok = GPT2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-        eos_token="<end_of_utterance>",
-        pad_token="<|im_end|>",
-        extra_special_tokens=[
-            t for t in SMOLVLM_SPECIAL_TOKENS if t not in ("<|im_start|>", "<end_of_utterance>", "<|im_end|>")
-        ],
-        model_max_length=8192,
-    )
-    # SmolLM2's pre-tokenizer: digits one by one, then GPT-2's byte-level split
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    return tok
-
-
-def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        GenerationConfig,
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
-    from trl.chat_template_utils import smolvlm_chat_template
-
-    tok = smolvlm_tokenizer(corpus)
-    # SmolVLM2-*-Instruct's template (TRL's smolvlm, byte-identical), which TRL swaps for its training
-    # variant with {% generation %} markers for assistant-only loss.
-    tok.chat_template = smolvlm_chat_template
-    tile = {"longest_edge": dims["tile"]}
-    size = {"longest_edge": dims["longest_edge"]}
-    seq_len = (dims["tile"] // dims["patch"]) ** 2 // dims["scale_factor"] ** 2
-    processor = SmolVLMProcessor(
-        image_processor=SmolVLMImageProcessor(size=size, max_image_size=tile, do_image_splitting=True),
-        tokenizer=tok,
-        video_processor=SmolVLMVideoProcessor(size=size, max_image_size=tile),
-        image_seq_len=seq_len,
-        chat_template=smolvlm_chat_template,
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
-    config = SmolVLMConfig(
-        text_config={
-            "model_type": "llama",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 273768.0,
-            "pad_token_id": ids["<|im_end|>"],
-            "bos_token_id": ids["<|im_start|>"],
-            "eos_token_id": ids["<end_of_utterance>"],
-            "tie_word_embeddings": False,
-        },
-        vision_config={
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_depth"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": dims["tile"],
-            "patch_size": dims["patch"],
-        },
-        scale_factor=dims["scale_factor"],
-        image_token_id=ids["<image>"],
-        tie_word_embeddings=False,
-        pad_token_id=ids["<|im_end|>"],
-    )
-    with torch.random.fork_rng(devices=[]):  # reproducible weights, the caller's RNG untouched
-        torch.manual_seed(MODEL_SEED)
-        model = SmolVLMForConditionalGeneration._from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["<end_of_utterance>"], pad_token_id=ids["<|im_end|>"], bos_token_id=None
-    )
-    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as demo._MODEL_FILES expects
-    processor.save_pretrained(out)
 
 
 SMOLVLM = SmolVLMFamily(

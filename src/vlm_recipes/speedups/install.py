@@ -50,6 +50,7 @@ def wrap_collator(trainer: Trainer, built: BuiltModel, stage: Stage) -> None:
             trainer.data_collator,
             speedup_cache("preprocessed"),
             speedup_cache_budget(stage.training.cache_max_gb),
+            image_padding=built.family.image_padding,
         )
         trainer.data_collator = trainer.sample_cache
         # images are decoded only for rows the cache does not have yet
@@ -57,7 +58,9 @@ def wrap_collator(trainer: Trainer, built: BuiltModel, stage: Stage) -> None:
         if trainer.eval_dataset is not None:
             trainer.eval_dataset = undecoded(trainer.eval_dataset)
     if stage.training.padding_free:
-        trainer.data_collator = PaddingFreeVisionCollator(trainer.data_collator, rope_index_of(built))
+        trainer.data_collator = PaddingFreeVisionCollator(
+            trainer.data_collator, rope_index_of(built), built.family.rope_index_keys
+        )
 
 
 def speed_up_frozen_vision(
@@ -139,14 +142,14 @@ def compute_loss_positions_only(
     """The last decoder layer and the LM head computed only where the loss reads them."""
     if not stage.training.loss_positions_only:
         return
-    if why := loss_positions_refusal(built.model):
+    if why := loss_positions_refusal(built.model, built.family.decoder_layer):
         raise GuardError(f"stage `{stage.name}`: training.loss_positions_only is refused: {why}")
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         raise GuardError(
             f"stage `{stage.name}`: training.loss_positions_only needs TRL's own token loss, not a custom "
             "loss or label smoothing (they read every position's logits)"
         )
-    trainer.loss_positions = LastLayerAtLossPositions(built.model)
+    trainer.loss_positions = LastLayerAtLossPositions(built.model, built.family.decoder_layer)
     decision = Decision(
         "loss-positions-only",
         f"{type(trainer.loss_positions.layer).__name__} (the last) and the LM head at labelled positions",

@@ -12,9 +12,10 @@ The loss is the same sum over the same labelled tokens divided by the same count
 computed by the same per-row operations, so what changes is at most the rounding of a matrix product
 with fewer rows (tests/test_speedups.py bounds it against what training moves).
 
-Two layer shapes are supported, read from the layer's sub-modules: the pre-norm layer of Llama, Qwen2,
-the Qwen-VL line and SmolVLM's text model (input_layernorm, self_attn, post_attention_layernorm, mlp),
-and Gemma 3's sandwich-norm layer (plus pre_/post_feedforward_layernorm). Any other layer is refused.
+Two layer shapes are supported, read from the layer's sub-modules, whose names the family gives
+(`Family.decoder_layer`, the same in every family here): the pre-norm layer of Llama, Qwen2, the Qwen-VL
+line and SmolVLM's text model (input_layernorm, self_attn, post_attention_layernorm, mlp), and Gemma 3's
+sandwich-norm layer (plus pre_/post_feedforward_layernorm). Any other layer is refused.
 """
 
 from __future__ import annotations
@@ -25,31 +26,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PRE_NORM = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-SANDWICH_NORM = PRE_NORM | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+from vlm_recipes.families.base import DecoderLayer, Family
+
+# A caller holding the family passes its `decoder_layer`; without one, the default every family here has.
+DEFAULT_DECODER = Family.decoder_layer
 
 
-def text_decoder_layers(model: nn.Module) -> nn.ModuleList:
+def text_decoder_layers(model: nn.Module, decoder: DecoderLayer = DEFAULT_DECODER) -> nn.ModuleList:
     """The language model's decoder layers (under PEFT too)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder().layers
+    return decoder.decoder_layers(model)
 
 
-def skipped_at_unlabelled_positions(model: nn.Module) -> list[nn.Module]:
+def skipped_at_unlabelled_positions(
+    model: nn.Module, decoder: DecoderLayer = DEFAULT_DECODER
+) -> list[nn.Module]:
     """What the cut last layer does not run at an unlabelled position: its output projection, its MLP, and
     the LM head (the benchmark's FLOPs actually run leave them out there)."""
-    last = text_decoder_layers(model)[-1]
-    return [last.self_attn.o_proj, last.mlp, model.get_output_embeddings()]
+    last = text_decoder_layers(model, decoder)[-1]
+    attention_output = last.get_submodule(f"{decoder.attention}.{decoder.attention_output}")
+    return [attention_output, last.get_submodule(decoder.mlp), model.get_output_embeddings()]
 
 
-def loss_positions_refusal(model: nn.Module) -> str | None:
+def loss_positions_refusal(model: nn.Module, decoder: DecoderLayer = DEFAULT_DECODER) -> str | None:
     """Why the last layer can't be cut to the loss positions exactly (None: it can)."""
-    layers = text_decoder_layers(model)
+    layers = text_decoder_layers(model, decoder)
     parts = {name for name, _ in layers[-1].named_children()}
-    if parts not in (PRE_NORM, SANDWICH_NORM):
+    if parts not in (decoder.pre_norm, decoder.sandwich_norm):
         return (
             f"the last decoder layer ({type(layers[-1]).__name__}) has parts {sorted(parts)}; only the "
-            f"pre-norm layer {sorted(PRE_NORM)} and Gemma 3's sandwich-norm layer are supported"
+            f"pre-norm layer {sorted(decoder.pre_norm)} and Gemma 3's sandwich-norm layer are supported"
         )
     vision_config = getattr(model.config, "vision_config", None)
     deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
@@ -66,9 +71,10 @@ class LastLayerAtLossPositions:
     [batch * length] positions), the layer returns [1, len(positions), hidden] at those positions only;
     unset (generation, any other forward), the layer is untouched."""
 
-    def __init__(self, model: nn.Module):
-        self.layer = text_decoder_layers(model)[-1]
-        self.sandwich = {name for name, _ in self.layer.named_children()} == SANDWICH_NORM
+    def __init__(self, model: nn.Module, decoder: DecoderLayer = DEFAULT_DECODER):
+        self.decoder = decoder
+        self.layer = text_decoder_layers(model, decoder)[-1]
+        self.sandwich = {name for name, _ in self.layer.named_children()} == decoder.sandwich_norm
         self.full_forward = self.layer.forward
         signature = inspect.signature(self.full_forward)
         self.bind = signature.bind
@@ -99,23 +105,25 @@ class LastLayerAtLossPositions:
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.positions is None:
             return self.full_forward(hidden_states, *args, **kwargs)
-        layer, positions = self.layer, self.positions
+        positions, d = self.positions, self.decoder
+        part = self.layer.get_submodule  # the layer's parts by the family's names for them
+        attention, mlp = part(d.attention), part(d.mlp)
         # what the layer passes its attention: every argument it was called with, by name
         passed = self.bind(hidden_states, *args, **kwargs).arguments
         passed = {**passed, **passed.pop(self.extra, {})}
         del passed[next(iter(passed))]  # hidden_states, normed below
-        keep_rows = layer.self_attn.o_proj.register_forward_pre_hook(
+        keep_rows = attention.get_submodule(d.attention_output).register_forward_pre_hook(
             lambda _, args: (args[0].flatten(0, -2).index_select(0, positions)[None],)
         )
         try:
-            attended = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **passed)[0]
+            attended = attention(hidden_states=part(d.input_norm)(hidden_states), **passed)[0]
         finally:
             keep_rows.remove()
         if self.sandwich:
-            attended = layer.post_attention_layernorm(attended)
+            attended = part(d.post_attention_norm)(attended)
         hidden = hidden_states.flatten(0, -2).index_select(0, positions)[None] + attended
         if self.sandwich:
-            mlp = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+            out = part(d.post_mlp_norm)(mlp(part(d.pre_mlp_norm)(hidden)))
         else:
-            mlp = layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden + mlp
+            out = mlp(part(d.post_attention_norm)(hidden))
+        return hidden + out

@@ -2,12 +2,13 @@
 
 TRL 1.x refuses `padding_free` for vision datasets, because a packed row breaks Qwen2-VL's multimodal
 RoPE: its 3-D (time, height, width) positions are computed per sample from the sample's own image grids.
-Here they are computed per sample first, by the model's own `get_rope_index` (`family.rope_index`) on the
-ordinary padded batch, and only then packed. The row carries the 4-row position ids transformers expects
-for packed Qwen2-VL, Qwen2.5-VL and Qwen3-VL input alike: row 0 the text positions, restarting at 0 with
-every sample, from which the attention mask is made block-diagonal (no token attends to another sample);
-rows 1-3 the mRoPE positions (Qwen3-VL interleaves them over the rotary frequencies itself; Qwen3-VL's
-DeepStack features follow the image tokens wherever they sit in the row).
+Here they are computed per sample first, by the model's own `get_rope_index` (`family.rope_index`, given
+the batch keys `family.rope_index_keys`) on the ordinary padded batch, and only then packed. The row
+carries the 4-row position ids transformers expects for packed Qwen2-VL, Qwen2.5-VL and Qwen3-VL input
+alike: row 0 the text positions, restarting at 0 with every sample, from which the attention mask is made
+block-diagonal (no token attends to another sample); rows 1-3 the mRoPE positions (Qwen3-VL interleaves
+them over the rotary frequencies itself; Qwen3-VL's DeepStack features follow the image tokens wherever
+they sit in the row).
 
 With sdpa attention (no flash-attention installed, or a CPU), that block-diagonal mask would make every
 layer attend densely over the whole row, (sum of L)^2 work for sum of L^2 worth of attention, and sdpa
@@ -47,35 +48,37 @@ def is_packed(inputs: dict) -> bool:
 
 class PaddingFreeVisionCollator:
     """Wraps the padded collator SFTTrainer built (TRL's vision collator: tokenizing, images, labels,
-    pad token and training chat template all as without packing) and packs what it returns."""
+    pad token and training chat template all as without packing) and packs what it returns. `rope_index`
+    and `rope_keys`: the family's (`Family.rope_index`, `Family.rope_index_keys`)."""
 
-    def __init__(self, padded: DataCollatorForVisionLanguageModeling, rope_index: Callable | None):
+    def __init__(
+        self,
+        padded: DataCollatorForVisionLanguageModeling,
+        rope_index: Callable | None,
+        rope_keys: tuple[str, ...],
+    ):
         self.padded = padded
         self.rope_index = rope_index
+        self.rope_keys = rope_keys
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.padded(examples)
-        return pack_batch(batch, self.rope_index)
+        return pack_batch(batch, self.rope_index, self.rope_keys)
 
 
-def pack_batch(batch: dict[str, Any], rope_index: Callable | None) -> dict[str, Any]:
+def pack_batch(
+    batch: dict[str, Any], rope_index: Callable | None, rope_keys: tuple[str, ...]
+) -> dict[str, Any]:
     """A right-padded batch → one packed row with 4-row position ids (see the module docstring).
 
-    `rope_index` is called with the keyword arguments every Qwen-VL `get_rope_index` takes (Qwen2.5-VL's
-    also takes `second_per_grid_ts`, passed when the batch has it: video timing; Qwen3-VL's ignores it)."""
+    `rope_index` is called with input_ids, the attention mask and those of the batch keys `rope_keys` the
+    batch has (the Qwen line: the token types, the image and video grids, Qwen2.5-VL's video timing)."""
     keep = batch.pop("attention_mask").bool()
     if rope_index is None:
         return _pack_1d(batch, keep)
-    rope_kwargs = {
-        k: batch[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in batch
-    }
+    rope_kwargs = {k: batch[k] for k in rope_keys if k in batch}
     with torch.no_grad():
-        mrope, _ = rope_index(
-            input_ids=batch["input_ids"],
-            mm_token_type_ids=batch["mm_token_type_ids"],
-            attention_mask=keep,
-            **rope_kwargs,
-        )
+        mrope, _ = rope_index(input_ids=batch["input_ids"], attention_mask=keep, **rope_kwargs)
     lengths = keep.sum(dim=1)
     text_positions = torch.cat([torch.arange(int(n)) for n in lengths])
     labels = batch["labels"].clone()

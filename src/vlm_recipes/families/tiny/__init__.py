@@ -1,12 +1,17 @@
-"""Pieces every family's tiny offline builder shares: a byte-level BPE trained locally on the demo texts.
+"""The tiny offline builders, one module per family (``tiny/qwen2_vl.py``, ...), and what they share: a
+byte-level BPE trained locally on the demo texts, the Qwen tokenizer, saving random weights.
 
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
-processor class, special tokens and chat template, a small tokenizer trained here, random weights.
+processor class, special tokens and chat template, a small tokenizer trained here, random weights. A
+family's ``build_tiny`` calls its builder here; its demo models' dimensions stay in its family module
+(``Family.demo_models``). The builders import nothing from the family modules: a family passes what its
+builder needs.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 MODEL_SEED = 0  # random weights of every tiny model are drawn from this seed
 # Every tiny model's language model: 64 wide, 2 layers, 4 query heads over 2 key/value heads (head_dim 16)
@@ -62,3 +67,24 @@ def qwen_tokenizer(corpus: list[str], special_tokens: tuple[str, ...], added_tok
         # already in the vocab: they keep their ids and are never split
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     return tok
+
+
+def qwen_generation(ids: dict[str, int]) -> dict[str, int | None]:
+    """The generation config's token ids of a model with a `qwen_tokenizer`: <|im_end|> stops, no bos
+    (`ids`: token -> id)."""
+    return {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
+
+
+def save_tiny_model(out: Path, model_class, config, processor, dims: dict, **generation) -> None:
+    """Random weights (reproducible, the caller's RNG untouched), generation config (`generation`: its
+    token ids), processor: to `out`."""
+    import torch
+    from transformers import GenerationConfig
+
+    # fork_rng keeps the caller's RNG state untouched while making the random init reproducible.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED)
+        model = model_class._from_config(config, dtype=getattr(torch, dims.get("dtype", "float32")))
+    model.generation_config = GenerationConfig(**generation)
+    model.save_pretrained(out, max_shard_size="100GB")  # one model.safetensors, as demo/models.py expects
+    processor.save_pretrained(out)  # tokenizer, image/video processor config and chat_template.jinja

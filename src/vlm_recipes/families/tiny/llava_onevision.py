@@ -1,0 +1,74 @@
+"""The tiny offline LLaVA-OneVision (`demo:tiny-llava-onevision`): a Qwen2 tokenizer with the two tokens
+the llava-hf conversion adds, anyres tiles through a SigLIP tower, a Qwen2 text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+
+# Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
+LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+
+
+def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+    """`chat_template`: the published checkpoints' (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
+    tok.chat_template = chat_template
+    side = dims["tile"]
+    size = {"height": side, "width": side}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=dims["pinpoints"]),
+        tokenizer=tok,
+        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        num_image_tokens=(side // 14) ** 2,
+        vision_feature_select_strategy="full",
+        chat_template=chat_template,
+        vision_aspect_ratio=dims["aspect_ratio"],
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
+    config = LlavaOnevisionConfig(
+        text_config={
+            "model_type": "qwen2",
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "max_position_embeddings": 4096,
+            "rope_theta": 1e6,
+            "pad_token_id": ids["<|endoftext|>"],
+            "bos_token_id": None,
+            "eos_token_id": ids["<|im_end|>"],
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "image_size": side,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+        image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"],
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        image_grid_pinpoints=dims["pinpoints"],
+        vision_aspect_ratio=dims["aspect_ratio"],
+        tie_word_embeddings=False,
+    )
+    save_tiny_model(
+        out, LlavaOnevisionForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )

@@ -1,0 +1,76 @@
+"""The tiny offline Qwen3-VL (`demo:tiny-qwen3-vl`): Qwen2-VL's special tokens plus Qwen3's added ones,
+16 px patches, a Qwen3 text model with interleaved mRoPE, DeepStack levels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+
+# Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
+QWEN3_ADDED_TOKENS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+MIN_PIXELS = 32 * 32 * 4  # at least 4 merged image tokens per image (the most: the dims' max_pixels)
+
+
+def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+    from trl.chat_template_utils import qwen3_vl_chat_template
+
+    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS)
+    # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
+    # {% generation %} markers for assistant-only loss.
+    tok.chat_template = qwen3_vl_chat_template
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
+    half = [0.5, 0.5, 0.5]  # Qwen3-VL's preprocessor_config.json (Qwen2-VL: the CLIP mean/std)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(
+            size=size, patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=half, image_std=half
+        ),
+        tokenizer=tok,
+        video_processor=Qwen3VLVideoProcessor(size=size, image_mean=half, image_std=half),
+        chat_template=qwen3_vl_chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config=qwen_text_config(
+            dims,
+            len(tok),
+            ids,
+            head_dim=dims["head_dim"],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "mrope_section": dims["mrope"],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config={
+            "depth": dims["vision_depth"],
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_heads": dims["vision_heads"],
+            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
+            "num_position_embeddings": dims["vision_positions"],
+            "deepstack_visual_indexes": dims["deepstack"],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        **qwen_vision_token_ids(ids),
+        tie_word_embeddings=dims.get("tie_embeddings", False),
+    )
+    save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
