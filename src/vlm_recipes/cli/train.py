@@ -1,35 +1,22 @@
 """`vlm-recipes train` (also `python scripts/train_recipe.py`, `python -m vlm_recipes`): parse arguments,
-load the recipe, plan or run it.
+check them and the recipes (jobs.py), then plan or run each job and turn how it ended into an exit code.
 
-Every value given on the command line is checked before anything trains: flags that set recipe keys
-(--epochs, --max-steps, --seeds, --parallel) become overrides and are checked against the schema with them
-(an error names the flag); the others are checked here (FLAG_RANGES)."""
+Every value given on the command line is checked before anything trains (jobs.py)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import os
-import signal
 import sys
-import threading
 import time
-import typing
 from pathlib import Path
 
+from vlm_recipes.cli.jobs import build_jobs, check_flags, resume_command
+from vlm_recipes.cli.process import select_gpus, sigterm_stops_like_ctrl_c
+from vlm_recipes.cli.recipe_help import describe_schema, list_recipes
 from vlm_recipes.errors import GuardError
 from vlm_recipes.logs import is_main_process, setup_logging
 
 DEFAULT_RECIPE = "r3-two-stage"
-# Numeric flags that are not recipe keys: (attribute, flag, lowest, highest or None)
-FLAG_RANGES = [
-    ("nproc_per_node", "--nproc-per-node", 1, None),
-    ("nnodes", "--nnodes", 1, None),
-    ("node_rank", "--node-rank", 0, None),  # and below --nnodes
-    ("master_port", "--master-port", 1, 65535),
-    ("until_stage", "--until-stage", 1, None),  # and at most the number of stages
-]
 
 
 def build_parser(prog: str = "train_recipe.py") -> argparse.ArgumentParser:
@@ -87,197 +74,6 @@ def build_parser(prog: str = "train_recipe.py") -> argparse.ArgumentParser:
     parser.add_argument("--until-stage", type=int, help=argparse.SUPPRESS)  # the launcher's children
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
     return parser
-
-
-def list_recipes() -> str:
-    from vlm_recipes.recipes.load import available_recipes, load_recipe
-    from vlm_recipes.recipes.validate import RecipeError
-
-    lines = []
-    for name, path in available_recipes().items():
-        try:
-            recipe = load_recipe(str(path))
-            stages = " → ".join(s.name for s in recipe.stages)
-            lines.append(f"{name:<18} {recipe.description}\n{'':<18} stages: {stages}")
-        except RecipeError as exc:
-            lines.append(f"{name:<18} (invalid: {len(exc.problems)} problem(s); run it to see them)")
-    return "\n".join(lines)
-
-
-def describe_schema() -> str:
-    from vlm_recipes.recipes.schema import STAGE_DEFAULT_SECTIONS, Recipe, Stage
-
-    def walk(cls, indent: str) -> list[str]:
-        out = []
-        for f in dataclasses.fields(cls):
-            if f.name in ("source_file", "stages") or (cls is Recipe and f.name == "name"):
-                continue  # not keys of a file: the name is the file's, stages are listed below
-            hint = typing.get_type_hints(cls)[f.name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if dataclasses.is_dataclass(hint):
-                out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
-                out += walk(hint, indent + "  ")
-            else:
-                bounds = f.metadata.get("range")
-                allowed = f" [{bounds}]" if bounds else ""
-                out.append(f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}{allowed}")
-        return out
-
-    lines = ["# recipe file (top level)"] + walk(Recipe, "")
-    lines += ["extends: null  # another recipe to start from", "stages:  # each stage:"]
-    lines += walk(Stage, "  ")
-    lines += [
-        "",
-        f"# {', '.join(STAGE_DEFAULT_SECTIONS)} may also be set at the top level, as defaults for "
-        "every stage; `- use: recipe:stage` reuses a stage of another recipe.",
-    ]
-    return "\n".join(lines)
-
-
-def select_gpus(spec: str) -> None:
-    """`--gpu 6,7`: make exactly those GPUs visible, before CUDA starts, and check they exist."""
-    from vlm_recipes.errors import GuardError
-
-    ids = [i.strip() for i in spec.split(",") if i.strip()]
-    if not ids or not all(i.isdigit() for i in ids):
-        raise GuardError(f"--gpu {spec}: give GPU ids separated by commas, e.g. --gpu 0 or --gpu 6,7")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    import torch
-
-    visible = torch.cuda.device_count()  # CUDA drops every id from the first one that does not exist
-    if visible == 0:
-        raise GuardError(
-            f"--gpu {spec}: this machine has no usable CUDA GPU; leave out --gpu to train on the CPU"
-        )
-    if visible < len(ids):
-        raise GuardError(
-            f"--gpu {spec}: only {visible} of these GPU ids exist (ids {', '.join(ids[:visible])} work); "
-            "`nvidia-smi -L` lists this machine's GPUs"
-        )
-
-
-def resume_command(args, run_name: str) -> str:
-    if isinstance(args.resume, str):
-        return f"{args.command} --resume {args.resume}"
-    recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
-    return f"{args.command} --resume {args.output_dir / recipe / run_name}"
-
-
-def check_flags(args) -> None:
-    """The command line's own numbers and combinations (recipe keys are checked with the recipe)."""
-    from vlm_recipes.recipes.validate import Problem, RecipeError
-
-    problems = []
-    for attr, flag, low, high in FLAG_RANGES:
-        value = getattr(args, attr)
-        if value is not None and (value < low or (high is not None and value > high)):
-            bound = f"at least {low}" + (f" and at most {high}" if high is not None else "")
-            problems.append(Problem(f"{flag} {value}", f"must be {bound}"))
-    if args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
-        problems.append(
-            Problem(
-                f"--node-rank {args.node_rank}", f"with --nnodes {args.nnodes}, give 0 to {args.nnodes - 1}"
-            )
-        )
-    if args.seeds is not None:
-        try:
-            seeds = [int(s) for s in args.seeds.split(",")]
-        except ValueError:
-            seeds = []
-        if not seeds:
-            problems.append(
-                Problem(f"--seeds {args.seeds}", "give whole numbers separated by commas, e.g. 0,1,2")
-            )
-        elif len(set(seeds)) != len(seeds):
-            problems.append(
-                Problem(f"--seeds {args.seeds}", "a seed is given twice (its runs would collide)")
-            )
-    if isinstance(args.resume, str):
-        given = [
-            flag
-            for flag, value in (
-                ("--epochs", args.epochs),
-                ("--max-steps", args.max_steps),
-                ("--seeds", args.seeds),
-                ("--parallel", args.parallel),
-                ("--run-name", args.run_name),
-                ("--all", args.all or None),
-                ("key=value overrides", args.overrides or None),
-            )
-            if value is not None
-        ]
-        if given:
-            problems.append(
-                Problem(
-                    f"--resume {args.resume}",
-                    f"continues the run exactly as its run.json records it; {', '.join(given)} cannot change "
-                    "it. Leave them out, or start a new run with them",
-                )
-            )
-    if problems:
-        raise RecipeError(problems, "Bad command line")
-
-
-def build_jobs(args, names: list[str], base_name: str) -> list:
-    """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
-    from vlm_recipes.recipes.load import load_recipe, load_recipe_from_run
-
-    if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
-        jobs = [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
-    else:
-        overrides = list(args.overrides)
-        labels = {}  # override → the flag the user typed, for errors
-        for flag, key, value in (
-            ("--epochs", "training.epochs", args.epochs),
-            ("--max-steps", "training.max_steps", args.max_steps),
-            ("--parallel", "parallel", args.parallel),
-        ):
-            if value is not None:
-                overrides.append(f"{key}={value}")
-                labels[overrides[-1]] = f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
-        jobs = []
-        for name in names:
-            for seed in seeds:
-                extra = [f"training.seed={seed}"] if seed is not None else []
-                if extra:
-                    labels[extra[0]] = f"--seeds {args.seeds}"
-                run_name = base_name if seed is None else f"{base_name}-seed{seed}"
-                jobs.append((load_recipe(name, overrides + extra, labels), run_name))
-    if args.until_stage is not None:
-        from vlm_recipes.recipes.validate import Problem, RecipeError
-
-        for recipe, _ in jobs:
-            if args.until_stage > len(recipe.stages):
-                raise RecipeError(
-                    [
-                        Problem(
-                            f"--until-stage {args.until_stage}",
-                            f"`{recipe.name}` has {len(recipe.stages)} stage(s)",
-                        )
-                    ],
-                    "Bad command line",
-                )
-    return jobs
-
-
-@contextlib.contextmanager
-def sigterm_stops_like_ctrl_c():
-    """SIGTERM (a scheduler stopping the job, `kill`, `docker stop`) stops the run as Ctrl-C does: the
-    stage in training saves a checkpoint first (resilience.InterruptCallback), and run.json says
-    `interrupted`, instead of the process vanishing with the run still marked `running`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None, prog: str = "train_recipe.py") -> int:

@@ -1,0 +1,121 @@
+"""What the command line asks to run: its own flags checked (FLAG_RANGES and combinations), then one
+(recipe, run name) job per recipe and seed, every recipe validated with the flags that set its keys
+(--epochs, --max-steps, --seeds, --parallel) as overrides, so an error names the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Numeric flags that are not recipe keys: (attribute, flag, lowest, highest or None)
+FLAG_RANGES = [
+    ("nproc_per_node", "--nproc-per-node", 1, None),
+    ("nnodes", "--nnodes", 1, None),
+    ("node_rank", "--node-rank", 0, None),  # and below --nnodes
+    ("master_port", "--master-port", 1, 65535),
+    ("until_stage", "--until-stage", 1, None),  # and at most the number of stages
+]
+
+
+def resume_command(args, run_name: str) -> str:
+    if isinstance(args.resume, str):
+        return f"{args.command} --resume {args.resume}"
+    recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
+    return f"{args.command} --resume {args.output_dir / recipe / run_name}"
+
+
+def check_flags(args) -> None:
+    """The command line's own numbers and combinations (recipe keys are checked with the recipe)."""
+    from vlm_recipes.recipes.validate import Problem, RecipeError
+
+    problems = []
+    for attr, flag, low, high in FLAG_RANGES:
+        value = getattr(args, attr)
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"at least {low}" + (f" and at most {high}" if high is not None else "")
+            problems.append(Problem(f"{flag} {value}", f"must be {bound}"))
+    if args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
+        problems.append(
+            Problem(
+                f"--node-rank {args.node_rank}", f"with --nnodes {args.nnodes}, give 0 to {args.nnodes - 1}"
+            )
+        )
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",")]
+        except ValueError:
+            seeds = []
+        if not seeds:
+            problems.append(
+                Problem(f"--seeds {args.seeds}", "give whole numbers separated by commas, e.g. 0,1,2")
+            )
+        elif len(set(seeds)) != len(seeds):
+            problems.append(
+                Problem(f"--seeds {args.seeds}", "a seed is given twice (its runs would collide)")
+            )
+    if isinstance(args.resume, str):
+        given = [
+            flag
+            for flag, value in (
+                ("--epochs", args.epochs),
+                ("--max-steps", args.max_steps),
+                ("--seeds", args.seeds),
+                ("--parallel", args.parallel),
+                ("--run-name", args.run_name),
+                ("--all", args.all or None),
+                ("key=value overrides", args.overrides or None),
+            )
+            if value is not None
+        ]
+        if given:
+            problems.append(
+                Problem(
+                    f"--resume {args.resume}",
+                    f"continues the run exactly as its run.json records it; {', '.join(given)} cannot change "
+                    "it. Leave them out, or start a new run with them",
+                )
+            )
+    if problems:
+        raise RecipeError(problems, "Bad command line")
+
+
+def build_jobs(args, names: list[str], base_name: str) -> list:
+    """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
+    from vlm_recipes.recipes.load import load_recipe, load_recipe_from_run
+
+    if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
+        jobs = [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
+    else:
+        overrides = list(args.overrides)
+        labels = {}  # override → the flag the user typed, for errors
+        for flag, key, value in (
+            ("--epochs", "training.epochs", args.epochs),
+            ("--max-steps", "training.max_steps", args.max_steps),
+            ("--parallel", "parallel", args.parallel),
+        ):
+            if value is not None:
+                overrides.append(f"{key}={value}")
+                labels[overrides[-1]] = f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+        jobs = []
+        for name in names:
+            for seed in seeds:
+                extra = [f"training.seed={seed}"] if seed is not None else []
+                if extra:
+                    labels[extra[0]] = f"--seeds {args.seeds}"
+                run_name = base_name if seed is None else f"{base_name}-seed{seed}"
+                jobs.append((load_recipe(name, overrides + extra, labels), run_name))
+    if args.until_stage is not None:
+        from vlm_recipes.recipes.validate import Problem, RecipeError
+
+        for recipe, _ in jobs:
+            if args.until_stage > len(recipe.stages):
+                raise RecipeError(
+                    [
+                        Problem(
+                            f"--until-stage {args.until_stage}",
+                            f"`{recipe.name}` has {len(recipe.stages)} stage(s)",
+                        )
+                    ],
+                    "Bad command line",
+                )
+    return jobs

@@ -1,0 +1,51 @@
+"""`train --list` (the recipes one can run) and `train --schema` (every key a recipe file may set)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+
+def list_recipes() -> str:
+    from vlm_recipes.recipes.load import available_recipes, load_recipe
+    from vlm_recipes.recipes.validate import RecipeError
+
+    lines = []
+    for name, path in available_recipes().items():
+        try:
+            recipe = load_recipe(str(path))
+            stages = " → ".join(s.name for s in recipe.stages)
+            lines.append(f"{name:<18} {recipe.description}\n{'':<18} stages: {stages}")
+        except RecipeError as exc:
+            lines.append(f"{name:<18} (invalid: {len(exc.problems)} problem(s); run it to see them)")
+    return "\n".join(lines)
+
+
+def describe_schema() -> str:
+    from vlm_recipes.recipes.schema import STAGE_DEFAULT_SECTIONS, Recipe, Stage
+
+    def walk(cls, indent: str) -> list[str]:
+        out = []
+        for f in dataclasses.fields(cls):
+            if f.name in ("source_file", "stages") or (cls is Recipe and f.name == "name"):
+                continue  # not keys of a file: the name is the file's, stages are listed below
+            hint = typing.get_type_hints(cls)[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(hint):
+                out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
+                out += walk(hint, indent + "  ")
+            else:
+                bounds = f.metadata.get("range")
+                allowed = f" [{bounds}]" if bounds else ""
+                out.append(f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}{allowed}")
+        return out
+
+    lines = ["# recipe file (top level)"] + walk(Recipe, "")
+    lines += ["extends: null  # another recipe to start from", "stages:  # each stage:"]
+    lines += walk(Stage, "  ")
+    lines += [
+        "",
+        f"# {', '.join(STAGE_DEFAULT_SECTIONS)} may also be set at the top level, as defaults for "
+        "every stage; `- use: recipe:stage` reuses a stage of another recipe.",
+    ]
+    return "\n".join(lines)
