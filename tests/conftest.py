@@ -39,8 +39,11 @@ TINY_MODELS = {
     "qwen2-vl": "demo:tiny-qwen2-vl",
     "qwen2.5-vl": "demo:tiny-qwen2.5-vl",
     "qwen3-vl": "demo:tiny-qwen3-vl",
+    "qwen3.5": "demo:tiny-qwen3.5",
+    "qwen3.5-moe": "demo:tiny-qwen3.5-moe",
     "smolvlm": "demo:tiny-smolvlm",
     "gemma3": "demo:tiny-gemma3",
+    "gemma4": "demo:tiny-gemma4",
     "llava-onevision": "demo:tiny-llava-onevision",
 }
 
@@ -70,6 +73,22 @@ def write_recipe(directory: Path, name: str, text: str) -> Path:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false")
+
+
+def training_chat_template(processor) -> str | None:
+    """The chat template TRL's collator trains with: TRL's training variant of the processor's (None: the
+    processor's own), or, for a template TRL has none for (Gemma 4's), the family's (load_processor's)."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from vlm_recipes.families import FAMILIES
+
+    try:
+        return get_training_chat_template(processor)
+    except ValueError:
+        for family in FAMILIES:
+            if template := family.training_chat_template(processor):
+                return template
+        raise
 
 
 def model_inputs(processor, rows, **kwargs):

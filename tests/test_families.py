@@ -24,8 +24,8 @@ from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
-from vlm_recipes.families.base import lora_target_modules, params_by_role
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
+from vlm_recipes.families.parameters import lora_target_modules, params_by_role
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
@@ -127,6 +127,53 @@ def qwen3_vl_config(
             "out_hidden_size": hidden,
             "num_position_embeddings": 2304,
             "deepstack_visual_indexes": deepstack,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+
+
+def qwen3_5_config(
+    hidden: int, layers: int, kv_heads: int, moe: dict | None = None, intermediate: int = 0
+) -> dict:
+    """Qwen3.5's config.json (Qwen/Qwen3.5-9B, -35B-A3B): a hybrid text model, three Gated DeltaNet layers
+    to each full-attention one, and Qwen3-VL's tower without DeepStack; `moe`: the MoE's text keys."""
+    text = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 256,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "vocab_size": 248320,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+        },
+        **(moe or {"intermediate_size": intermediate}),
+    }
+    return {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "num_heads": 16,
+            "in_channels": 3,
+            "out_hidden_size": hidden,
+            "num_position_embeddings": 2304,
             "patch_size": 16,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
@@ -237,6 +284,87 @@ def llava_onevision_config() -> dict:
     }
 
 
+def gemma4_config(text: dict, vision: dict, audio: bool) -> dict:
+    """A google/gemma-4-*-it config.json: the fields that shape the model (the rest are Gemma4*Config's
+    defaults, as the published files have them: vocab 262144, head_dim 256 and global_head_dim 512, a
+    sliding window layer 5 times in 6, final logits capped at 30, tied embeddings), 16 px patches pooled
+    3x3, and on E2B/E4B the default audio tower (12 conformer layers of 1024)."""
+    pattern = ["sliding_attention"] * 5 + ["full_attention"]
+    return {
+        "model_type": "gemma4",
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "gemma4_text",
+            "vocab_size": 262144,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+            "layer_types": pattern * (text["num_hidden_layers"] // 6),
+            **text,
+        },
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "patch_size": 16,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 10240,
+            **vision,
+        },
+        "audio_config": {"model_type": "gemma4_audio"} if audio else None,
+    }
+
+
+GEMMA4_E4B = gemma4_config(
+    {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 42,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "sliding_window": 512,
+        "max_position_embeddings": 131072,
+        "hidden_size_per_layer_input": 256,  # per-layer embeddings: 262144 x 42 x 256 (2.8B of the 8B)
+        "vocab_size_per_layer_input": 262144,
+        "num_kv_shared_layers": 18,  # the last 18 layers reuse the keys and values of earlier ones
+    },
+    {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "head_dim": 64,
+        "use_clipped_linears": True,
+    },
+    audio=True,
+)
+GEMMA4_31B = gemma4_config(
+    {
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 60,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "num_global_key_value_heads": 4,
+        "attention_k_eq_v": True,  # the global layers' keys are their values
+        "sliding_window": 1024,
+        "max_position_embeddings": 262144,
+        "hidden_size_per_layer_input": 0,
+        "use_bidirectional_attention": "vision",
+    },
+    {
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 72,
+        "standardize": True,
+    },
+    audio=False,
+)
+
+
 # From each model's config.json on the Hugging Face hub (huggingface.co/Qwen/<name>/blob/main/config.json),
 # the fields that shape the model; with the parameter count the hub shows for its safetensors, which the
 # meta-device build must reproduce (a check that the fields were copied right).
@@ -253,12 +381,30 @@ PUBLISHED = {
     "Qwen3-VL-4B": (qwen3_vl_config(2560, 9728, True, 24, 1024, 4096, [5, 11, 17]), 4_437_815_808),
     # Qwen/Qwen3-VL-8B-Instruct: 8.77B
     "Qwen3-VL-8B": (qwen3_vl_config(4096, 12288, False, 27, 1152, 4304, [8, 16, 24]), 8_767_123_696),
+    # Qwen/Qwen3.5-9B: its model.safetensors.index.json holds 19,306,216,416 bytes: bf16 values but for the
+    # Gated DeltaNet layers' A_log and gated-norm weights in fp32 (24 layers x (32 + 128)), and a
+    # multi-token-prediction head transformers does not load (mtp.*: fc 8192x4096, 3 norms, one full-attention
+    # decoder layer: 243,290,624). Source of the config and size: tests of public repos quoting config.json.
+    "Qwen3.5-9B": (
+        qwen3_5_config(4096, 32, 4, intermediate=12288),
+        (19_306_216_416 - 4 * 3_840) // 2 + 3_840 - 243_290_624,
+    ),
     # HuggingFaceTB/SmolVLM2-2.2B-Instruct: 2.25B
     "SmolVLM2-2.2B": (smolvlm2_config(), 2_246_784_880),
     # google/gemma-3-4b-it: 4.30B
     "Gemma3-4B": (gemma3_config(), 4_300_079_472),
     # llava-hf/llava-onevision-qwen2-7b-ov-hf: 8.03B
     "LLaVA-OneVision-7B": (llava_onevision_config(), 8_030_807_584),
+    # google/gemma-4-E4B-it: 7,996,156,490 values in its safetensors (the hub's BF16 count, 8B), which also
+    # hold what transformers does not build: the keys and values of the 18 KV-shared layers (15 sliding:
+    # k_proj, v_proj 2560x512, k_norm 256; 3 global: 2560x1024, 512) and the 42 layers' layer_scalar buffer
+    "Gemma4-E4B": (
+        GEMMA4_E4B,
+        7_996_156_490 - 15 * (2 * 2560 * 512 + 256) - 3 * (2 * 2560 * 1024 + 512) - 42,
+    ),
+    # google/gemma-4-31B-it: 31,273,088,876 (31.3B), with 2,364 buffers: 60 layer_scalar, the tower's
+    # std_bias and std_scale (1152 each)
+    "Gemma4-31B": (GEMMA4_31B, 31_273_088_876 - 60 - 2 * 1152),
 }
 
 
@@ -266,7 +412,10 @@ VISION_QKV = {
     "smolvlm": "q_proj",
     "gemma3": "q_proj",
     "llava-onevision": "q_proj",
+    "gemma4": "q_proj.linear",  # a clippable linear: the nn.Linear inside it
 }  # the vision tower's attention input projection (Qwen: one fused qkv)
+# role prefixes a published checkpoint of the family may lack (Gemma 4's audio tower: E2B and E4B only)
+OPTIONAL_MODULES = {"gemma4": {"model.audio_tower", "model.embed_audio"}}
 
 
 BARE_PROJECTOR = {"gemma3"}  # families whose projector has no nn.Linear (Gemma 3: pool, norm, one matrix)
@@ -328,7 +477,8 @@ def test_quantization_skip_modules_are_real_modules_and_cover_the_tower(publishe
     family, model, _ = published
     skip = family.quantization_skip_modules(["vision", "projector", "lm_head"])
     modules = dict(model.named_modules())
-    assert all(name in modules for name in skip), [n for n in skip if n not in modules]
+    optional = OPTIONAL_MODULES.get(family.name, set())
+    assert all(name in modules or name in optional for name in skip), [n for n in skip if n not in modules]
     for name, module in modules.items():
         if isinstance(module, nn.Linear) and family.role_of(name) in ("vision", "projector"):
             assert any(name.startswith(s + ".") for s in skip), f"{name} would be quantized"
@@ -372,25 +522,39 @@ TEMPLATES = {
     "qwen2-vl": "qwen2_5_vl",
     "qwen2.5-vl": "qwen2_5_vl",
     "qwen3-vl": "qwen3_vl",
+    "qwen3.5": "qwen3_5_think",
+    "qwen3.5-moe": "qwen3_5_think",
     "smolvlm": "smolvlm",
 }
 TEMPLATES["gemma3"] = "gemma3"
+TEMPLATES["gemma4"] = "gemma4_v5"  # the current revision google/gemma-4-*-it ship
 PROCESSORS = {
     "qwen2-vl": "Qwen2VLProcessor",
     "qwen2.5-vl": "Qwen2_5_VLProcessor",
     "qwen3-vl": "Qwen3VLProcessor",
+    "qwen3.5": "Qwen3VLProcessor",  # transformers' processor for qwen3_5 and qwen3_5_moe
+    "qwen3.5-moe": "Qwen3VLProcessor",
     "smolvlm": "SmolVLMProcessor",
     "gemma3": "Gemma3Processor",
+    "gemma4": "Gemma4Processor",
     "llava-onevision": "LlavaOnevisionProcessor",
 }
 QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
 TOKENS = {
     "smolvlm": ("<end_of_utterance>", "<|im_end|>", "<image>"),
     "gemma3": ("<eos>", "<pad>", "<image_soft_token>"),
+    "gemma4": ("<eos>", "<pad>", "<|image|>"),
     "llava-onevision": ("<|im_end|>", "<|endoftext|>", "<image>"),
 }
 # what the assistant mask covers: the answer and the end of the turn (SmolVLM's template: "Assistant: ...")
-ASSISTANT_SPANS = {"smolvlm": " {answer}<end_of_utterance>\n", "gemma3": "{answer}<end_of_turn>\n"}
+ASSISTANT_SPANS = {
+    "smolvlm": " {answer}<end_of_utterance>\n",
+    "gemma3": "{answer}<end_of_turn>\n",
+    "gemma4": "{answer}<turn|>\n",  # the family's training template (TRL has none for Gemma 4)
+    # Qwen3.5's thinking template: an empty thought before the answer, in the loss as TRL trains it
+    "qwen3.5": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
+    "qwen3.5-moe": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
+}
 NO_VIDEO = {"gemma3"}  # families whose processor takes images only
 # templates TRL does not ship, as the checkpoints do (llava-hf's: transformers' conversion script writes it)
 PUBLISHED_TEMPLATES = {"llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE}
@@ -453,7 +617,7 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(tiny_family):
     processor = AutoProcessor.from_pretrained(model_dir)
     if not hasattr(processor.image_processor, "merge_size"):
         pytest.skip(
-            "pixel bounds in patches of the Qwen line; SmolVLM's: tests/test_family_smolvlm.py, Gemma 3 has none: tests/test_family_gemma3.py, nor has LLaVA-OneVision: tests/test_family_llava_onevision.py"
+            "pixel bounds in patches of the Qwen line; SmolVLM's: tests/test_family_smolvlm.py, Gemma 3 has none: tests/test_family_gemma3.py, nor has LLaVA-OneVision: tests/test_family_llava_onevision.py; Gemma 4's token budgets: tests/test_family_gemma4.py"
         )
     side = processor.image_processor.patch_size * processor.image_processor.merge_size
     processor = load_processor(

@@ -20,7 +20,12 @@ from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families import family_for_model_type
-from vlm_recipes.families.base import count_params_by_role, lora_target_modules
+from vlm_recipes.families.parameters import (
+    count_params_by_role,
+    expert_parameters_of_role,
+    lora_target_modules,
+    lora_target_parameters,
+)
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
@@ -187,6 +192,10 @@ def plan_parallel(
 
 def meta_model(source: str, trust_remote_code: bool):
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    towers = family_for_model_type(config.model_type).towers_left_out
+    for name in towers:  # as stages load it (model/build.py: leave_out_towers)
+        if getattr(config, name, None) is not None:
+            setattr(config, name, None)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
     return config, model
@@ -212,6 +221,10 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 lora_params[family.role_of(name)] += stage.lora.rank * (
                     layer.in_features + layer.out_features
                 )
+            parameters = dict(model.named_parameters())
+            for name in lora_target_parameters(model, family, lora_roles):
+                experts, out_features, in_features = parameters[name].shape  # a LoRA per expert
+                lora_params[family.role_of(name)] += stage.lora.rank * experts * (in_features + out_features)
         for role in ROLES:
             mode = getattr(stage.train, role)
             total = counts[role]["total"]
@@ -234,6 +247,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 f"{', '.join(stage.quantization.skip_roles) or 'nothing'}",
                 "precision": precision,
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
+                "experts": describe_experts(model, family, stage, lora_roles),
                 "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
                 "training": f"{stage.training.epochs:g} epoch(s), lr {stage.training.learning_rate:g}, "
                 f"batch {stage.training.per_device_batch_size} × accum "
@@ -242,6 +256,31 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             }
         )
     return plans
+
+
+def describe_experts(model, family, stage, lora_roles: dict[str, list[str]]) -> str | None:
+    """What the stage does with a mixture-of-experts language model's experts and router, and the memory
+    its experts take (None: a dense model). model/experts.py says why."""
+    experts = expert_parameters_of_role(model, family, "llm")
+    if not experts:
+        return None
+    text = model.config.get_text_config()
+    parameters = dict(model.named_parameters())
+    count = sum(parameters[name].numel() for name in experts)
+    mode = stage.train.llm
+    if mode == "full":
+        what = "trained in full; router trained with the load-balancing loss"
+    elif lora_target_parameters(model, family, lora_roles):
+        what = "LoRA per expert (target_parameters); router frozen"
+    else:
+        what = "frozen; router frozen"
+    unquantized = (
+        " (unquantized: bitsandbytes quantizes nn.Linear only)" if stage.quantization.mode != "none" else ""
+    )
+    return (
+        f"{text.num_experts} routed, {text.num_experts_per_tok} per token: {what}; {count:,} expert weights, "
+        f"{count * 2 / 2**30:.1f} GB in bf16{unquantized}"
+    )
 
 
 def format_plan(recipe: Recipe, plans: list[dict]) -> str:
@@ -253,8 +292,9 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
             lines.append(
                 f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})"
             )
-        for key in ("quantization", "precision", "lora", "data", "training", "output_dir"):
-            lines.append(f"    {key:<13} {p[key]}")
+        for key in ("quantization", "precision", "lora", "experts", "data", "training", "output_dir"):
+            if p.get(key) is not None:
+                lines.append(f"    {key:<13} {p[key]}")
         lines.append("")
     return "\n".join(lines)
 

@@ -134,7 +134,7 @@ def assemble(
     batch: dict[str, torch.Tensor] = {}
     for key in dict.fromkeys(k for s in samples for k in s):
         present = [s[key] for s in samples if key in s]
-        per_token = all(
+        per_token = key not in image_padding and all(
             key in s and s[key].dim() >= 2 and s[key].shape[:2] == (1, n)
             for s, n in zip(samples, lengths, strict=True)
         )

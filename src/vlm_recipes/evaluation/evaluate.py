@@ -242,6 +242,15 @@ def generate_answers(
     was_training = model.training
     model.eval()
     device = next(p.device for p in model.parameters())
+    # A mixture of experts whose config asks for router logits (TRL turns them on to train with the
+    # load-balancing loss) computes that loss in every forward, and in a cached decoding step it sets one
+    # new token against the whole attention mask (transformers 5.23's load_balancing_loss_func raises):
+    # generation asks for none.
+    moe = (
+        {"output_router_logits": False}
+        if hasattr(model.config.get_text_config(), "output_router_logits")
+        else {}
+    )
     outputs: list[str] = []
     try:
         for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
@@ -263,6 +272,7 @@ def generate_answers(
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
                     pad_token_id=tokenizer.pad_token_id,
+                    **moe,
                 )
             new_tokens = generated[:, inputs["input_ids"].shape[1] :]
             outputs += [t.strip() for t in processor.batch_decode(new_tokens, skip_special_tokens=True)]

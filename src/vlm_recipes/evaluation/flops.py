@@ -12,7 +12,9 @@ Per sample, with the samples' own lengths (padding is not model work):
   full or with LoRA, or a role before it trains), + 2 when its own weights get gradients (trained in
   full; LoRA adapters are rank << width and left out).
 - attention, per layer: 2 * 2 * L^2 * width forward (QK^T and AV over a sequence of L, counted without
-  the causal half, as PaLM's MFU does), scaled by c_role / 2 like the weights. The language model's L is
+  the causal half, as PaLM's MFU does), scaled by c_role / 2 like the weights. A linear-attention layer
+  (Qwen3.5's Gated DeltaNet) instead runs chunks of 64 tokens (`linear_attention_flops`). A mixture-of-experts block's experts count as their active share (experts per token /
+  experts), the router and any shared expert in full. The language model's L is
   the sample's length, the vision tower's the image's patches (each image attends only to itself), or,
   in a windowed layer (Qwen2.5-VL: all but `fullatt_block_indexes`), each window's patches, summed over
   the windows (`VisionGeometry.attention_pairs`).
@@ -31,9 +33,9 @@ from vlm_recipes.families.base import Family
 
 ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
 FORMULA = (
-    "FLOPs/sample = sum_role c*N_role*tokens_role + c/2 * 4*L^2*width per attention layer (per window in "
-    "windowed vision layers); c = 2 forward + 2 if a gradient flows through the role + 2 if its weights "
-    "train in full; FLOPs run = that less the tower's and projector's for images read from the feature "
+    "FLOPs/sample = sum_role c*N_role*tokens_role (MoE experts: the active share) + c/2 * 4*L^2*width per "
+    "attention layer (per window in windowed vision layers; a linear-attention layer: per chunk of 64); "
+    "c = 2 forward + 2 if a gradient flows through the role + 2 if its weights train in full; FLOPs run = that less the tower's and projector's for images read from the feature "
     "cache, and less c_llm*N_skipped per unlabelled position with training.loss_positions_only (N_skipped: "
     "the last layer's output projection and MLP and the LM head)"
 )
@@ -49,25 +51,30 @@ def flop_coefficients(modes: dict[str, str]) -> dict[str, int]:
     return coefficients
 
 
-def matmul_params_by_role(model: nn.Module, family: Family) -> dict[str, int]:
+def matmul_params_by_role(model: nn.Module, family: Family) -> dict[str, float]:
     """N_role: weights of Linear and Conv layers per role, each weight counted once, and the bare weight
-    matrices a module multiplies by itself (Gemma 3's projector: `mm_input_projection_weight`)."""
-    counts = dict.fromkeys(ROLE_ORDER, 0)
+    matrices a module multiplies by itself (Gemma 3's projector: `mm_input_projection_weight`; an MoE
+    router). A mixture-of-experts block's fused expert weights count as the share a token runs through
+    (experts per token / experts): active parameters, not total."""
+    active_share = active_expert_share(model)
+    counts = dict.fromkeys(ROLE_ORDER, 0.0)
     seen: set[int] = set()
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d)):
-            weights = [module.weight]
+        if isinstance(module, (nn.Linear, nn.Conv3d, nn.Conv2d, nn.Conv1d)):
+            weights = [(module.weight, 1.0)]
         elif isinstance(module, nn.Embedding):  # a lookup
             continue
         else:
-            weights = [p for p in module.parameters(recurse=False) if p.dim() == 2]
+            weights = [(p, 1.0) for p in module.parameters(recurse=False) if p.dim() == 2]
+            if name.endswith("experts"):
+                weights += [(p, active_share) for p in module.parameters(recurse=False) if p.dim() == 3]
         role = "llm" if family.is_lm_head(name) else family.role_of(name)
-        for weight in weights:
+        for weight, share in weights:
             if id(weight) in seen:
                 continue
             seen.add(id(weight))
             if role in counts:
-                counts[role] += weight.numel()
+                counts[role] += weight.numel() * share
     return counts
 
 
@@ -100,9 +107,10 @@ def flops_per_sample_by_role(
     vision = family.vision_geometry(model.config)
     params = matmul_params_by_role(model, family)
     c = flop_coefficients(modes)
-    text_width = text_config.num_attention_heads * getattr(
-        text_config, "head_dim", text_config.hidden_size // text_config.num_attention_heads
-    )
+    # A hybrid language model (Qwen3.5): its linear-attention layers have no L^2 term (linear_attention_flops)
+    linear_layers = list(getattr(text_config, "layer_types", None) or []).count("linear_attention")
+    attention_layers = text_config.num_hidden_layers - linear_layers
+    text_width = attention_width(text_config) / max(attention_layers, 1)  # their mean heads x head_dim
     token_counts = list(token_counts)
     grids = list(image_grids) if image_grids is not None else [None] * len(token_counts)
     total = dict.fromkeys(ROLE_ORDER, 0.0)
@@ -120,8 +128,42 @@ def flops_per_sample_by_role(
         )
         total["projector"] += c["projector"] * params["projector"] * tower
         total["llm"] += c["llm"] * params["llm"] * length
-        total["llm"] += c["llm"] / 2 * 4 * length**2 * text_width * text_config.num_hidden_layers
+        total["llm"] += c["llm"] / 2 * 4 * length**2 * text_width * attention_layers
+        if linear_layers:
+            total["llm"] += c["llm"] / 2 * linear_attention_flops(text_config, length) * linear_layers
     return {role: flops / max(len(token_counts), 1) for role, flops in total.items()}
+
+
+def attention_width(text_config) -> int:
+    """The summed width (heads x head_dim) of the language model's attention layers, each from its own
+    config: Gemma 4's global layers have a head_dim of their own (and transformers refuses the global value
+    of a per-layer attribute)."""
+    types = list(getattr(text_config, "layer_types", None) or [])
+    widths = []
+    for i in range(text_config.num_hidden_layers):
+        if i < len(types) and types[i] == "linear_attention":
+            continue
+        layer = text_config.per_layer_config[i]
+        heads = layer.num_attention_heads
+        widths.append(heads * (getattr(layer, "head_dim", None) or text_config.hidden_size // heads))
+    return sum(widths)
+
+
+LINEAR_ATTENTION_CHUNK = 64  # transformers' and flash-linear-attention's chunk for Gated DeltaNet
+
+
+def linear_attention_flops(text_config, length: int) -> float:
+    """Forward FLOPs of one Gated DeltaNet layer's token mixing over a sample of `length` (its projections
+    are weights, counted with the role's), in the chunked form transformers and flash-linear-attention run:
+    the sample padded to whole chunks of C; per chunk and value head, the intra-chunk products
+    (keys x keys, queries x keys: 2*C^2*key_dim each; their scores x values: 2*C^2*value_dim) and the state
+    read and written (3 x 2*C*key_dim*value_dim). The two triangular solves of the UT transform
+    (C^2*(key_dim + value_dim)) are left out, as torch's FLOP counter leaves them."""
+    chunk = LINEAR_ATTENTION_CHUNK
+    chunks = -(-length // chunk)
+    key, value = text_config.linear_key_head_dim, text_config.linear_value_head_dim
+    per_chunk = 2 * chunk**2 * (2 * key + value) + 6 * chunk * key * value
+    return chunks * text_config.linear_num_value_heads * per_chunk
 
 
 def last_layer_flops_per_position(model: nn.Module, family: Family, modes: dict[str, str]) -> float:
@@ -130,8 +172,23 @@ def last_layer_flops_per_position(model: nn.Module, family: Family, modes: dict[
     from vlm_recipes.speedups.loss_positions import skipped_at_unlabelled_positions
 
     skipped = skipped_at_unlabelled_positions(model)
-    weights = {id(p): p.numel() for module in skipped for p in module.parameters() if p.dim() == 2}
+    share = active_expert_share(model)
+    weights = {}
+    for module in skipped:
+        for name, p in module.named_parameters():
+            if p.dim() == 2:
+                weights[id(p)] = p.numel()
+            elif p.dim() == 3 and (name.startswith("experts.") or ".experts." in name):
+                weights[id(p)] = p.numel() * share  # an MoE last layer's experts: the active share
     return flop_coefficients(modes)["llm"] * sum(weights.values())
+
+
+def active_expert_share(model: nn.Module) -> float:
+    """The share of a mixture-of-experts block's experts a token runs through (1: a dense model)."""
+    text = model.config.get_text_config()
+    # Gemma 4's config names experts per token `top_k_experts`, and holds None where it has no experts
+    per_token = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None) or 1
+    return per_token / (getattr(text, "num_experts", None) or 1)
 
 
 def peak_tflops(device: str) -> float | None:

@@ -9,13 +9,25 @@ from __future__ import annotations
 from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
+from vlm_recipes.families.gemma4 import GEMMA4
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from vlm_recipes.families.qwen3_vl import QWEN3_VL
 from vlm_recipes.families.smolvlm import SMOLVLM
 
-FAMILIES: tuple[Family, ...] = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, SMOLVLM, GEMMA3, LLAVA_ONEVISION)
+FAMILIES: tuple[Family, ...] = (
+    QWEN2_VL,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    SMOLVLM,
+    GEMMA3,
+    GEMMA4,
+    LLAVA_ONEVISION,
+)
 
 __all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]
 

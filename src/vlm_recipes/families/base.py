@@ -19,9 +19,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from vlm_recipes.errors import LoraTargetError
-from vlm_recipes.roles import ROLES
-
 
 @dataclass(frozen=True)
 class VisionGeometry:
@@ -130,11 +127,15 @@ class Family:
     # dimension, by batch key (the preprocessed-sample cache assembles a batch from one-row samples the same
     # way): "per sample", [samples, images, ..., H, W] zero-padded to the batch's most images and largest
     # sides (SmolVLM's tiles and their pixel masks); "tiles", [images, tiles, ...] zero-padded to the batch's
-    # most tiles (LLaVA-OneVision's anyres). Any other image tensor is concatenated (the Qwen line's
-    # patches, Gemma 3's images).
+    # most tiles (LLaVA-OneVision's anyres); "concatenated", along the first dimension as any other image
+    # tensor is (the Qwen line's patches, Gemma 3's images), named where one image's tensor [1, patches, ...]
+    # could pass for a per-token one (Gemma 4's patches, padded to a budget near a sample's length).
     image_padding: ClassVar[dict[str, str]] = {}
     # The language model's decoder layers and their parts (the loss-positions speed-up cuts the last one).
     decoder_layer: ClassVar[DecoderLayer] = DecoderLayer()
+    # Sub-configs whose towers no stage feeds, each with why (Gemma 4's audio_config): stages set them to
+    # None before the weights load (model/build.py), and final/ takes the towers back from the source.
+    towers_left_out: ClassVar[dict[str, str]] = {}
 
     # ------------------------------------------------------------------ roles
 
@@ -297,63 +298,3 @@ class Family:
         a tokenizer trained on `corpus`, random weights) to `out`: a call into its builder in
         ``families/tiny/``."""
         raise NotImplementedError
-
-
-def _unwrap_name(name: str) -> str:
-    """Strip PEFT's wrapper prefix so names match the adapter's table."""
-    return name.removeprefix("base_model.model.")
-
-
-def params_by_role(model: nn.Module, family: Family) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Parameters grouped by role (plus `other` for anything outside every role, e.g. LoRA-free extras)."""
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {role: [] for role in (*ROLES, "other")}
-    for name, param in model.named_parameters():
-        groups[family.role_of(_unwrap_name(name)) or "other"].append((name, param))
-    return groups
-
-
-def linear_modules_of_role(model: nn.Module, family: Family, role: str) -> list[str]:
-    """Names of the linear layers (quantized ones included) a LoRA on `role` adapts; lm_head excluded."""
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and family.role_of(name) == role and not family.is_lm_head(name):
-            names.append(name)
-    return names
-
-
-def lora_target_modules(model: nn.Module, family: Family, lora_roles: dict[str, list[str]]) -> list[str]:
-    """Full module names for PEFT's `target_modules`.
-
-    `lora_roles` maps each role in lora mode to the suffixes to adapt (empty: all its linear layers).
-    Full names keep a suffix like `proj` from catching layers of a role that is not in lora mode."""
-    targets: list[str] = []
-    for role, suffixes in lora_roles.items():
-        linear = linear_modules_of_role(model, family, role)
-        if suffixes:
-            linear = [n for n in linear if any(n == s or n.endswith("." + s) for s in suffixes)]
-        if not linear:
-            wanted = ", ".join(suffixes) if suffixes else "any linear layer"
-            names = sorted({n.rsplit(".", 1)[-1] for n in linear_modules_of_role(model, family, role)})
-            raise LoraTargetError(
-                f"lora.targets.{role}: no module of `{role}` matches {wanted}. Its linear layers end with: "
-                f"{', '.join(names) or 'none'}"
-            )
-        targets.extend(linear)
-    return targets
-
-
-def count_params_by_role(model: nn.Module, family: Family) -> dict[str, dict[str, int]]:
-    """Total and trainable parameter counts per role (4-bit weights counted as stored elements × 2)."""
-    counts = {}
-    for role, params in params_by_role(model, family).items():
-        total = sum(stored_numel(p) for _, p in params)
-        trainable = sum(stored_numel(p) for _, p in params if p.requires_grad)
-        counts[role] = {"total": total, "trainable": trainable}
-    return counts
-
-
-def stored_numel(param: torch.Tensor) -> int:
-    # bitsandbytes packs two 4-bit values per uint8 element.
-    if param.dtype == torch.uint8 and hasattr(param, "quant_state"):
-        return param.numel() * 2
-    return param.numel()

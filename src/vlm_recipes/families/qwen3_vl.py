@@ -83,7 +83,7 @@ _TINY = {
 
 QWEN3_VL = Qwen3VLFamily(
     name="qwen3-vl",
-    model_types=("qwen3_vl",),
+    model_types=("qwen3_vl", "qwen3_vl_moe"),  # Qwen3-VL-30B-A3B, -235B-A22B: the same layout, MoE blocks
     role_prefixes={
         "vision": ("model.visual",),
         # the DeepStack mergers project tower features into the language model, like the merger

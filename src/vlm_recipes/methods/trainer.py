@@ -14,7 +14,8 @@ import torch
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import RowFormat
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.families.base import Family, params_by_role
+from vlm_recipes.families.base import Family
+from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods.resilience import restore_trainable
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_trainable_dtype

@@ -23,7 +23,8 @@ from torch import nn
 
 from vlm_recipes.decisions import Decision, dtype_name
 from vlm_recipes.errors import GuardError
-from vlm_recipes.families.base import DtypeBoundary, Family, _unwrap_name
+from vlm_recipes.families.base import DtypeBoundary, Family
+from vlm_recipes.families.parameters import _unwrap_name
 
 
 def modules_by_path(model: nn.Module) -> dict[str, nn.Module]:

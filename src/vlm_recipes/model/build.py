@@ -14,9 +14,16 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
 from vlm_recipes.decisions import DTYPES, Decision
-from vlm_recipes.errors import MissingProcessorError
+from vlm_recipes.errors import LoraTargetError, MissingProcessorError
 from vlm_recipes.families import family_for_model_type
-from vlm_recipes.families.base import Family, linear_modules_of_role, lora_target_modules, params_by_role
+from vlm_recipes.families.base import Family
+from vlm_recipes.families.parameters import (
+    linear_modules_of_role,
+    lora_target_modules,
+    lora_target_parameters,
+    params_by_role,
+)
+from vlm_recipes.model.experts import expert_decisions
 from vlm_recipes.recipes.schema import DataSettings, QuantizationSettings, Stage
 from vlm_recipes.roles import ROLES
 
@@ -35,6 +42,8 @@ class BuiltModel:
     decisions: list[Decision] = field(default_factory=list)  # made while building (a LoRA role trained fully)
     # frozen parameters inside fully trained roles: kept in the trained dtype (guards.cast_frozen_to_compute)
     frozen_in_trained_roles: list[str] = field(default_factory=list)
+    # sub-configs whose towers were not loaded (Family.towers_left_out): final/ takes them from the source
+    towers_left_out: list[str] = field(default_factory=list)
 
 
 def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
@@ -90,12 +99,16 @@ def load_model(
     trust_remote_code: bool = False,
     sharded: bool = False,
     max_memory_per_gpu: str | None = None,
+    config=None,
 ) -> nn.Module:
     """Load weights in the compute dtype (frozen weights need nothing more), quantized if asked.
 
     On GPU the whole model goes to this process's GPU, or, `sharded` (model-parallel), is balanced over
-    every visible GPU, each holding at most `max_memory_per_gpu`."""
+    every visible GPU, each holding at most `max_memory_per_gpu`. `config`: the model's, changed
+    (`leave_out_towers`); None: the source's own."""
     kwargs = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
+    if config is not None:
+        kwargs["config"] = config
     qconfig = quantization_config(quantization, family, compute_dtype)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
@@ -129,6 +142,15 @@ def apply_training_modes(
             decisions.append(decision)
     lora_roles = {role: stage.lora.targets.get(role, []) for role, mode in modes.items() if mode == "lora"}
     targets: list[str] = []
+    expert_targets = lora_target_parameters(model, family, lora_roles)
+    if expert_targets and stage.lora.dropout:
+        raise LoraTargetError(
+            f"lora.targets names the experts, which PEFT adapts through target_parameters, and those take no "
+            f"dropout: set lora.dropout: 0 (it is {stage.lora.dropout:g}), or leave `experts` out of the targets"
+        )
+    quantized = stage.quantization.mode != "none"
+    if decisions is not None:  # the stage logs them with the others
+        decisions += expert_decisions(model, family, modes["llm"], expert_targets, quantized)
     if lora_roles:
         targets = lora_target_modules(model, family, lora_roles)
         config = LoraConfig(
@@ -136,8 +158,10 @@ def apply_training_modes(
             lora_alpha=stage.lora.alpha,
             lora_dropout=stage.lora.dropout,
             target_modules=targets,
+            target_parameters=expert_targets or None,
             task_type="CAUSAL_LM",
         )
+        targets = targets + expert_targets
         model = get_peft_model(model, config)  # freezes the base; adapters are fp32
     full_roles = {role for role, mode in modes.items() if mode == "full"}
     unread = {name.removeprefix("base_model.model.") for name in family.unread_parameters(model)}
@@ -168,6 +192,20 @@ def roles_without_linear_layers(model: nn.Module, family: Family, modes: dict[st
     ]
 
 
+def leave_out_towers(config, family: Family) -> tuple[list[str], list[Decision]]:
+    """Set to None the sub-configs of `config` whose towers no stage feeds (`Family.towers_left_out`), so
+    the model is built without them and their weights are not read; one decision each, naming why."""
+    left_out, decisions = [], []
+    for name, why in family.towers_left_out.items():
+        if getattr(config, name, None) is not None:
+            setattr(config, name, None)
+            left_out.append(name)
+            decision = Decision("towers-left-out", f"{name}: not loaded", why)
+            log.info("  %s", decision)
+            decisions.append(decision)
+    return left_out, decisions
+
+
 def build_stage_model(
     source: str,
     stage: Stage,
@@ -181,6 +219,7 @@ def build_stage_model(
     family, config = detect_family(source, trust_remote_code)
     compute_dtype = DTYPES[compute_precision]
     processor = processor or load_processor(source, stage.data, family, trust_remote_code)
+    left_out, decisions = leave_out_towers(config, family)
     model = load_model(
         source,
         stage.quantization,
@@ -190,8 +229,8 @@ def build_stage_model(
         trust_remote_code,
         sharded,
         stage.training.max_memory_per_gpu,
+        config if left_out else None,
     )
-    decisions: list[Decision] = []
     model, targets, kept_frozen = apply_training_modes(model, stage, family, decisions)
     source_dtype = getattr(config, "dtype", None) or getattr(config.get_text_config(), "dtype", None)
     if isinstance(source_dtype, str):
@@ -206,4 +245,5 @@ def build_stage_model(
         lora_targets=targets,
         decisions=decisions,
         frozen_in_trained_roles=kept_frozen,
+        towers_left_out=left_out,
     )

@@ -11,7 +11,8 @@ from torch import nn
 
 from vlm_recipes.decisions import Environment, dtype_name
 from vlm_recipes.errors import GuardError
-from vlm_recipes.families.base import Family, stored_numel
+from vlm_recipes.families.base import Family
+from vlm_recipes.families.parameters import stored_numel
 from vlm_recipes.model.guards import decide_parallelism, decide_precision, keep_fp32_patterns, module_devices
 
 

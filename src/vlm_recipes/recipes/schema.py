@@ -108,7 +108,8 @@ class LoraSettings:
     dropout: float = doc("dropout on the LoRA input", 0.05, range=Range(0, 1, high_open=True))
     targets: dict[str, list[str]] = doc(
         "per role, module-name suffixes to adapt (e.g. {llm: [q_proj, v_proj]}); "
-        "a role in lora mode that is not listed adapts all its linear layers",
+        "a role in lora mode that is not listed adapts all its linear layers; `experts` adds a mixture of "
+        "experts' fused experts (PEFT's target_parameters; needs dropout 0)",
         factory=dict,
     )
 

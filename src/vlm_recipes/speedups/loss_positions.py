@@ -15,7 +15,8 @@ with fewer rows (tests/test_speedups.py bounds it against what training moves).
 Two layer shapes are supported, read from the layer's sub-modules, whose names the family gives
 (`Family.decoder_layer`, the same in every family here): the pre-norm layer of Llama, Qwen2, the Qwen-VL
 line and SmolVLM's text model (input_layernorm, self_attn, post_attention_layernorm, mlp), and Gemma 3's
-sandwich-norm layer (plus pre_/post_feedforward_layernorm). Any other layer is refused.
+sandwich-norm layer (plus pre_/post_feedforward_layernorm), which Gemma 4 scales by a learned
+`layer_scalar` buffer at the end. Any other layer is refused.
 """
 
 from __future__ import annotations
@@ -126,4 +127,5 @@ class LastLayerAtLossPositions:
             out = part(d.post_mlp_norm)(mlp(part(d.pre_mlp_norm)(hidden)))
         else:
             out = mlp(part(d.post_attention_norm)(hidden))
-        return hidden + out
+        scalar = getattr(self.layer, "layer_scalar", None)  # Gemma 4 scales the layer's output
+        return hidden + out if scalar is None else (hidden + out) * scalar

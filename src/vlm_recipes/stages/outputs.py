@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 from torch import nn
-from transformers import AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModelForImageTextToText
 from trl import SFTTrainer
 
 from vlm_recipes.files import write_json
-from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.build import BuiltModel, leave_out_towers
 from vlm_recipes.model.guards import keep_fp32_patterns, matches_any
 from vlm_recipes.runs.layout import ADAPTER_DIR, FINAL_DIR, PROVENANCE_FILE, read_provenance
 from vlm_recipes.stages.context import StageContext
@@ -58,6 +58,11 @@ def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, provena
     final = stage_dir / FINAL_DIR
     partial = stage_dir / (FINAL_DIR + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    text = model.config.get_text_config()
+    if getattr(text, "output_router_logits", False):
+        # TRL switched an MoE's router logits on to train with the load-balancing loss; saved so, the model
+        # computes that loss in every forward, and transformers 5.23 fails it in cached generation
+        text.output_router_logits = False
     model.save_pretrained(partial)
     processor.save_pretrained(partial)
     write_json(partial / PROVENANCE_FILE, provenance)
@@ -76,12 +81,13 @@ def model_for_final(
 ) -> nn.Module:
     """The stage's result as a plain model in the source checkpoint's dtype, LoRA merged.
 
-    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's), or
-    when the trained weights exist whole only as `gathered_state` (FSDP / DeepSpeed shard them across
-    ranks), the result is rebuilt on a fresh full-precision load of the source: frozen weights come back
-    exactly as they were, fully trained weights are copied in, and the adapter is merged into unrounded
-    weights."""
-    if gathered_state is None and not quantized and built.compute_dtype == built.source_dtype:
+    When training rounded the frozen weights (4-bit load, or compute dtype below the checkpoint's), when
+    the trained weights exist whole only as `gathered_state` (FSDP / DeepSpeed shard them across ranks), or
+    when towers were left out of the load (Gemma 4's audio), the result is rebuilt on a fresh
+    full-precision load of the source: frozen weights (and left-out towers) come back exactly as they
+    were, fully trained weights are copied in, and the adapter is merged into unrounded weights."""
+    whole = not built.towers_left_out
+    if gathered_state is None and not quantized and built.compute_dtype == built.source_dtype and whole:
         model = trained.merge_and_unload() if isinstance(trained, PeftModel) else trained
         return cast_model(model, built.source_dtype)
     base = AutoModelForImageTextToText.from_pretrained(
@@ -120,7 +126,10 @@ def gather_sharded_state(trainer: SFTTrainer) -> dict[str, torch.Tensor]:
 
 def load_final_for_eval(final_dir: Path, built: BuiltModel, ctx: StageContext) -> torch.nn.Module:
     device = f"cuda:{torch.cuda.current_device()}" if ctx.env.device == "cuda" else "cpu"
-    model = AutoModelForImageTextToText.from_pretrained(
-        final_dir, dtype=built.compute_dtype, trust_remote_code=ctx.recipe.trust_remote_code
-    )
+    kwargs = {"dtype": built.compute_dtype, "trust_remote_code": ctx.recipe.trust_remote_code}
+    if built.towers_left_out:  # evaluated as trained: without the towers no stage feeds
+        config = AutoConfig.from_pretrained(final_dir, trust_remote_code=ctx.recipe.trust_remote_code)
+        leave_out_towers(config, built.family)
+        kwargs["config"] = config
+    model = AutoModelForImageTextToText.from_pretrained(final_dir, **kwargs)
     return model.to(device).eval()

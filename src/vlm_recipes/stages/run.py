@@ -23,7 +23,8 @@ from vlm_recipes.data.video import VideoSampling
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.evaluation.timing import StepTimer
 from vlm_recipes.families import FAMILIES
-from vlm_recipes.families.base import Family, count_params_by_role
+from vlm_recipes.families.base import Family
+from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
 from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback

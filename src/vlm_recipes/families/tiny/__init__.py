@@ -40,21 +40,33 @@ def train_byte_level_bpe(corpus: list[str], pretokenize_regex: str, vocab_size: 
     return dict(state["vocab"]), [tuple(m) for m in state["merges"]]
 
 
-def qwen_tokenizer(corpus: list[str], special_tokens: tuple[str, ...], added_tokens: tuple[str, ...] = ()):
-    """A Qwen2Tokenizer (the class every Qwen-VL tokenizer is) around a BPE trained on `corpus`.
+def qwen_tokenizer(
+    corpus: list[str],
+    special_tokens: tuple[str, ...],
+    added_tokens: tuple[str, ...] = (),
+    qwen3_5: bool = False,
+):
+    """A Qwen2Tokenizer (the class of every Qwen-VL tokenizer up to Qwen3-VL) around a BPE trained on
+    `corpus`; `qwen3_5`: a Qwen3_5Tokenizer with its own pre-tokenizer (letters with their combining marks,
+    single digits), as Qwen3.5's tokenizer.json has it.
 
     `special_tokens` and then `added_tokens` are appended after the BPE vocab, in that order, as the real
     tokenizers number them; `special_tokens` must include <|endoftext|> (pad) and <|im_end|> (eos).
     `added_tokens` are never split but are not special (Qwen3's <think>, <tool_call>, ...): decoding
     with skip_special_tokens keeps them, as with the real tokenizer."""
     from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    if qwen3_5:
+        from transformers import Qwen3_5Tokenizer as tokenizer_class
+        from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+    else:
+        from transformers import Qwen2Tokenizer as tokenizer_class
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
     for token in (*special_tokens, *added_tokens):
         vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
+    tok = tokenizer_class(
         vocab=vocab,
         merges=merges,
         unk_token=None,  # byte-level BPE covers every input, so no unk is needed

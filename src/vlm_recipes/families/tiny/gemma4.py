@@ -1,0 +1,159 @@
+"""The tiny offline Gemma 4 (`demo:tiny-gemma4`): a Gemma-style tokenizer (spaces as "▁", byte fallback)
+with Gemma 4's special tokens, Gemma4Processor (its image, video and audio-feature processors, the current
+google/gemma-4-*-it chat template), a variable-resolution vision tower pooling 3x3 patches into a token,
+and a Gemma 4 text model, with no audio tower."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vlm_recipes.families.tiny import save_tiny_model
+
+# Gemma 4's special tokens, in the order the real tokenizer numbers them: pad, eos, bos, unk, mask; the tool
+# declarations, calls and responses and the string escape (<|tool_response> is 50 there, a stop token of
+# generation_config); the thinking switch and channel; the turn markers (105 and 106 there). The named ones
+# are what tokenizer_config.json lists as std/etd, stc/etc, str/etr, escape, think, soc/eoc, sot/eot.
+GEMMA4_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+GEMMA4_CONTROL_TOKENS = {
+    "std_token": "<|tool>",
+    "etd_token": "<tool|>",
+    "stc_token": "<|tool_call>",
+    "etc_token": "<tool_call|>",
+    "str_token": "<|tool_response>",
+    "etr_token": "<tool_response|>",
+    "escape_token": '<|"|>',
+    "think_token": "<|think|>",
+    "soc_token": "<|channel>",
+    "eoc_token": "<channel|>",
+    "sot_token": "<|turn>",
+    "eot_token": "<turn|>",
+}
+# The image and audio tokens (255999, 256000 and 258880-258884 there), appended after the BPE vocab here;
+# <|video|> is the tokenizer's one extra special token (Gemma4Processor adds it if it is missing).
+GEMMA4_MEDIA_TOKENS = {
+    "boi_token": "<|image>",
+    "boa_token": "<|audio>",
+    "image_token": "<|image|>",
+    "audio_token": "<|audio|>",
+    "eoi_token": "<image|>",
+    "eoa_token": "<audio|>",
+}
+VIDEO_TOKEN = "<|video|>"
+
+
+def gemma4_tokenizer(corpus: list[str]):
+    """A GemmaTokenizer (the class Gemma4Processor is given) around a BPE trained on `corpus` the way
+    Gemma's is built: spaces replaced by "▁", byte fallback (<0x00>..<0xFF>) for anything unseen."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    control = tuple(GEMMA4_CONTROL_TOKENS.values())
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.normalizer = normalizers.Replace(" ", "▁")
+    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=[*GEMMA4_SPECIAL_TOKENS, *control, *bytes_], show_progress=False
+    )
+    # the template's own words (turn roles, the thought channel, tool calls and responses)
+    template_words = ["user\n", "model\n", "system\n", "thought\n", "call:", "response:", "value:"]
+    bpe.train_from_iterator([*corpus, *template_words * 50], trainer)
+    state = json.loads(bpe.to_str())["model"]
+    vocab, merges = dict(state["vocab"]), [tuple(m) for m in state["merges"]]
+    for token in (*GEMMA4_MEDIA_TOKENS.values(), VIDEO_TOKEN):
+        vocab[token] = len(vocab)
+    tok = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        extra_special_tokens=[VIDEO_TOKEN],
+        model_max_length=4096,
+        **GEMMA4_CONTROL_TOKENS,
+        **GEMMA4_MEDIA_TOKENS,
+    )
+    # special added tokens in Gemma 4's tokenizer: never split, skipped when decoding
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tok
+
+
+def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    tok = gemma4_tokenizer(corpus)
+    tok.chat_template = chat_template
+    vision = {"patch_size": dims["patch_size"], "pooling_kernel_size": dims["pooling"]}
+    processor = Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
+        image_processor=Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
+        tokenizer=tok,
+        video_processor=Gemma4VideoProcessor(max_soft_tokens=70, **vision),
+        chat_template=chat_template,
+        image_seq_length=dims["soft_tokens"],
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA4_SPECIAL_TOKENS, *GEMMA4_CONTROL_TOKENS.values())}
+    media = {name: tok.convert_tokens_to_ids(t) for name, t in GEMMA4_MEDIA_TOKENS.items()}
+    layers = dims["layers"]
+    config = Gemma4Config(
+        text_config={
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "vocab_size_per_layer_input": -(-len(tok) // 64) * 64,
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": layers,
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "head_dim": dims["head_dim"],
+            # the global layers' own geometry, and keys that are their values (the 26B and 31B's)
+            "global_head_dim": dims["global_head_dim"],
+            "num_global_key_value_heads": dims["global_kv_heads"],
+            "attention_k_eq_v": True,
+            "sliding_window": dims["sliding_window"],
+            "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
+            "use_bidirectional_attention": "vision",  # an image's tokens see each other (26B, 31B)
+            "hidden_size_per_layer_input": 0,  # no per-layer embeddings (those are E2B's and E4B's)
+            "final_logit_softcapping": 30.0,
+            "max_position_embeddings": 4096,
+            "pad_token_id": ids["<pad>"],
+            "bos_token_id": ids["<bos>"],
+            "eos_token_id": ids["<eos>"],
+        },
+        vision_config={
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "num_key_value_heads": dims["vision_heads"],
+            "head_dim": dims["vision_dim"] // dims["vision_heads"],
+            "position_embedding_size": dims["vision_positions"],
+            "use_clipped_linears": True,  # as E2B and E4B's tower: clamps around every linear layer
+            **vision,
+        },
+        audio_config=None,
+        boi_token_id=media["boi_token"],
+        eoi_token_id=media["eoi_token"],
+        image_token_id=media["image_token"],
+        video_token_id=tok.convert_tokens_to_ids(VIDEO_TOKEN),
+        boa_token_id=media["boa_token"],
+        eoa_token_index=media["eoa_token"],
+        audio_token_id=media["audio_token"],
+        tie_word_embeddings=True,
+    )
+    config.eos_token_id = [ids["<eos>"], ids["<turn|>"]]  # as config.json: [1, 106]
+    save_tiny_model(
+        out,
+        Gemma4ForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        # as generation_config.json: <eos>, <turn|> and <|tool_response> (a turn handing over to a tool) stop
+        eos_token_id=[ids["<eos>"], ids["<turn|>"], ids["<|tool_response>"]],
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<bos>"],
+    )

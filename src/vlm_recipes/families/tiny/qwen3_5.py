@@ -1,0 +1,93 @@
+"""The tiny offline Qwen3.5 (`demo:tiny-qwen3.5`) and Qwen3.5-MoE (`demo:tiny-qwen3.5-moe`): Qwen3-VL's
+special tokens and processor, Qwen3.5's tokenizer class and pre-tokenizer, the thinking chat template, a
+hybrid language model (Gated DeltaNet layers beside full-attention ones), and for the MoE a few routed
+experts beside a shared one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+from vlm_recipes.families.tiny.qwen3_vl import MIN_PIXELS, QWEN3_ADDED_TOKENS
+
+
+def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+    from trl.chat_template_utils import qwen3_5_think_chat_template
+
+    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS, qwen3_5=True)
+    # Qwen3.5-4B and larger ship the thinking template (2B and smaller the same with thinking off by
+    # default); TRL swaps in its training variant, which always writes the <think> block and marks
+    # the assistant's output with {% generation %}.
+    tok.chat_template = qwen3_5_think_chat_template
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
+    half = [0.5, 0.5, 0.5]  # Qwen3.5's preprocessor_config.json, as Qwen3-VL's
+    processor = Qwen3VLProcessor(  # transformers' processor for qwen3_5 and qwen3_5_moe
+        image_processor=Qwen2VLImageProcessor(
+            size=size, patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=half, image_std=half
+        ),
+        tokenizer=tok,
+        video_processor=Qwen3VLVideoProcessor(size=size, image_mean=half, image_std=half),
+        chat_template=qwen3_5_think_chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
+    text = qwen_text_config(
+        dims,
+        len(tok),
+        ids,
+        head_dim=dims["head_dim"],
+        # rotary on a quarter of each head, interleaved t/h/w as Qwen3-VL's (the real [11, 11, 10] of 32)
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": dims["mrope"],
+            "mrope_interleaved": True,
+        },
+        layer_types=dims["layer_types"],
+        linear_num_key_heads=dims["linear_key_heads"],
+        linear_num_value_heads=dims["linear_value_heads"],
+        linear_key_head_dim=dims["linear_head_dim"],
+        linear_value_head_dim=dims["linear_head_dim"],
+        eos_token_id=ids["<|im_end|>"],
+    )
+    moe = "experts" in dims
+    if moe:
+        text |= {
+            "num_experts": dims["experts"],
+            "num_experts_per_tok": dims["experts_per_token"],
+            "moe_intermediate_size": dims["expert_intermediate"],
+            "shared_expert_intermediate_size": dims["expert_intermediate"],
+        }
+        del text["intermediate_size"]  # every layer's MLP is the sparse block
+    config_class, model_class = (
+        (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        if moe
+        else (Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    )
+    config = config_class(
+        text_config=text,
+        vision_config={
+            "depth": dims["vision_depth"],
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_heads": dims["vision_heads"],
+            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
+            "num_position_embeddings": dims["vision_positions"],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        **qwen_vision_token_ids(ids),
+        tie_word_embeddings=dims.get("tie_embeddings", False),
+    )
+    save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
