@@ -25,7 +25,7 @@ from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
-from vlm_recipes.families.parameters import lora_target_modules, params_by_role
+from vlm_recipes.families.parameters import lora_target_modules, lora_target_parameters, params_by_role
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
@@ -468,8 +468,13 @@ def test_lora_targets_resolve_for_each_role(published):
     # the suffixes a recipe would name (lora.targets) reach the right role only
     vision_qkv = VISION_QKV.get(family.name, "qkv")
     named = lora_target_modules(model, family, {"llm": ["q_proj", "v_proj"], "vision": [vision_qkv]})
-    layers = model.config.get_text_config().num_hidden_layers
+    text = model.config.get_text_config()
+    # every layer attends (Qwen3.5: but its Gated DeltaNet layers, which have no q_proj)
+    layers = text.num_hidden_layers - list(getattr(text, "layer_types", None) or []).count("linear_attention")
     assert sum(t.endswith(".q_proj") and family.role_of(t) == "llm" for t in named) == layers
+    if getattr(text, "num_experts", None):  # an MoE: `experts` names its two fused weights in every layer
+        experts = lora_target_parameters(model, family, {"llm": ["experts"]})
+        assert len(experts) == 2 * text.num_hidden_layers and all(".experts." in name for name in experts)
     assert {family.role_of(t) for t in named} == {"llm", "vision"}
 
 
