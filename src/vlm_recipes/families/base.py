@@ -164,13 +164,22 @@ class Family:
 
     # ------------------------------------------------------------------ what differs per family
 
+    # The inner model's attribute holding the vision tower (the Qwen line: `visual`, SmolVLM: `vision_model`)
+    tower_attribute: ClassVar[str] = "vision_tower"
+
     def image_encoder_owner(self, model: nn.Module) -> nn.Module:
         """The inner module whose forward calls `self.get_image_features(...)` for a batch's images."""
-        raise NotImplementedError
+        for module in model.modules():
+            if (
+                callable(getattr(module, "get_image_features", None))
+                and self.tower_attribute in module._modules
+            ):
+                return module
+        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         """The vision tower module (its weights key the feature cache)."""
-        raise NotImplementedError
+        return getattr(self.image_encoder_owner(model), self.tower_attribute)
 
     def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         """A batch's pixel values, one tensor per image, in the order features come back."""

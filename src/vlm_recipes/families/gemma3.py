@@ -32,7 +32,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
@@ -55,15 +54,6 @@ class Gemma3Family(Family):
         "pan_and_scan_max_num_crops",
         "pan_and_scan_min_ratio_to_activate",
     )
-
-    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if callable(getattr(module, "get_image_features", None)) and "vision_tower" in module._modules:
-                return module
-        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return self.image_encoder_owner(model).vision_tower
 
     def split_images(
         self, pixel_values: torch.Tensor, grids: torch.Tensor | None = None

@@ -78,15 +78,6 @@ class Gemma4Family(Family):
     # one image's patches and positions, [1, max_patches, ...]: never per token, whatever a sample's length
     image_padding = {"pixel_values": "concatenated", "image_position_ids": "concatenated"}
 
-    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if callable(getattr(module, "get_image_features", None)) and "vision_tower" in module._modules:
-                return module
-        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return self.image_encoder_owner(model).vision_tower
-
     def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         # one image per row, its patches padded to the budget; `grids`: their positions, row for row
         return list(pixel_values.split(1))

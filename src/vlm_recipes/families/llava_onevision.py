@@ -121,15 +121,6 @@ class LlavaOnevisionFamily(Family):
         names = (name for name, _ in model.named_parameters())
         return [name for name in names if name.removeprefix("base_model.model.").startswith(unread)]
 
-    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if callable(getattr(module, "get_image_features", None)) and "vision_tower" in module._modules:
-                return module
-        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return self.image_encoder_owner(model).vision_tower
-
     # ---------------------------------------------------------------- the vision feature cache
     # A unit is one image: its real tiles (the batch padding cut off) and its original (height, width),
     # which picks the grid the tiles are read in.

@@ -28,16 +28,9 @@ class Qwen2VLFamily(Family):
     """Qwen2-VL: a ViT (`model.visual`) whose merger (the projector) merges 2x2 patches into one token;
     3-D multimodal RoPE computed by the model's own `get_rope_index`."""
 
+    tower_attribute = "visual"
+
     rope_index_keys = QWEN_VL_ROPE_INDEX_KEYS
-
-    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if callable(getattr(module, "get_image_features", None)) and hasattr(module, "visual"):
-                return module
-        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return self.image_encoder_owner(model).visual
 
     def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         # pixel_values holds every image's patches end to end; an image has t*h*w of them

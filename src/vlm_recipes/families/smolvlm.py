@@ -36,7 +36,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
@@ -80,17 +79,10 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int]:
 class SmolVLMFamily(Family):
     """SmolVLM / Idefics3: tiles of a fixed size through a SigLIP tower, pixel-shuffled by the connector."""
 
+    tower_attribute = "vision_model"
+
     # a sample's tiles and their pixel masks, padded to the batch's most tiles (see the module docstring)
     image_padding = {"pixel_values": "per sample", "pixel_attention_mask": "per sample"}
-
-    def image_encoder_owner(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if callable(getattr(module, "get_image_features", None)) and hasattr(module, "vision_model"):
-                return module
-        raise ValueError(f"{type(model).__name__} has no vision tower with get_image_features")
-
-    def vision_tower(self, model: nn.Module) -> nn.Module:
-        return self.image_encoder_owner(model).vision_model
 
     def dtype_boundaries(self) -> list[DtypeBoundary]:
         # SmolVLMModel.forward casts the image features to `self.dtype`, its first parameter's dtype (the

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
 from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.families.tiny.qwen3_vl import MIN_PIXELS, QWEN3_ADDED_TOKENS
+from vlm_recipes.families.tiny.qwen3_vl import MIN_PIXELS, QWEN3_ADDED_TOKENS, qwen3_vision_config
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
@@ -76,17 +76,7 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     config = config_class(
         text_config=text,
-        vision_config={
-            "depth": dims["vision_depth"],
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_heads": dims["vision_heads"],
-            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-            "num_position_embeddings": dims["vision_positions"],
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+        vision_config=qwen3_vision_config(dims),
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )

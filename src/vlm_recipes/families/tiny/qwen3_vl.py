@@ -58,19 +58,25 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
                 "mrope_interleaved": True,
             },
         ),
-        vision_config={
-            "depth": dims["vision_depth"],
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_heads": dims["vision_heads"],
-            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-            "num_position_embeddings": dims["vision_positions"],
-            "deepstack_visual_indexes": dims["deepstack"],
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+        vision_config=qwen3_vision_config(dims, deepstack_visual_indexes=dims["deepstack"]),
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+
+
+def qwen3_vision_config(dims: dict, **extra) -> dict:
+    """Qwen3-VL's tower (Qwen3.5's too, without DeepStack): 16 px patches, learned positions; `extra` adds
+    keys."""
+    return {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_dim"],
+        "intermediate_size": dims["vision_intermediate"],
+        "num_heads": dims["vision_heads"],
+        "out_hidden_size": dims["hidden"],  # merger output = text hidden size
+        "num_position_embeddings": dims["vision_positions"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        **extra,
+    }
