@@ -163,3 +163,16 @@ def assert_reads_back_the_batch(cached, stored: list[dict], expected: dict) -> N
         assert batch.keys() == expected.keys(), attempt
         for key, value in expected.items():
             assert torch.equal(batch[key], value), (attempt, key)
+
+
+def model_torch_can_count(model_dir, family):
+    """The tiny model in fp32 with kernels torch's counter sees: eager attention (torch 2.14's counter does
+    not see the CPU SDPA kernel, 2.15's does) and, for an MoE, one matmul per expert (transformers'
+    default grouped kernel is invisible to it)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    moe = {"experts_implementation": "eager"} if "moe" in family.name else {}
+    return AutoModelForImageTextToText.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", **moe
+    )

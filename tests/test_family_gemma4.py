@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 import trl.chat_template_utils as templates
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, model_torch_can_count
 from PIL import Image
 from test_families import TINY_RUN
 from torch.utils.flop_counter import FlopCounterMode
@@ -318,7 +318,7 @@ def test_vision_flops_are_torchs_count_for_an_image_that_fills_its_budget(model_
     """The tower runs every image padded to its budget's patches (tests/test_flops.py's families count
     only real patches, as the formula does); an image of exactly 7x10 tokens has no padding, and torch's
     count is the formula's vision and projector terms, plus the pooler's averaging done as a matmul."""
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_torch_can_count(model_dir, GEMMA4).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
     inputs = processor.image_processor(
         images=[Image.new("RGB", (480, 336), (10, 200, 30))], return_tensors="pt"

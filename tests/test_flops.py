@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import model_inputs, single_image_demo_rows
+from conftest import model_inputs, model_torch_can_count, single_image_demo_rows
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoProcessor
 
 from vlm_recipes.data.lengths import sample_token_counts
 from vlm_recipes.data.rows import undecoded
@@ -68,10 +68,7 @@ def test_formula_matches_torchs_flop_count(tiny_family, mode):
     family, model_dir = tiny_family
     if family.name in PADDED_TOWERS:
         pytest.skip(f"every image padded to its budget's patches: {PADDED_TOWERS[family.name]}")
-    # an MoE's experts run one matmul per expert: transformers' default grouped kernel is invisible to torch's
-    # counter
-    moe = {"experts_implementation": "eager"} if "moe" in family.name else {}
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, **moe)
+    model = model_torch_can_count(model_dir, family)
     model.requires_grad_(mode == "full")
     processor = AutoProcessor.from_pretrained(model_dir)
     ds = single_image_demo_rows(1)
@@ -93,7 +90,7 @@ def test_formula_matches_torchs_flop_count(tiny_family, mode):
         return
     # Training: the formula, like the usual 6N, also counts an input gradient for the patch embedding
     # (torch skips it: pixels need none; +4-6 % on these tiny towers, ~0.1 % on 2B), taken out here, and
-    # counts attention backward as 2x its forward (torch's flash backward: 2.5x).
+    # counts attention backward as 2x its forward (as eager's matmuls are; flash backward is 2.5x).
     patch_embed = next(m for m in model.modules() if isinstance(m, torch.nn.Conv3d | torch.nn.Conv2d))
     input_gradient = 2 * patch_embed.weight.numel() * counts[1] * geometry.patches_per_token
     assert predicted - input_gradient + linear_attention_excess(model, sum(counts)) == pytest.approx(
@@ -128,7 +125,7 @@ def test_vision_tower_forward_is_counted_exactly_windows_included(tiny_family):
     family, model_dir = tiny_family
     if family.name in PADDED_TOWERS:
         pytest.skip(f"every image padded to its budget's patches: {PADDED_TOWERS[family.name]}")
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_torch_can_count(model_dir, family).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
     rows = single_image_demo_rows(4)
     inputs = model_inputs(processor, [dict(r) for r in rows])
