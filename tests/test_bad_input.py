@@ -314,7 +314,7 @@ CASES = {
         "set data.allow_remote_images: true",
     ),
     "empty after skipping": (
-        lambda t: case_data(t, [{"images": []}], extra=["data.on_bad_sample=skip"]),
+        lambda t: case_data(t, [{**ROW, "images": []}], extra=["data.on_bad_sample=skip"]),
         "the dataset is empty after skipping 1 bad rows",
     ),
     "image tokens exceed max_length": (lambda t: ["data.max_length=8"], "longer than max_length"),

@@ -95,18 +95,29 @@ def qwen2_5_vl_config(
 
 
 def qwen3_vl_config(
-    hidden: int, intermediate: int, tie: bool, depth: int, width: int, mlp: int, deepstack: list[int]
+    hidden: int,
+    intermediate: int,
+    tie: bool,
+    depth: int,
+    width: int,
+    mlp: int,
+    deepstack: list[int],
+    layers: int = 36,
+    kv_heads: int = 8,
+    moe: dict | None = None,
 ) -> dict:
-    """Qwen3-VL's config.json nests text_config and vision_config."""
+    """Qwen3-VL's config.json nests text_config and vision_config; `moe`: the MoE's text keys
+    (qwen3_vl_moe)."""
     return {
-        "model_type": "qwen3_vl",
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
         "tie_word_embeddings": tie,
         "text_config": {
+            **(moe or {}),
             "hidden_size": hidden,
             "intermediate_size": intermediate,
-            "num_hidden_layers": 36,
+            "num_hidden_layers": layers,
             "num_attention_heads": 32,
-            "num_key_value_heads": 8,
+            "num_key_value_heads": kv_heads,
             "head_dim": 128,
             "vocab_size": 151936,
             "tie_word_embeddings": tie,
@@ -388,6 +399,48 @@ PUBLISHED = {
     "Qwen3.5-9B": (
         qwen3_5_config(4096, 32, 4, intermediate=12288),
         (19_306_216_416 - 4 * 3_840) // 2 + 3_840 - 243_290_624,
+    ),
+    # Qwen/Qwen3.5-35B-A3B: 35,951,822,704 values in its safetensors (the hub's count: 35,951,817,904 BF16 +
+    # 4,800 F32), of which the multi-token-prediction head transformers does not load (785 mtp.* tensors, one
+    # MoE decoder layer with its 256 experts) holds 844,640,768. Config and counts: copies of the revision
+    # 59d61f3 config.json, safetensors index (71,903,655,008 bytes) and tensor table in public repos.
+    "Qwen3.5-35B-A3B": (
+        qwen3_5_config(
+            2048,
+            40,
+            2,
+            moe={
+                "num_experts": 256,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "router_aux_loss_coef": 0.001,
+            },
+        ),
+        35_951_822_704 - 844_640_768,
+    ),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct: 31,070,754,032 (31.07B), every tensor bf16, no MTP head; 128 experts
+    # top-8 in all 48 layers
+    "Qwen3-VL-30B-A3B": (
+        qwen3_vl_config(
+            2048,
+            6144,
+            False,
+            27,
+            1152,
+            4304,
+            [8, 16, 24],
+            layers=48,
+            kv_heads=4,
+            moe={
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            },
+        ),
+        31_070_754_032,
     ),
     # HuggingFaceTB/SmolVLM2-2.2B-Instruct: 2.25B
     "SmolVLM2-2.2B": (smolvlm2_config(), 2_246_784_880),

@@ -53,13 +53,14 @@ SAMPLINGS = {
 SAMPLING = SAMPLINGS["few small frames"]  # the speed-up tests'
 
 
-def make_clip(path: Path, frames: int, fps: float, width: int, height: int) -> None:
-    """A clip whose frames all differ (a colour ramp over time, noise in one channel)."""
+def make_clip(path: Path, frames: int, fps: float, width: int, height: int, codec: str = "libx264") -> None:
+    """A clip whose frames all differ (a colour ramp over time, noise in one channel); its container is
+    the file's extension."""
     rng = np.random.default_rng(frames)
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1000))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "18", "threads": "1"}
+        stream.options = {"crf": "18", "threads": "1"} | ({"b": "0"} if codec == "libvpx-vp9" else {})
         for i in range(frames):
             image = np.zeros((height, width, 3), np.uint8)
             image[..., 0] = (np.arange(width) * 255 // width)[None]

@@ -45,6 +45,7 @@ from vlm_recipes.caches.keys import (
     versions_key,
 )
 from vlm_recipes.caches.storage import CacheBudget, compact_pixels, expand_pixels, read_entry, write_entry
+from vlm_recipes.data.images import upright_rgb
 
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
 
@@ -56,15 +57,16 @@ PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's
 
 
 def decoded(image):
-    """A PIL image, decoded the way `datasets.Image` decodes (undecoded rows carry a path or bytes)."""
+    """A PIL image, upright and in RGB as data/images.py gives every processor its images (undecoded rows
+    carry a path or bytes)."""
     if not isinstance(image, dict | str):
-        return image
+        return upright_rgb(image)
     if isinstance(image, dict) and image.get("bytes"):
         opened = Image.open(io.BytesIO(image["bytes"]))
     else:
         opened = Image.open(image["path"] if isinstance(image, dict) else image)
     opened.load()
-    return opened
+    return upright_rgb(opened)
 
 
 class PreprocessedSampleCollator:

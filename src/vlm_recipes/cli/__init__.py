@@ -4,6 +4,7 @@ vlm-recipes train ...     run a recipe             (= python scripts/train_recip
 vlm-recipes compare ...   compare finished runs    (= python scripts/compare_recipes.py ...)
 vlm-recipes predict ...   answer with a trained model (= python scripts/predict.py ...)
 vlm-recipes inspect ...   what the guards see in a model (= python scripts/inspect_checkpoint.py ...)
+vlm-recipes data check PATH   a dataset read as a stage reads it: format, lengths, every problem
 vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ...)
 """
 
@@ -18,6 +19,10 @@ COMMANDS = {
     "compare": ("vlm_recipes.cli.compare", "compare finished runs: table, comparison.md, comparison.png"),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
     "inspect": ("vlm_recipes.cli.inspect", "print what the guards see in a model directory"),
+    "data": (
+        "vlm_recipes.cli.data",
+        "`data check PATH`: a dataset read as a stage reads it, every problem listed",
+    ),
     "bench": (
         "vlm_recipes.evaluation.bench",
         "benchmark against a plain TRL script, in the scenarios a user runs",

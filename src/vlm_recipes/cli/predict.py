@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from vlm_recipes.data.images import upright_rgb
     from vlm_recipes.data.rows import VideoRules, load_split
     from vlm_recipes.data.video import VideoLoader, VideoSampling
     from vlm_recipes.decisions import DTYPES, Environment
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
             raise FileNotFoundError(f"not found: {', '.join(missing)}")
         if args.video and videos is None:
             raise DataError(f"{model_dir} is a {family.name} model, which takes no video: give --image only")
-        content = [{"type": "image", "image": Image.open(p).convert("RGB")} for p in args.image]
+        content = [{"type": "image", "image": upright_rgb(Image.open(p))} for p in args.image]
         content += [{"type": "video"} for _ in args.video]
         content.append({"type": "text", "text": args.prompt})
         prompt = Prompt(

@@ -1,4 +1,4 @@
-"""TRL's vision collator, with videos.
+"""TRL's vision collator, with videos, and every image upright and in RGB (data/images.py).
 
 TRL's DataCollatorForVisionLanguageModeling gives the processor a row's `images` and nothing else, so a row
 with a `{"type": "video"}` part ends in the processor's "Found 1 <|video_pad|> tokens in the text but no
@@ -19,6 +19,7 @@ from packaging.version import Version
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.video import VideoLoader
 
 
@@ -33,6 +34,7 @@ class VideoCollator(DataCollatorForVisionLanguageModeling):
         return cls(**settings, videos=videos)
 
     def _collate_language_modeling(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        examples = [with_upright_images(example) for example in examples]
         if self.videos is None or not any(example.get("videos") for example in examples):
             return super()._collate_language_modeling(examples)
         messages, metadata = [], []
@@ -72,6 +74,26 @@ class VideoCollator(DataCollatorForVisionLanguageModeling):
             labels[output.pop("assistant_masks") == 0] = -100
         output["labels"] = labels
         return output
+
+
+class UprightImagesCollator:
+    """A collator (TRL's preference collator) given every row's images upright and in RGB first."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.inner([with_upright_images(example) for example in examples])
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def with_upright_images(example: dict[str, Any]) -> dict[str, Any]:
+    """The row with its images as a photo viewer shows them (data/images.py); a new dict."""
+    if not example.get("images"):
+        return example
+    return {**example, "images": [upright_rgb(image) for image in example["images"]]}
 
 
 def attach_videos(messages: list[dict], videos: list) -> list[dict]:

@@ -12,6 +12,7 @@ import datasets
 from PIL import Image
 
 from vlm_recipes.caches.token_counts import remembered_token_counts
+from vlm_recipes.data.images import upright_size
 from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError
@@ -50,6 +51,8 @@ def _count_tokens(
     texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
     images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
     sizes = [[_image_size(image) for image in images or []] for images in images_column]
+    if refused := refused_image_sizes(processor, {size for row in sizes for size in row}):
+        raise RefusedImages({i: refused[s] for i, row in enumerate(sizes) for s in row if s in refused})
     counts = family.count_tokens(processor, texts, sizes)
     if video is None:
         return counts
@@ -60,6 +63,51 @@ def _count_tokens(
             text, frames = family.count_video_tokens(processor, plans)
             counts[i] = (counts[i][0] + text, counts[i][1] + frames)
     return counts
+
+
+class RefusedImages(DataError):
+    """Rows with an image the processor cannot take: row index → what it said."""
+
+    def __init__(self, rows: dict[int, str]):
+        super().__init__(f"{len(rows)} row(s) with an image the processor refuses")
+        self.rows = rows
+
+
+def refused_image_sizes(processor, sizes: set[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """The (height, width) sizes the processor refuses, with its words (Qwen's "absolute aspect ratio must
+    be smaller than 200" for a 2400x4 strip). Each unusual size (a side under 32 px, or one side over 20x
+    the other) is tried on a blank image of that size; usual sizes are not (a dataset has thousands)."""
+    refused = {}
+    for height, width in sorted(sizes):
+        if min(height, width) >= 32 and max(height, width) <= 20 * min(height, width):
+            continue
+        try:
+            processor.image_processor(images=[Image.new("RGB", (width, height))], return_tensors="pt")
+        except Exception as exc:  # processors raise ValueError, ZeroDivisionError, RuntimeError, ...
+            refused[(height, width)] = f"{height}x{width} px: {exc}"
+    return refused
+
+
+def lengths_of_usable_rows(
+    ds: datasets.Dataset, lengths_of, source: str, on_bad_sample: str
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """`lengths_of(ds)`, after the rows whose images the processor refuses are reported (`fail`) or left
+    out (`skip`). Returns the rows kept, their lengths and the skip count."""
+    try:
+        return ds, lengths_of(ds), {}
+    except RefusedImages as refused:
+        ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
+        bad = [
+            BadRow(f"{source} row {ids[i]}", "image the processor refuses", detail)
+            for i, detail in sorted(refused.rows.items())
+        ]
+        skipped = fail_or_skip(
+            bad, on_bad_sample, source, "row(s) with an image the processor refuses (crop or pad it)"
+        )
+        kept = ds.select([i for i in range(len(ds)) if i not in refused.rows])
+        if len(kept) == 0:
+            raise DataError(f"{source}: every row has an image the processor refuses") from None
+        return kept, lengths_of(kept), skipped
 
 
 def sample_lengths(
@@ -74,8 +122,8 @@ def _image_size(image) -> tuple[int, int]:
         image = image["path"]
     if isinstance(image, str):
         with Image.open(image) as opened:  # reads the header only
-            return opened.height, opened.width
-    return image.height, image.width
+            return upright_size(opened)
+    return upright_size(image)
 
 
 def check_lengths(
@@ -91,8 +139,10 @@ def check_lengths(
     ("image features and image tokens do not match"), and cutting the answer trains on nothing.
 
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    lengths = sample_lengths(undecoded(ds), processor, family, video)
-    return refuse_too_long(
+    ds, lengths, refused = lengths_of_usable_rows(
+        ds, lambda rows: sample_lengths(undecoded(rows), processor, family, video), source, on_bad_sample
+    )
+    ds, lengths, too_long = refuse_too_long(
         ds,
         lengths,
         max_length,
@@ -101,6 +151,7 @@ def check_lengths(
         "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer "
         "tokens, or data.max_frames / data.video_max_pixels for videos)",
     )
+    return ds, lengths, refused | too_long
 
 
 def refuse_too_long(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import refuse_too_long, sample_lengths
+from vlm_recipes.data.lengths import lengths_of_usable_rows, refuse_too_long, sample_lengths
 from vlm_recipes.data.rows import (
     RowFormat,
     count_image_parts,
@@ -72,16 +72,19 @@ def check_preference_lengths(
     counted): DPOTrainer would cut the answer, comparing truncated log-probabilities.
 
     Returns the dataset (without too-long rows under `skip`), each row's longer side, and the skip count."""
-    plain = undecoded(ds)
-    images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
-    sides = {}
-    for answer in ("chosen", "rejected"):
-        messages = [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)]
-        sides[answer] = sample_lengths(
-            datasets.Dataset.from_dict({"messages": messages, "images": images}), processor, family
-        )
-    lengths = [max(c, r) for c, r in zip(sides["chosen"], sides["rejected"], strict=True)]
-    return refuse_too_long(
+
+    def longer_side(rows: datasets.Dataset) -> list[int]:
+        plain = undecoded(rows)
+        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
+        sides = []
+        for answer in ("chosen", "rejected"):
+            messages = [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)]
+            both = datasets.Dataset.from_dict({"messages": messages, "images": images})
+            sides.append(sample_lengths(both, processor, family))
+        return [max(c, r) for c, r in zip(*sides, strict=True)]
+
+    ds, lengths, refused = lengths_of_usable_rows(ds, longer_side, source, on_bad_sample)
+    ds, lengths, too_long = refuse_too_long(
         ds,
         lengths,
         max_length,
@@ -90,3 +93,4 @@ def check_preference_lengths(
         "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
         "data.max_length, or lower data.max_pixels so images take fewer tokens)",
     )
+    return ds, lengths, refused | too_long

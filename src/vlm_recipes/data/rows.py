@@ -1,13 +1,16 @@
 """Datasets for a stage: load them and check every row before the model loads.
 
-Rows use the conversational format TRL and the field use:
+Files in LLaMA-Factory's, ms-swift's and LLaVA's shapes are read as they are (data/formats.py) and turned
+into the conversational format TRL and the field use:
 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "…"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "…"}]}],
      "images": ["images/0001.png"]}            # paths relative to the data file, or decoded images
 
-A row may hold several images (one `{"type": "image"}` part each, in order) and, for the Qwen line,
-videos: `{"type": "video"}` parts and a `videos` list of files or folders of frames (data/video.py).
+A row may hold several images (one `{"type": "image"}` part each, in order), none (text-only rows), and,
+for the Qwen line, videos: `{"type": "video"}` parts and a `videos` list of files or folders of frames
+(data/video.py). Every split has an `images` column, empty lists included, so TRL treats text-only and
+video-only datasets as the vision datasets they are (its text collator has no processor for them).
 
 The collator is TRL's DataCollatorForVisionLanguageModeling with `assistant_only_loss` (labels are the
 assistant tokens only, marked by the chat template's generation markers), which data/collate.py extends
@@ -25,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
 from PIL import Image
 
+from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.demo.data import resolve_data_source
 from vlm_recipes.errors import DataError, VideoError
@@ -35,7 +38,6 @@ from vlm_recipes.recipes.schema import DataSettings
 
 log = logging.getLogger(__name__)
 
-LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 MAX_LISTED_PROBLEMS = 10
 
 
@@ -49,18 +51,9 @@ class StageData:
     lengths: dict[str, list[int]] = field(default_factory=dict)  # split → tokens per row (length check)
 
 
-@dataclass
-class BadRow:
-    where: str  # "file.jsonl:line 7" or "source row 7"
-    reason: str  # short category, counted in reports
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.reason}{': ' + self.detail if self.detail else ''}"
-
-
 def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad row(s)") -> dict[str, int]:
-    """`fail`: raise listing the first bad rows. `skip`: return the count per reason."""
+    """`fail`: raise listing the first bad rows. `skip`: return the count per reason. `report` (the data
+    check command): log every bad row, then return the count per reason."""
     if not bad:
         return {}
     if policy == "fail":
@@ -71,93 +64,11 @@ def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad r
             "Fix or remove these rows, or set data.on_bad_sample: skip to train without them."
         )
     counts = dict(Counter(b.reason for b in bad))
-    log.warning("%s: skipped %d %s: %s", source, len(bad), what, counts)
+    if policy == "report":
+        log.warning("%s: %d %s:\n  %s", source, len(bad), what, "\n  ".join(str(b) for b in bad))
+    else:
+        log.warning("%s: skipped %d %s: %s", source, len(bad), what, counts)
     return counts
-
-
-def read_jsonl(path: Path) -> tuple[list[dict], list[int], list[BadRow]]:
-    """Rows, their line numbers, and the lines that are not a JSON object."""
-    rows, lines, bad = [], [], []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                bad.append(BadRow(f"{path}:line {number}", "unreadable JSON", exc.msg))
-                continue
-            if not isinstance(row, dict):
-                bad.append(BadRow(f"{path}:line {number}", "unreadable JSON", "not an object"))
-                continue
-            rows.append(_text_content_as_parts(row))
-            lines.append(number)
-    return rows, lines, bad
-
-
-def _text_content_as_parts(row: dict) -> dict:
-    """`"content": "text"` as `[{"type": "text", "text": "text"}]`, in every message list of the row: both
-    forms are valid chat messages (TRL, LLaMA-Factory), but one Arrow column cannot hold strings and lists,
-    and the chat templates of vision-language models render both alike."""
-    for key in ("messages", "prompt", "chosen", "rejected"):
-        messages = row.get(key)
-        if isinstance(messages, list):
-            for message in messages:
-                if isinstance(message, dict) and isinstance(message.get("content"), str):
-                    message["content"] = [{"type": "text", "text": message["content"]}]
-    return row
-
-
-def _dataset_from_rows(rows: list[dict], path: Path, lines: list[int]) -> datasets.Dataset:
-    """One Arrow table of the rows; rows that give a key values of different kinds are a DataError naming
-    the first line that differs from the file's first row."""
-    try:
-        return datasets.Dataset.from_list(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-        first = {key: _json_kind(value) for key, value in rows[0].items()}
-        for row, number in zip(rows[1:], lines[1:], strict=True):
-            for key, value in row.items():
-                if key in first and _json_kind(value) != first[key]:
-                    raise DataError(
-                        f"{path}:line {number}: `{key}` is {_json_kind(value)} but {first[key]} on line "
-                        f"{lines[0]}: give `{key}` the same kind of value in every row"
-                    ) from exc
-        raise DataError(
-            f"{path}: rows cannot be read as one table ({exc}): check that every row has the "
-            "same keys with the same kinds of values"
-        ) from exc
-
-
-def _json_kind(value) -> str:
-    """The shape of a JSON value, nested lists and objects included (a list of strings vs of objects)."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_json_kind(v)}" for k, v in sorted(value.items())) + "}"
-    if isinstance(value, list):
-        kinds = sorted({_json_kind(v) for v in value})
-        return f"a list of {' or '.join(kinds)}" if kinds else "a list"
-    return {str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "null")
-
-
-def _load_any(source: str, split: str) -> tuple[datasets.Dataset, Path | None, list[str], list[BadRow]]:
-    """A local file/folder or a hub dataset id. Returns the dataset, the folder image paths are relative
-    to, where each row came from, and the lines that could not be read."""
-    path = Path(source).expanduser()
-    if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise DataError(f"data file not found: {path} (check data.train / data.eval)")
-        if path.suffix == ".jsonl":
-            rows, lines, bad = read_jsonl(path)
-            ds = _dataset_from_rows(rows, path, lines) if rows else datasets.Dataset.from_dict({})
-            return ds, path.parent, [f"{path}:line {n}" for n in lines], bad
-        ds = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-        return ds, path.parent, [f"{path} row {i}" for i in range(len(ds))], []
-    if path.is_dir():
-        ds = datasets.load_dataset(str(path), split=split)
-        return ds, path, [f"{path} row {i}" for i in range(len(ds))], []
-    # Anything else is a hub dataset id: a network fetch the recipe asked for.
-    log.info("loading dataset %s (split %s) from the hub", source, split)
-    ds = datasets.load_dataset(source, split=split)
-    return ds, None, [f"{source}[{split}] row {i}" for i in range(len(ds))], []
 
 
 def count_image_parts(messages: list, kind: str = "image") -> int:
@@ -274,7 +185,8 @@ def load_split(
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     check, columns = row_format or MESSAGES
     resolved = resolve_data_source(source, with_videos=video is not None and video.factor is not None)
-    ds, image_root, where, bad = _load_any(resolved, split)
+    loaded = read_source(resolved, split)
+    ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     for index, row in enumerate(ds):
@@ -289,12 +201,15 @@ def load_split(
     if len(ds) == 0:
         after = f" after skipping {sum(skipped.values())} bad rows" if skipped else ""
         raise DataError(f"{source}: the dataset is empty{after}")
+    log.info("data: %s, %s", source, _summary(ds, loaded.format))
     if "images" in ds.column_names and image_root is not None and _holds_paths(ds):
         root = str(image_root)
         ds = ds.map(
             lambda row: {"images": [p if is_remote(p) else str(Path(root) / p) for p in row["images"] or []]},
             desc="image paths",
         )
+        ds = ds.cast_column("images", datasets.List(datasets.Image()))
+    elif _holds_nothing(ds):  # no row has an image: the column TRL's vision collator reads, typed
         ds = ds.cast_column("images", datasets.List(datasets.Image()))
     if "videos" in ds.column_names and image_root is not None:
         root = str(image_root)
@@ -304,6 +219,22 @@ def load_split(
     keep = [c for c in (*columns, "videos") if c in ds.column_names]
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
     return (ds.remove_columns(extra) if extra else ds), skipped
+
+
+def _summary(ds: datasets.Dataset, fmt: str) -> str:
+    """`sharegpt conversations (LLaMA-Factory, LLaVA) format, 6 rows, 8 images, 2 videos`."""
+    plain = ds if _holds_paths(ds) or _holds_nothing(ds) else undecoded(ds)
+    counts = [f"{fmt} format", f"{len(ds)} rows"]
+    for column in ("images", "videos"):
+        if column in plain.column_names:
+            counts.append(f"{sum(len(v or []) for v in plain[column])} {column}")
+    return ", ".join(counts)
+
+
+def _holds_nothing(ds: datasets.Dataset) -> bool:
+    feature = ds.features.get("images")
+    inner = getattr(feature, "feature", None)
+    return isinstance(inner, datasets.Value) and inner.dtype == "null"
 
 
 def _holds_paths(ds: datasets.Dataset) -> bool:
@@ -349,6 +280,13 @@ def has_text_only_rows(ds: datasets.Dataset) -> bool:
         return True
     rows = undecoded(ds.select_columns(columns))
     return any(not any(row[c] for c in columns) for row in rows)
+
+
+def any_media_rows(ds: datasets.Dataset) -> bool:
+    """Whether some row has an image or a video (read without decoding any image)."""
+    columns = [c for c in ("images", "videos") if c in ds.column_names]
+    rows = undecoded(ds.select_columns(columns)) if columns else []
+    return any(any(row[c] for c in columns) for row in rows)
 
 
 def undecoded(ds: datasets.Dataset) -> datasets.Dataset:

@@ -14,9 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 from tqdm.auto import tqdm
 
 from vlm_recipes.data.collate import attach_videos
+from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
 
@@ -183,7 +185,13 @@ def attach_images(messages: list[dict], images: list) -> list[dict]:
         parts = []
         for part in content:
             if part.get("type") == "image":
-                parts.append({"type": "image", "image": images.pop(0)})
+                image = images.pop(0)
+                parts.append(
+                    {
+                        "type": "image",
+                        "image": upright_rgb(image) if isinstance(image, Image.Image) else image,
+                    }
+                )
             elif part.get("type") == "video":
                 parts.append({"type": "video"})  # frames attached when its batch is generated
             elif part.get("type") == "text":

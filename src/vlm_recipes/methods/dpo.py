@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trl import DPOConfig, DPOTrainer
 
+from vlm_recipes.data.collate import UprightImagesCollator
 from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.decisions import Decision, Environment
@@ -102,6 +103,7 @@ def build_dpo_trainer(
         processing_class=built.processor,
         callbacks=callbacks,
     )
+    trainer.data_collator = UprightImagesCollator(trainer.data_collator)
     return prepare_trainer(trainer, built, stage, decisions, "after DPOTrainer was built")
 
 

@@ -129,7 +129,10 @@ class QuantizationSettings:
 @dataclass
 class DataSettings:
     train: str = doc(
-        "training data: demo:train, a .jsonl/.json/.parquet file or folder, or a hub dataset id", "demo:train"
+        "training data: demo:train, a .jsonl/.json/.parquet file or folder, a LLaMA-Factory "
+        "dataset_info.json#entry, or a hub dataset id (TRL, LLaMA-Factory, ms-swift and LLaVA rows: "
+        "docs/data.md)",
+        "demo:train",
     )
     eval: str | None = doc("held-out data, same forms as train; null for none", "demo:eval")
     train_split: str = doc("split name when `train` is a hub dataset id", "train")

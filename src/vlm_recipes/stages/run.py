@@ -15,12 +15,14 @@ import transformers
 from vlm_recipes.data.rows import (
     StageData,
     VideoRules,
+    any_media_rows,
     dataset_signature,
     has_text_only_rows,
     load_stage_data,
 )
 from vlm_recipes.data.video import VideoSampling
 from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.timing import StepTimer
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.families.base import Family
@@ -101,6 +103,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     video = video_rules(stage, family, processor)
     data = load_stage_data(stage.data, method.row_format, video)
+    refuse_nothing_to_see(stage, data)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
     ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes)]
@@ -122,6 +125,18 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
         setattr(data, split, rows)
         data.lengths[split] = lengths
     return data, processor, precision
+
+
+def refuse_nothing_to_see(stage: Stage, data: StageData) -> None:
+    """A stage that trains only what looks at images, on rows without images or videos, would train
+    nothing: no gradient reaches the tower or projector from a text-only row."""
+    if stage.train.llm != "frozen" or not vision_trains(stage) or any_media_rows(data.train):
+        return
+    raise DataError(
+        f"stage {stage.name!r} trains only the vision tower / projector, but no row of {data.train_source} "
+        "has an image or a video: nothing would learn. Add image rows, or train the language model too "
+        "(train.llm: lora)"
+    )
 
 
 def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
