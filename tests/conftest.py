@@ -176,3 +176,28 @@ def model_torch_can_count(model_dir, family):
     return AutoModelForImageTextToText.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", **moe
     )
+
+
+def assert_image_tokens_attend_both_ways(model_dir, batch: dict, is_image, token_types: str) -> None:
+    """With the collator's `token_types` (1 on image tokens), Gemma lets an image's tokens attend to each
+    other both ways: the first image token's output changes (it sees its image's later tokens), the text
+    before the image does not. On the batch's first row."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first = is_image[0].nonzero()[0].item()
+    inputs = {k: v[:1] for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        both_ways = model(**inputs).logits[0]
+        causal = model(**{k: v for k, v in inputs.items() if k != token_types}).logits[0]
+    assert torch.equal(both_ways[:first], causal[:first])
+    assert not torch.allclose(both_ways[first], causal[first]), "the first image token sees its image"
+
+
+def assert_padding_free_refused_before_loading(code: int, err: str, family: str) -> None:
+    """A family whose image tokens attend both ways refuses padding-free packing at the data check."""
+    assert code == 2, err
+    assert f"training.padding_free is refused for {family}" in err
+    assert "bidirectionally among each image's tokens" in err and "padding_free: false" in err
+    assert "loading" not in err, "refused before the model loads"

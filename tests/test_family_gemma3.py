@@ -14,10 +14,14 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import TINY_MODELS
+from conftest import (
+    TINY_MODELS,
+    assert_image_tokens_attend_both_ways,
+    assert_padding_free_refused_before_loading,
+)
 from PIL import Image
 from test_families import TINY_RUN
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoProcessor
 from trl.chat_template_utils import get_training_chat_template
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
@@ -103,14 +107,7 @@ def test_image_tokens_are_marked_for_bidirectional_attention_in_training_batches
     batch = collator(rows)
     is_image = batch["input_ids"] == processor.tokenizer.image_token_id
     assert torch.equal(batch["token_type_ids"].bool(), is_image) and is_image.sum(1).tolist() == [4, 8]
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    first = is_image[0].nonzero()[0].item()
-    inputs = {k: v[:1] for k, v in batch.items() if k != "labels"}
-    with torch.no_grad():
-        both_ways = model(**inputs).logits[0]
-        causal = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}).logits[0]
-    assert torch.equal(both_ways[:first], causal[:first])
-    assert not torch.allclose(both_ways[first], causal[first]), "the first image token sees its image"
+    assert_image_tokens_attend_both_ways(model_dir, batch, is_image, "token_type_ids")
 
 
 def run(tmp_path, recipe: str, *overrides: str) -> int:
@@ -120,8 +117,4 @@ def run(tmp_path, recipe: str, *overrides: str) -> int:
 
 def test_padding_free_is_refused_at_the_data_check_with_the_reason(tmp_path, capsys):
     code = run(tmp_path, "r1-llm-only", "training.padding_free=true")
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "training.padding_free is refused for gemma3" in err
-    assert "bidirectionally among each image's tokens" in err and "padding_free: false" in err
-    assert "loading" not in err, "refused before the model loads"
+    assert_padding_free_refused_before_loading(code, capsys.readouterr().err, "gemma3")

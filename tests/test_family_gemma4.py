@@ -15,7 +15,12 @@ import datasets
 import pytest
 import torch
 import trl.chat_template_utils as templates
-from conftest import TINY_MODELS, model_torch_can_count
+from conftest import (
+    TINY_MODELS,
+    assert_image_tokens_attend_both_ways,
+    assert_padding_free_refused_before_loading,
+    model_torch_can_count,
+)
 from PIL import Image
 from test_families import TINY_RUN
 from torch.utils.flop_counter import FlopCounterMode
@@ -265,14 +270,7 @@ def test_image_tokens_attend_to_each_other_both_ways(model_dir):
     batch = training_collator(processor)(rows)
     is_image = batch["input_ids"] == processor.tokenizer.image_token_id
     assert torch.equal(batch["mm_token_type_ids"].bool(), is_image)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    first = is_image[0].nonzero()[0].item()
-    inputs = {k: v[:1] for k, v in batch.items() if k != "labels"}  # the first row and its one image
-    with torch.no_grad():
-        both_ways = model(**inputs).logits[0]
-        causal = model(**{k: v for k, v in inputs.items() if k != "mm_token_type_ids"}).logits[0]
-    assert torch.equal(both_ways[:first], causal[:first])
-    assert not torch.allclose(both_ways[first], causal[first]), "the first image token sees its image"
+    assert_image_tokens_attend_both_ways(model_dir, batch, is_image, "mm_token_type_ids")
 
 
 def run(tmp_path, recipe: str, *overrides: str) -> int:
@@ -282,11 +280,7 @@ def run(tmp_path, recipe: str, *overrides: str) -> int:
 
 def test_padding_free_is_refused_at_the_data_check_with_the_reason(tmp_path, capsys):
     code = run(tmp_path, "r1-llm-only", "training.padding_free=true")
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "training.padding_free is refused for gemma4" in err
-    assert "bidirectionally among each image's tokens" in err and "padding_free: false" in err
-    assert "loading" not in err, "refused before the model loads"
+    assert_padding_free_refused_before_loading(code, capsys.readouterr().err, "gemma4")
 
 
 def test_the_cut_last_layer_scales_its_output_by_layer_scalar(model_dir):

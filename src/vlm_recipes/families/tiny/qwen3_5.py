@@ -9,18 +9,15 @@ from pathlib import Path
 
 from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
 from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.families.tiny.qwen3_vl import MIN_PIXELS, QWEN3_ADDED_TOKENS, qwen3_vision_config
+from vlm_recipes.families.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config, qwen3_vl_processor
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
     from transformers import (
-        Qwen2VLImageProcessor,
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
         Qwen3_5MoeConfig,
         Qwen3_5MoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
     )
     from trl.chat_template_utils import qwen3_5_think_chat_template
 
@@ -29,16 +26,7 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
     # default); TRL swaps in its training variant, which always writes the <think> block and marks
     # the assistant's output with {% generation %}.
     tok.chat_template = qwen3_5_think_chat_template
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
-    half = [0.5, 0.5, 0.5]  # Qwen3.5's preprocessor_config.json, as Qwen3-VL's
-    processor = Qwen3VLProcessor(  # transformers' processor for qwen3_5 and qwen3_5_moe
-        image_processor=Qwen2VLImageProcessor(
-            size=size, patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=half, image_std=half
-        ),
-        tokenizer=tok,
-        video_processor=Qwen3VLVideoProcessor(size=size, image_mean=half, image_std=half),
-        chat_template=qwen3_5_think_chat_template,
-    )
+    processor = qwen3_vl_processor(tok, dims, qwen3_5_think_chat_template)  # Qwen3.5's, as Qwen3-VL's
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     text = qwen_text_config(
         dims,
