@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TRAIN, run_train
+from safetensors.torch import load_file
 
 from vlm_recipes.decisions import Environment
+from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.errors import GuardError
 from vlm_recipes.files import read_json
 from vlm_recipes.launch.launcher import CONFIGS_DIR, launch_command
@@ -69,6 +71,69 @@ def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
             "global batch 8 = 4 per device × 1 accumulation × 2 process(es)" in decisions["batch"]["choice"]
         )
         assert read_json(stage_dir / "metrics.json")["steps"] == 3
+
+
+# FSDP against one process over the same global batch (16 = 8 per rank x 2, or 16 in one process), fp32,
+# LoRA dropout off (each rank draws its own masks). Noise floor measured on a 2-core AMD EPYC: one process
+# against 2 DDP ranks, 2.6e-6 (full vision stage) and 1.1e-7 (QLoRA adapters), summation order only; FSDP
+# equal to DDP bit for bit. Bounds: 10x the floor; training moves the weights by ~2e-3 (lr 1e-3, 3 steps).
+FSDP_PROOF = [
+    "--max-steps",
+    "3",
+    "precision=fp32",
+    "data.max_train_samples=32",
+    "data.eval=null",
+    "training.learning_rate=1e-3",
+    "lora.dropout=0",
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("recipe", "bound"), [("r2-vision-only", 3e-5), ("r1-llm-only", 1e-6)], ids=["full-vision", "qlora"]
+)
+def test_fsdp_on_two_cpu_ranks_ends_where_one_process_does(tmp_path, private_demo_cache, recipe, bound):
+    """FSDP2 through accelerate and Trainer on 2 CPU ranks (gloo): the weights shard, the stage trains on the
+    demo rows (one image, two images and video mixed, so the ranks' batches differ in kind), final/ is
+    gathered, and the trained weights equal one process's within the summation-order floor."""
+    common = ["--recipe", recipe, "--output-dir", str(tmp_path), *FSDP_PROOF]
+    one = run_train(*common, "--run-name", "one", "training.per_device_batch_size=16")
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = run_train(
+        *common,
+        "--run-name",
+        "fsdp",
+        "--parallel",
+        "fsdp",
+        "--nproc-per-node",
+        "2",
+        "training.per_device_batch_size=8",
+    )
+    assert two.returncode == 0, two.stderr[-4000:]
+    stage = next((tmp_path / recipe / "fsdp").glob("stage-1-*")).name
+    decisions = {
+        d["guard"]: d["choice"]
+        for d in read_json(tmp_path / recipe / "fsdp" / stage / "report.json")["decisions"]
+    }
+    assert decisions["parallelism"].startswith("FSDP2")
+    assert decisions["fsdp-on-cpu"] == "FSDP2 over gloo on 2 CPU processes"
+    assert (
+        decisions["fsdp-units"] == "each Qwen2VLDecoderLayer; the vision tower and projector in the root unit"
+    )
+    if recipe == "r1-llm-only":
+        assert decisions["fsdp-4bit"].endswith("4-bit weights replicated on every rank, the rest sharded")
+        weights = "adapter/adapter_model.safetensors"  # lora_B starts at zero: its size is how far it moved
+        trained = {run: load_file(tmp_path / recipe / run / stage / weights) for run in ("one", "fsdp")}
+        moved = max(t.abs().max().item() for k, t in trained["one"].items() if "lora_B" in k)
+    else:
+        weights = "final/model.safetensors"
+        trained = {run: load_file(tmp_path / recipe / run / stage / weights) for run in ("one", "fsdp")}
+        start = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
+        moved = max((trained["one"][k] - start[k]).abs().max().item() for k in start)
+    assert trained["one"].keys() == trained["fsdp"].keys()
+    distance = max((trained["one"][k] - trained["fsdp"][k]).abs().max().item() for k in trained["one"])
+    assert moved > 30 * bound, moved
+    assert distance < bound, (distance, moved)
 
 
 @pytest.mark.e2e
@@ -167,7 +232,8 @@ def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path)
             "max_memory_per_gpu shards one model over several GPUs",
         ),
         ("ddp", CPU, {}, "needs at least 2 processes: add --nproc-per-node 2"),
-        ("fsdp", CPU, {"nproc_per_node": 2}, "--parallel fsdp needs GPUs"),
+        ("deepspeed", CPU, {"nproc_per_node": 2}, "--parallel deepspeed needs GPUs; on CPU use fsdp or ddp"),
+        ("fsdp", CPU, {}, "--parallel fsdp needs at least 2 processes"),
         ("model-parallel", CPU, {}, "needs at least 2 visible GPUs"),
         ("ddp", TWO_GPUS, {"nproc_per_node": 4}, "--nproc-per-node 4 but only 2 GPU(s) are visible"),
     ],

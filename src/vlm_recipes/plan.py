@@ -94,8 +94,8 @@ def decide_parallel(
             "combine with one copy per process: use --parallel model-parallel, or drop max_memory_per_gpu"
         )
     if mode in MULTI_PROCESS:
-        if env.device == "cpu" and mode != "ddp":
-            raise GuardError(f"--parallel {mode} needs GPUs; on CPU use ddp (gloo) or single")
+        if env.device == "cpu" and mode == "deepspeed":
+            raise GuardError("--parallel deepspeed needs GPUs; on CPU use fsdp or ddp (gloo), or single")
         plan = ParallelPlan(mode, procs, nnodes)
         if plan.world_size < 2:
             raise GuardError(

@@ -84,9 +84,15 @@ def check_precision_agrees(precision: str, model: nn.Module) -> Decision:
 # Parallelism
 
 
-def decide_parallelism(env: Environment, world_size: int = 1) -> Decision:
+def decide_parallelism(env: Environment, world_size: int = 1, mode: str = "ddp") -> Decision:
     """Never torch.nn.DataParallel: its worker threads lose the autocast context, so bf16 and fp32
     tensors meet in one matmul (`expected mat1 and mat2 to have the same dtype`)."""
+    if world_size > 1 and mode == "fsdp":
+        return Decision(
+            "parallelism",
+            "FSDP2, weights, gradients and optimizer state sharded over the processes",
+            f"{world_size} processes launched through accelerate; Trainer shards the model with fully_shard",
+        )
     if world_size > 1:
         return Decision(
             "parallelism",

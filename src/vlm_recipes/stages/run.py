@@ -106,7 +106,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     refuse_nothing_to_see(stage, data)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
-    ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes)]
+    ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode)]
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
     refuse_inexact_speedups(family, stage, data)
