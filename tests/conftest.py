@@ -11,6 +11,30 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def gpus_on_this_machine() -> list[str]:
+    """The ids of the GPUs this process may use (`nvidia-smi -L`, within CUDA_VISIBLE_DEVICES if set), found
+    without starting CUDA (torch caches its device count at the first question)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    ids = [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [i for i in (v.strip() for v in visible.split(",")) if i in ids]
+    return ids
+
+
+# The suite takes the CPU path on every machine, a GPU machine too: CI's path, the noise floors the proofs
+# were measured on, DDP and FSDP on CPU ranks. Seen on an H100 with the GPU visible: 4-bit models land on
+# cuda beside inputs on the CPU, the cuDNN convolution's TF32 moves a proof past its CPU floor, and every
+# `--nproc-per-node 2` run is refused for want of a second GPU. What a GPU changes is tested by
+# tests/test_on_a_gpu.py, through the user's command with --gpu, which makes the GPU visible again to that
+# process alone. Set before anything imports torch.
+GPUS = gpus_on_this_machine()
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Two workers share the cores: torch's OpenMP threads from both would fight over them (steps 50x
     # slower seen). One thread each, inherited by the runs the tests start.
@@ -45,6 +69,8 @@ TINY_MODELS = {
     "gemma3": "demo:tiny-gemma3",
     "gemma4": "demo:tiny-gemma4",
     "llava-onevision": "demo:tiny-llava-onevision",
+    "mistral3": "demo:tiny-mistral3",
+    "glm4v": "demo:tiny-glm4v",
 }
 
 

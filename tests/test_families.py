@@ -24,7 +24,9 @@ from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
+from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
+from vlm_recipes.families.mistral3_template import MISTRAL3_CHAT_TEMPLATE
 from vlm_recipes.families.parameters import lora_target_modules, lora_target_parameters, params_by_role
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor
@@ -325,6 +327,101 @@ def gemma4_config(text: dict, vision: dict, audio: bool) -> dict:
     }
 
 
+def mistral3_config() -> dict:
+    """mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json (Mistral-Small-3.2-24B-Instruct-2506's has the
+    same shapes; transformers' Mistral3Config defaults are these values): a Pixtral tower (24 layers of 1024,
+    14 px patches), the patch-merger projector (2x2), a Mistral text model (40 layers of 5120, 32 heads over 8
+    KV heads of 128, vocab 131072, untied lm_head)."""
+    return {
+        "model_type": "mistral3",
+        "image_token_index": 10,
+        "multimodal_projector_bias": False,
+        "projector_hidden_act": "gelu",
+        "spatial_merge_size": 2,
+        "vision_feature_layer": -1,
+        # not in config.json: transformers 5.24's Mistral3Config defaults it to True, which ties lm_head to the
+        # embeddings (23,340,272,640 parameters); the published safetensors hold both matrices
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "mistral",
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 5120,
+            "intermediate_size": 32768,
+            "max_position_embeddings": 131072,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 40,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000000.0,
+            "sliding_window": None,
+            "vocab_size": 131072,
+        },
+        "vision_config": {
+            "model_type": "pixtral",
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 1024,
+            "image_size": 1540,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_channels": 3,
+            "num_hidden_layers": 24,
+            "patch_size": 14,
+            "rope_theta": 10000.0,
+        },
+    }
+
+
+def glm4v_config() -> dict:
+    """zai-org/GLM-4.1V-9B-Thinking's config.json (transformers' Glm4vConfig defaults are its values; GLM-4.6V-Flash
+    has the same shapes): a 24-layer tower of 1536 (14 px patches, 336 px learned positions), the 2x2
+    downsampling convolution and the merger into 4096, a GLM-4 text model (40 layers of 4096, 32 heads over 2 KV
+    heads, half of each head rotating, vocab 151552, untied lm_head)."""
+    return {
+        "model_type": "glm4v",
+        "image_token_id": 151343,
+        "video_token_id": 151344,
+        "image_start_token_id": 151339,
+        "image_end_token_id": 151340,
+        "video_start_token_id": 151341,
+        "video_end_token_id": 151342,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "glm4v_text",
+            "vocab_size": 151552,
+            "hidden_size": 4096,
+            "intermediate_size": 13696,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-05,
+            "max_position_embeddings": 65536,
+            "partial_rotary_factor": 0.5,
+            "rope_theta": 10000.0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]},
+            "pad_token_id": 151329,
+            "eos_token_id": [151329, 151336, 151338, 151348],
+        },
+        "vision_config": {
+            "model_type": "glm4v",
+            "depth": 24,
+            "hidden_size": 1536,
+            "intermediate_size": 13696,
+            "num_heads": 12,
+            "out_hidden_size": 4096,
+            "image_size": 336,
+            "patch_size": 14,
+            "in_channels": 3,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-05,
+        },
+    }
+
+
 GEMMA4_E4B = gemma4_config(
     {
         "hidden_size": 2560,
@@ -458,6 +555,13 @@ PUBLISHED = {
     # google/gemma-4-31B-it: 31,273,088,876 (31.3B), with 2,364 buffers: 60 layer_scalar, the tower's
     # std_bias and std_scale (1152 each)
     "Gemma4-31B": (GEMMA4_31B, 31_273_088_876 - 60 - 2 * 1152),
+    # mistralai/Mistral-Small-3.1-24B-Instruct-2503: 24,011,361,280 (24B; keras-hub's mistral3 presets give
+    # this count for it, its base and Mistral-Small-3.2-24B-Instruct-2506)
+    "Mistral-Small-3.1-24B": (mistral3_config(), 24_011_361_280),
+    # zai-org/GLM-4.6V-Flash: 10,292,777,472 (BF16, Glm4vForConditionalGeneration), its safetensors' count as public
+    # repos quote it (a model survey, a model card write-up, a training log: base + LoRA = its `all params`);
+    # it has GLM-4.1V-9B-Thinking's shapes (the hub's 10.3B), built here from that config
+    "GLM-4.6V-Flash": (glm4v_config(), 10_292_777_472),
 }
 
 
@@ -465,6 +569,7 @@ VISION_QKV = {
     "smolvlm": "q_proj",
     "gemma3": "q_proj",
     "llava-onevision": "q_proj",
+    "mistral3": "q_proj",
     "gemma4": "q_proj.linear",  # a clippable linear: the nn.Linear inside it
 }  # the vision tower's attention input projection (Qwen: one fused qkv)
 # role prefixes a published checkpoint of the family may lack (Gemma 4's audio tower: E2B and E4B only)
@@ -499,8 +604,9 @@ def test_every_parameter_has_exactly_one_role(published):
     assert counted == len(list(model.named_parameters())), "each parameter in one group"
     names = {name for name, _ in model.named_parameters()}
     for name in names:
-        if ".deepstack_merger_list." in name or ".merger." in name:
-            assert family.role_of(name) == "projector", name  # Qwen3-VL's DeepStack mergers project too
+        # Qwen3-VL's DeepStack mergers project too, and GLM-4V's downsampling into the language model's width
+        if ".deepstack_merger_list." in name or ".merger." in name or ".visual.downsample." in name:
+            assert family.role_of(name) == "projector", name
         elif name.startswith("model.visual."):
             assert family.role_of(name) == "vision", name
 
@@ -596,6 +702,8 @@ PROCESSORS = {
     "gemma3": "Gemma3Processor",
     "gemma4": "Gemma4Processor",
     "llava-onevision": "LlavaOnevisionProcessor",
+    "mistral3": "PixtralProcessor",
+    "glm4v": "Glm4vProcessor",
 }
 QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
 TOKENS = {
@@ -603,19 +711,27 @@ TOKENS = {
     "gemma3": ("<eos>", "<pad>", "<image_soft_token>"),
     "gemma4": ("<eos>", "<pad>", "<|image|>"),
     "llava-onevision": ("<|im_end|>", "<|endoftext|>", "<image>"),
+    "mistral3": ("</s>", "<pad>", "[IMG]"),
+    "glm4v": ("<|endoftext|>", "<|endoftext|>", "<|image|>"),
 }
 # what the assistant mask covers: the answer and the end of the turn (SmolVLM's template: "Assistant: ...")
 ASSISTANT_SPANS = {
     "smolvlm": " {answer}<end_of_utterance>\n",
     "gemma3": "{answer}<end_of_turn>\n",
     "gemma4": "{answer}<turn|>\n",  # the family's training template (TRL has none for Gemma 4)
+    "mistral3": "{answer}</s>",  # the family's training template (TRL has none for Mistral 3)
+    "glm4v": "{answer}<|endoftext|>",  # the family's training template: the last answer ends with its eos
     # Qwen3.5's thinking template: an empty thought before the answer, in the loss as TRL trains it
     "qwen3.5": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
     "qwen3.5-moe": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
 }
-NO_VIDEO = {"gemma3"}  # families whose processor takes images only
+NO_VIDEO = {"gemma3", "mistral3"}  # families whose processor takes images only
 # templates TRL does not ship, as the checkpoints do (llava-hf's: transformers' conversion script writes it)
-PUBLISHED_TEMPLATES = {"llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE}
+PUBLISHED_TEMPLATES = {
+    "llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE,
+    "mistral3": MISTRAL3_CHAT_TEMPLATE,
+    "glm4v": GLM4V_CHAT_TEMPLATE,
+}
 
 
 def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):

@@ -223,14 +223,15 @@ def test_last_layer_at_loss_positions_returns_the_whole_layers_hidden_states_the
     """The cut last layer (output projection, residuals and MLP at the labelled positions only) returns the
     final hidden states the whole layer returns at those positions, for every family it accepts."""
     model = AutoModelForImageTextToText.from_pretrained(tiny_family[1], dtype=torch.float32).eval()
-    if why := loss_positions_refusal(model):
+    decoder = tiny_family[0].decoder_layer  # its layer's parts by the family's names (GLM-4V's post-norms)
+    if why := loss_positions_refusal(model, decoder):
         assert "DeepStack" in why, why  # the tiny Qwen3-VL: DeepStack after each of its 3 layers
         pytest.skip(why)
     batch = padded_collator(AutoProcessor.from_pretrained(tiny_family[1]))([dict(r) for r in rows])
     backbone_inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         whole = model.model(**backbone_inputs).last_hidden_state
-        cut = LastLayerAtLossPositions(model)
+        cut = LastLayerAtLossPositions(model, decoder)
         inputs = cut.select(batch)
         at_positions = model.model(**backbone_inputs).last_hidden_state
     labelled = batch["labels"][:, 1:] != -100
@@ -291,9 +292,9 @@ def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, 
         return out.pooler_output[0].requires_grad
 
     # Qwen2-VL and Qwen2.5-VL name their patch embedding as the tower's input embedding, so transformers
-    # hooks it; Qwen3-VL's, Qwen3.5's and Gemma 4's towers name none and run without the waste, the guard
-    # changing nothing there.
-    unhooked = ("qwen3-vl", "qwen3.5", "qwen3.5-moe", "gemma4")
+    # hooks it; Qwen3-VL's, Qwen3.5's, Gemma 4's and GLM-4V's towers name none and run without the waste, the
+    # guard changing nothing there.
+    unhooked = ("qwen3-vl", "qwen3.5", "qwen3.5-moe", "gemma4", "glm4v")
     assert feature_requires_grad() or family.name in unhooked, "the waste this guard removes is real"
     run_without_grad(model, family)
     assert not feature_requires_grad()
@@ -347,6 +348,8 @@ def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tm
         processor.image_processor.image_mean = [0.25, 0.25, 0.25]
     elif family.name == "gemma4":  # a larger token budget: other sizes, other padding
         processor.image_processor.max_soft_tokens = 140
+    elif family.name == "mistral3":  # a shorter longest edge: every demo image shrunk to other sizes
+        processor.image_processor.size = {"longest_edge": 56}
     else:
         processor.image_processor.size = {"shortest_edge": 28 * 28 * 100, "longest_edge": 28 * 28 * 400}
     smaller = padded_collator(processor)([dict(r) for r in rows])

@@ -1,4 +1,4 @@
-"""Video rows (the Qwen line): the frames are qwen-vl-utils' own, the length check counts exactly what the
+"""Video rows (the Qwen line and GLM-4V): the frames are qwen-vl-utils' own, the length check counts exactly what the
 collator makes, bad videos are refused at the data check, and the speed-ups (packing, vision feature
 cache, preprocessed samples) change nothing for rows with videos.
 
@@ -31,12 +31,17 @@ from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
 from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.errors import DataError
 from vlm_recipes.families import family_of_demo_model
+from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.speedups.packing import PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.stages.run import video_rules
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+# the families whose video rows the tests below train on: the Qwen line, and GLM-4V (Qwen's frames, its own
+# prompt: an image block and a timestamp per pair of frames)
+VIDEO_FAMILIES = [*QWEN, "glm4v"]
 
 # name: (frames, fps, width, height)
 CLIPS = {"short": (8, 4, 64, 48), "wide": (12, 6, 96, 40), "tall": (10, 2.5, 48, 64)}
@@ -105,12 +110,13 @@ def media(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module", params=QWEN)
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
 def qwen(request, private_demo_cache):
-    """(family, model directory, processor) of one Qwen family's tiny model."""
+    """(family, model directory, processor) of the tiny model of one family taking video, the processor as a
+    stage loads it (GLM-4V's with its training chat template, the one the length check counts with)."""
     family, _ = family_of_demo_model(TINY_MODELS[request.param])
     model_dir = ensure_demo_model(TINY_MODELS[request.param])
-    return family, model_dir, AutoProcessor.from_pretrained(model_dir)
+    return family, model_dir, load_processor(str(model_dir), DataSettings(), family)
 
 
 def load_rows(media: Path, family, processor, sampling: VideoSampling = SAMPLING):
@@ -222,8 +228,9 @@ def test_video_token_count_matches_the_processor(qwen, media, sampling):
         batch = collator([dict(example)])
         ids = batch["input_ids"][0]
         assert text + vision == len(ids), (name, text, vision)
-        images = int((ids == processor.image_token_id).sum())
-        videos = int((ids == processor.video_token_id).sum())
+        # by the processor's token types (GLM-4V writes a video's frames with the image token)
+        images = int((batch["mm_token_type_ids"][0] == 1).sum())
+        videos = int((batch["mm_token_type_ids"][0] == 2).sum())
         assert vision == images + videos, name
         expected = family.image_token_counts(processor, [image_sizes[i] for i in ROWS[name]["images"]])
         assert images == sum(expected), name  # two images: each its own size, its own grid

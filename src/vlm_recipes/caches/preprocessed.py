@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from vlm_recipes.caches.keys import (
@@ -129,7 +130,7 @@ def assemble(
     samples: list[dict[str, torch.Tensor]], pad_token_id: int, image_padding: Mapping[str, str] | None = None
 ) -> dict[str, torch.Tensor]:
     """One-row samples → a right-padded batch: per-token tensors padded, image tensors as `image_padding`
-    says (`Family.image_padding`: "per sample" or "tiles"), any other tensor concatenated."""
+    says (`Family.image_padding`: "per sample", "tiles" or "sides"), any other tensor concatenated."""
     image_padding = image_padding or {}
     lengths = [s["input_ids"].shape[1] for s in samples]
     longest = max(lengths)
@@ -150,6 +151,8 @@ def assemble(
             batch[key] = _pad_tiles(present)
         elif image_padding.get(key) == "per sample":
             batch[key] = _pad_image_slots(samples, key)
+        elif image_padding.get(key) == "sides":
+            batch[key] = _pad_sides(present)
         else:
             batch[key] = torch.cat(present)
     return batch
@@ -163,6 +166,13 @@ def _pad_tiles(present: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(
         [torch.cat([t, t.new_zeros(t.shape[0], most - t.shape[1], *t.shape[2:])], 1) for t in present]
     )
+
+
+def _pad_sides(present: list[torch.Tensor]) -> torch.Tensor:
+    """Images [images, channels, H, W] (Mistral 3's Pixtral processor): every image zero-padded at its bottom
+    and right to the batch's largest height and width (`image_sizes` keeps the real ones)."""
+    height, width = (max(t.shape[d] for t in present) for d in (-2, -1))
+    return torch.cat([F.pad(t, (0, width - t.shape[-1], 0, height - t.shape[-2])) for t in present])
 
 
 def _pad_image_slots(samples: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:

@@ -10,7 +10,9 @@ from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.families.gemma4 import GEMMA4
+from vlm_recipes.families.glm4v import GLM4V
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
+from vlm_recipes.families.mistral3 import MISTRAL3
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
@@ -27,6 +29,8 @@ FAMILIES: tuple[Family, ...] = (
     GEMMA3,
     GEMMA4,
     LLAVA_ONEVISION,
+    MISTRAL3,
+    GLM4V,
 )
 
 __all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]

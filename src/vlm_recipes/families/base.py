@@ -127,9 +127,11 @@ class Family:
     # dimension, by batch key (the preprocessed-sample cache assembles a batch from one-row samples the same
     # way): "per sample", [samples, images, ..., H, W] zero-padded to the batch's most images and largest
     # sides (SmolVLM's tiles and their pixel masks); "tiles", [images, tiles, ...] zero-padded to the batch's
-    # most tiles (LLaVA-OneVision's anyres); "concatenated", along the first dimension as any other image
-    # tensor is (the Qwen line's patches, Gemma 3's images), named where one image's tensor [1, patches, ...]
-    # could pass for a per-token one (Gemma 4's patches, padded to a budget near a sample's length).
+    # most tiles (LLaVA-OneVision's anyres); "sides", [images, 3, H, W] each zero-padded to the batch's
+    # largest height and width (Mistral 3's Pixtral images); "concatenated", along the first dimension as any
+    # other image tensor is (the Qwen line's patches, Gemma 3's images), named where one image's tensor
+    # [1, patches, ...] could pass for a per-token one (Gemma 4's patches, padded to a budget near a sample's
+    # length).
     image_padding: ClassVar[dict[str, str]] = {}
     # The language model's decoder layers and their parts (the loss-positions speed-up cuts the last one).
     decoder_layer: ClassVar[DecoderLayer] = DecoderLayer()

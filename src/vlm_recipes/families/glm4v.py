@@ -1,0 +1,133 @@
+"""GLM-4.1V and GLM-4.6V-Flash (`glm4v`; `glm46v`, transformers' class for the GLM-4.6V processor, the same
+model): roles, token counts, positions for packing, the decoder layer, the training chat template, FLOP
+geometry, and its demo model's dimensions (the tiny offline builder: `tiny/glm4v.py`).
+
+Built from Qwen2.5-VL's design, so `Glm4vFamily` is a `Qwen2VLFamily`: the inner model's `visual` and
+`language_model`, the image and video patches end to end (t*h*w per image or video), `get_image_features` /
+`get_video_features` returning each one's merged tokens, 3-D multimodal RoPE from the model's own
+`get_rope_index`. What differs (transformers' models/glm4v, 5.24):
+- the tower: learned position embeddings bicubically resampled to each image's grid, 2-D RoPE, then a 2x2
+  convolution (`model.visual.downsample`) that merges 2x2 patches into one token of the language model's
+  width, then the merger (a projection and a SwiGLU MLP). The downsampling convolution runs on merged tokens
+  and maps into the language model: it is the projector's, with the merger;
+- the processor's resize (its own `smart_resize`) counts an image as temporal_patch_size (2) frames against
+  `size` and enlarges a side under 28 px: token counts come from the image processor itself, and
+  data.min/max_pixels (per image) are doubled into its bounds;
+- a video is written as one image block per pair of frames, `<|begin_of_image|>`, the frame's <|image|>
+  tokens, `<|end_of_image|>`, then the pair's first timestamp (GLM-4.1V: whole seconds, `3`; GLM-4.6V's
+  processor: `3.0 seconds`), all inside `<|begin_of_video|>...<|end_of_video|>`. The video's tokens are
+  <|image|> tokens too (the processor's mm_token_type_ids tell them apart), and `get_rope_index` places each
+  pair of frames as its own image;
+- transformers 5.24's model takes every <|image|> token for an image's and a video's: a batch holding both
+  fails, so `glm4v_masks` fixes the placeholder masks as soon as transformers' GLM-4V module is imported;
+- the decoder layer adds post-norms after attention and MLP (`DecoderLayer` below);
+- the language model rotates half of each head (`partial_rotary_factor` 0.5).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlm_recipes.families import glm4v_masks
+from vlm_recipes.families.base import DecoderLayer, VisionGeometry
+from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE, GLM4V_TRAINING_CHAT_TEMPLATE
+from vlm_recipes.families.qwen2_vl import Qwen2VLFamily
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS
+from vlm_recipes.families.tiny.glm4v import build_tiny_glm4v
+
+glm4v_masks.install()
+
+
+class Glm4vFamily(Qwen2VLFamily):
+    """GLM-4.1V / GLM-4.6V-Flash: Qwen2-VL's layout and feature outputs, GLM's processor, tower and layer."""
+
+    # get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask): no video
+    # timing key (the time is written as text between the frames)
+    rope_index_keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+    # GLM-4's layer: input_layernorm, self_attn, post_self_attn_layernorm (on the attention's output, before
+    # the residual), post_attention_layernorm (before the MLP), mlp, post_mlp_layernorm (on the MLP's output):
+    # Gemma 3's sandwich layer under other names
+    decoder_layer = DecoderLayer(
+        post_attention_norm="post_self_attn_layernorm",
+        pre_mlp_norm="post_attention_layernorm",
+        post_mlp_norm="post_mlp_layernorm",
+    )
+
+    def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+        # the processor's smart_resize compares temporal_patch_size x height x width with `size`
+        frames = image_processor.temporal_patch_size
+        super().apply_pixel_bounds(
+            image_processor,
+            None if min_pixels is None else min_pixels * frames,
+            None if max_pixels is None else max_pixels * frames,
+        )
+
+    def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
+        # the image processor's own resize rule (glm4v's smart_resize, not qwen-vl-utils')
+        ip = processor.image_processor
+        return [ip.get_number_of_image_patches(h, w, {}) // ip.merge_size**2 for h, w in sizes]
+
+    def count_video_tokens(self, processor, plans: list) -> tuple[int, int]:
+        # The processor's own expansion of <|video|> (an image block and a timestamp per pair of frames),
+        # from the grid and times the frame plan gives; the frames' tokens are <|image|> tokens.
+        video_processor, tokenizer = processor.video_processor, processor.tokenizer
+        text = video = 0
+        for plan in plans:
+            grid = plan.grid(video_processor.patch_size, video_processor.temporal_patch_size)
+            inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [plan.metadata()]}
+            ids = tokenizer(processor.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
+            frames = ids.count(processor.image_token_id)
+            text, video = text + len(ids) - frames - 1, video + frames
+        return text, video
+
+    def training_chat_template(self, processor) -> str | None:
+        # the published template prints content parts as a Python list and has no generation markers
+        if processor.chat_template == GLM4V_CHAT_TEMPLATE:
+            return GLM4V_TRAINING_CHAT_TEMPLATE
+        return None
+
+    def vision_geometry(self, config) -> VisionGeometry:
+        vision = config.vision_config
+        return VisionGeometry(
+            patches_per_token=vision.spatial_merge_size**2,
+            width=vision.hidden_size,
+            layers=vision.depth,
+        )
+
+    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
+        build_tiny_glm4v(out, dims, corpus, GLM4V_CHAT_TEMPLATE)
+
+
+_TINY = {
+    **TINY_TEXT_DIMS,
+    # 2 heads of 32 (the real 32 of 128): half of each rotates, 8 frequencies over (t, h, w), the real
+    # [8, 12, 12] of 32 scaled
+    "heads": 2,
+    "kv_heads": 1,
+    "mrope": [2, 3, 3],
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_heads": 2,
+    "vision_intermediate": 64,
+    "vision_image_size": 112,  # an 8x8 learned position grid (the real one: 336 px, 24x24)
+    # 4 to 16 merged tokens an image (the bounds count an image as 2 frames): fast on CPU
+    "min_pixels": 2 * 28 * 28 * 4,
+    "max_pixels": 2 * 28 * 28 * 16,
+}
+
+
+GLM4V = Glm4vFamily(
+    name="glm4v",
+    model_types=("glm4v", "glm46v"),
+    role_prefixes={
+        "vision": ("model.visual",),
+        # the 2x2 downsampling convolution merges patches into the language model's width; the merger
+        # projects them
+        "projector": ("model.visual.downsample", "model.visual.merger"),
+        "llm": ("model.language_model", "lm_head"),
+    },
+    lm_head_prefixes=("lm_head",),
+    demo_models={"demo:tiny-glm4v": _TINY},
+)

@@ -1,0 +1,199 @@
+"""Mistral 3 (model_type `mistral3`: Mistral-Small-3.1/3.2-24B, Ministral-3, Magistral-Small with vision): roles,
+image features, pixel bounds, exact token counts, FLOP geometry (the tiny offline builder of
+`demo:tiny-mistral3`: `tiny/mistral3.py`; the chat template: `mistral3_template.py`).
+
+Modules (transformers 5.24): a Pixtral tower `model.vision_tower` (a patch convolution, RMSNorm, attention
+layers with 2-D RoPE over each image's own patch rows and columns), the projector
+`model.multi_modal_projector` (RMSNorm, the patch merger folding 2x2 neighbouring patches into one token by a
+linear layer, then two linear layers with GELU), a Mistral text model `model.language_model` (1-D RoPE, causal),
+and `lm_head` (its own matrix on the published checkpoints).
+
+How PixtralProcessor turns an image into tokens:
+1. the image keeps its aspect ratio and is only ever shrunk, to fit a square of `size["longest_edge"]` (1540 px
+   on Mistral-Small-3.1); each side is then rounded UP to whole tokens of patch x merge px (14 x 2 = 28), the
+   image stretched to fill them: rows x cols tokens;
+2. the text gets, per image, `rows` lines of `cols` [IMG] tokens, each line ended by [IMG_BREAK], the last
+   one by [IMG_END] instead: rows x (cols + 1) tokens. The model's features fill the [IMG] tokens only, so
+   those are the image tokens here; [IMG_BREAK] and [IMG_END] are text;
+3. `pixel_values` is [images, 3, H, W], every image zero-padded to the batch's largest height and width, with
+   `image_sizes` (each image's real size); the tower crops the padding off after the patch convolution.
+
+data.max_pixels sets `size["longest_edge"]`: the largest multiple of 28 px whose square holds max_pixels, so
+no image is resized to more pixels. data.min_pixels is refused: the processor never enlarges an image.
+
+The tower concatenates a batch's images into one sequence and attends with a block-diagonal mask (each image
+on its own; flash attention: by sequence lengths), so an image's features are its own: the vision feature
+cache keeps one entry per image (its real pixels, the padding cut off, and its size), and padding-free packing
+needs only 1-D positions restarting per sample. Video: none (a video row is refused at the data check).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.mistral3_template import (
+    DEFAULT_SYSTEM_PROMPT_EXAMPLE,
+    MISTRAL3_CHAT_TEMPLATE,
+    MISTRAL3_TRAINING_CHAT_TEMPLATE,
+)
+from vlm_recipes.families.tiny import TINY_TEXT_DIMS
+from vlm_recipes.families.tiny.mistral3 import build_tiny_mistral3
+
+log = logging.getLogger(__name__)
+# every mistral3 checkpoint merges 2x2 patches (config `spatial_merge_size`); a longest edge in multiples of
+# 2 x patch keeps an image within max_pixels for a merge of 1 as well
+_EDGE_MERGE = 2
+
+
+def token_side(processor) -> int:
+    """Pixels per image token along a side: the tower's patch times the merge (28 on the checkpoints)."""
+    return processor.patch_size * processor.spatial_merge_size
+
+
+def token_grid(processor, height: int, width: int) -> tuple[int, int]:
+    """(rows, cols) of tokens of an image of (height, width): the image processor's own resize rule
+    (`get_resize_output_image_size`: shrink into the longest edge, sides up to whole tokens), given a view of
+    that shape with no pixels behind it."""
+    from transformers.image_utils import ChannelDimension
+    from transformers.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+
+    side = token_side(processor)
+    edge = processor.image_processor.size["longest_edge"]
+    shape_only = np.broadcast_to(np.zeros((1, 1, 3), dtype=np.uint8), (height, width, 3))
+    resized = get_resize_output_image_size(
+        shape_only, size=(edge, edge), patch_size=(side, side), input_data_format=ChannelDimension.LAST
+    )
+    return resized[0] // side, resized[1] // side
+
+
+class Mistral3Family(Family):
+    """Mistral 3: a Pixtral tower (2-D RoPE), a patch-merger projector, [IMG] rows ended by [IMG_BREAK]."""
+
+    # every image zero-padded to the batch's largest height and width (see the module docstring)
+    image_padding = {"pixel_values": "sides"}
+
+    # ---------------------------------------------------------------- the vision feature cache
+    # A unit is one image: its pixels with the batch padding cut off, and its (height, width).
+
+    def image_units(self, pixel_values: torch.Tensor, image_sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if pixel_values.dim() != 4:
+            raise ValueError(f"{self.name}: pixel_values of shape {tuple(pixel_values.shape)}, expected 4-D")
+        sizes = torch.as_tensor(image_sizes).tolist()
+        return [
+            (pixels[:, :height, :width], torch.tensor([height, width]))
+            for pixels, (height, width) in zip(pixel_values, sizes, strict=True)
+        ]
+
+    def batch_image_units(self, units: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        height = max(pixels.shape[-2] for pixels, _ in units)
+        width = max(pixels.shape[-1] for pixels, _ in units)
+        padded = [F.pad(p, (0, width - p.shape[-1], 0, height - p.shape[-2])) for p, _ in units]
+        return torch.stack(padded), torch.stack([size for _, size in units])
+
+    def split_images(self, pixel_values: torch.Tensor, image_sizes) -> list[torch.Tensor]:
+        return [pixels for pixels, _ in self.image_units(pixel_values, image_sizes)]
+
+    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
+        # pooler_output: one [rows x cols, hidden] tensor per image, the only thing the model reads
+        return [{"features": features} for features in output.pooler_output]
+
+    def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
+
+    # ---------------------------------------------------------------- pixel bounds and token counts
+
+    def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+        from transformers.image_utils import SizeDict
+
+        if min_pixels is not None:
+            raise ValueError(
+                f"{self.name}: data.min_pixels has no meaning for this family: its processor never enlarges "
+                "an image (it shrinks one into size['longest_edge'] and rounds its sides up to whole tokens). "
+                "Leave data.min_pixels null (data.max_pixels sets that longest edge)"
+            )
+        if max_pixels is not None:
+            unit = image_processor.patch_size["height"] * _EDGE_MERGE
+            edge = max(unit, math.isqrt(max_pixels) // unit * unit)
+            log.info("%s: data.max_pixels=%d -> longest edge %d px", self.name, max_pixels, edge)
+            image_processor.size = SizeDict(longest_edge=edge)
+
+    def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
+        """[IMG] tokens per image: rows x cols (each row's [IMG_BREAK] / [IMG_END] is counted as text)."""
+        return [math.prod(token_grid(processor, height, width)) for height, width in sizes]
+
+    def count_tokens(
+        self, processor, texts: list[str], sizes: list[list[tuple[int, int]]]
+    ) -> list[tuple[int, int]]:
+        """Each [IMG] expanded by the processor's own `replace_image_token` from the image's token grid, then
+        the whole text tokenized as the processor does: (text + [IMG_BREAK] / [IMG_END], [IMG] tokens)."""
+        side = token_side(processor)
+        expanded = []
+        for text, image_sizes in zip(texts, sizes, strict=True):
+            parts = text.split(processor.image_token)
+            if len(parts) - 1 != len(image_sizes):
+                raise ValueError(
+                    f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
+                )
+            pieces = [parts[0]]
+            for (height, width), rest in zip(image_sizes, parts[1:], strict=True):
+                rows, cols = token_grid(processor, height, width)
+                layout = {"image_sizes": [(rows * side, cols * side)]}
+                pieces += [processor.replace_image_token(layout, image_idx=0), rest]
+            expanded.append("".join(pieces))
+        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        image_id = processor.image_token_id
+        return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
+
+    def training_chat_template(self, processor) -> str | None:
+        # the published template, with each assistant turn (its </s> included) marked for the loss
+        if processor.chat_template == MISTRAL3_CHAT_TEMPLATE:
+            return MISTRAL3_TRAINING_CHAT_TEMPLATE
+        return None
+
+    def vision_geometry(self, config) -> VisionGeometry:
+        vision = config.vision_config
+        return VisionGeometry(
+            patches_per_token=config.spatial_merge_size**2,  # the patch merger folds 2x2 patches into one
+            width=vision.hidden_size,
+            layers=vision.num_hidden_layers,
+        )
+
+    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
+        # the template writes the default system prompt into every conversation without one: its words are
+        # learned as the real tokenizer has them, a few tokens each
+        build_tiny_mistral3(
+            out, dims, [*corpus, *[DEFAULT_SYSTEM_PROMPT_EXAMPLE] * 20], MISTRAL3_CHAT_TEMPLATE
+        )
+
+
+_TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "patch": 14,  # the real tower's 14 px patches, merged 2x2: one token per 28x28 px
+    "merge": 2,
+    "longest_edge": 112,  # at most 4x4 tokens an image (the real: 1540 px, 55x55)
+}
+
+
+MISTRAL3 = Mistral3Family(
+    name="mistral3",
+    model_types=("mistral3",),
+    role_prefixes={
+        "vision": ("model.vision_tower",),
+        "projector": ("model.multi_modal_projector",),
+        "llm": ("model.language_model", "lm_head"),
+    },
+    lm_head_prefixes=("lm_head",),
+    demo_models={"demo:tiny-mistral3": _TINY},
+)

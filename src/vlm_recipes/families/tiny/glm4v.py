@@ -1,0 +1,136 @@
+"""The tiny offline GLM-4.1V (`demo:tiny-glm4v`): a byte-level BPE split by GLM-4's pre-tokenizer pattern with
+GLM's special tokens numbered after it, Glm4vProcessor (14 px patches merged 2x2, timestamps after each pair
+of video frames), a GLM-4V tower (2-D RoPE, learned positions resampled to each image, a 2x2 downsampling
+convolution, the patch merger) and a GLM-4 text model (post-norms, partial 3-D RoPE)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import save_tiny_model, train_byte_level_bpe
+
+# GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
+# 151344; the model config's image_token_id 151343 and video_token_id 151344). The added tokens after them
+# (<think>, <answer>, ...) are left out here.
+GLM4V_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+)
+# GLM-4's pre-tokenizer pattern (THUDM's ChatGLM4Tokenizer `pat_str`, tiktoken's cl100k split)
+GLM4_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# the generation config stops at these (the published one also at id 151348, a token left out here)
+STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
+
+def glm4_tokenizer(corpus: list[str]):
+    """A TokenizersBackend (the published tokenizer.json loads as one: PreTrainedTokenizerFast) around a
+    byte-level BPE trained on `corpus` with GLM-4's pattern, the special tokens after it, nothing added by
+    the tokenizer itself (the chat template writes [gMASK]<sop>); <|endoftext|> is eos and pad."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import TokenizersBackend
+
+    vocab, merges = train_byte_level_bpe(corpus, GLM4_PATTERN)
+    for token in GLM4V_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GLM4_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken(token, special=True) for token in GLM4V_SPECIAL_TOKENS])
+    return TokenizersBackend(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=4096
+    )
+
+
+def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+    """`chat_template`: the published checkpoint's (the family's GLM4V_CHAT_TEMPLATE)."""
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vImageProcessor,
+        Glm4vProcessor,
+        Glm4vVideoProcessor,
+    )
+
+    tok = glm4_tokenizer(corpus)
+    tok.chat_template = chat_template
+    # the processor compares temporal_patch_size x height x width with these bounds (an image is two frames)
+    size = {"shortest_edge": dims["min_pixels"], "longest_edge": dims["max_pixels"]}
+    processor = Glm4vProcessor(
+        image_processor=Glm4vImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
+        tokenizer=tok,
+        video_processor=Glm4vVideoProcessor(size=size),
+        chat_template=chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
+    stops = [ids[t] for t in STOP_TOKENS]
+    config = Glm4vConfig(
+        text_config={
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": dims["mrope"],
+            },
+            "pad_token_id": ids["<|endoftext|>"],
+            "eos_token_id": stops,
+        },
+        vision_config={
+            "depth": dims["vision_depth"],
+            "hidden_size": dims["vision_dim"],
+            "num_heads": dims["vision_heads"],
+            "intermediate_size": dims["vision_intermediate"],  # the merger's SwiGLU width
+            "out_hidden_size": dims["hidden"],  # downsample and merger output = text hidden size
+            "image_size": dims["vision_image_size"],  # its learned positions: (image_size / 14)^2
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "rms_norm_eps": 1e-5,
+        },
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"],
+        image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"],
+        video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+    )
+    save_tiny_model(
+        out,
+        Glm4vForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        eos_token_id=stops,
+        pad_token_id=ids["<|endoftext|>"],
+    )

@@ -1,0 +1,147 @@
+"""The tiny offline Mistral 3 (`demo:tiny-mistral3`): a Tekken-style byte-level BPE (Mistral's pre-tokenizer
+regex, the control tokens numbered first), PixtralProcessor with its [IMG] / [IMG_BREAK] / [IMG_END] rows, a
+Pixtral tower (2-D RoPE) with the patch-merger projector, a Mistral text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import save_tiny_model, train_byte_level_bpe
+
+# Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
+# the real tokenizers fill ranks 20..999 with <SPECIAL_n>, left out here). The BPE vocab follows them.
+MISTRAL_SPECIAL_TOKENS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
+)
+# Tekken's pre-tokenizer pattern (the one transformers' `fix_mistral_regex` restores, tokenization_utils_tokenizers)
+TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+
+
+def tekken_tokenizer(corpus: list[str]):
+    """A TokenizersBackend built the way transformers converts a tekken.json (integrations/mistral:
+    MistralConverter): the control tokens at ranks 0.., then a byte-level BPE trained on `corpus` with
+    Tekken's pattern, ByteLevel decoding, no BOS added by the tokenizer (the chat template writes <s>)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import TokenizersBackend
+
+    vocab, merges = train_byte_level_bpe(corpus, TEKKEN_PATTERN)
+    specials = len(MISTRAL_SPECIAL_TOKENS)
+    vocab = {
+        **{token: rank for rank, token in enumerate(MISTRAL_SPECIAL_TOKENS)},
+        **{token: rank + specials for token, rank in vocab.items()},
+    }
+    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(TEKKEN_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken(token, special=True) for token in MISTRAL_SPECIAL_TOKENS])
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    return TokenizersBackend(
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=4096,
+    )
+
+
+def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+    """`chat_template`: the published checkpoints' (the family's MISTRAL3_CHAT_TEMPLATE)."""
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralImageProcessor,
+        PixtralProcessor,
+    )
+
+    tok = tekken_tokenizer(corpus)
+    tok.chat_template = chat_template
+    patch, merge = dims["patch"], dims["merge"]
+    processor = PixtralProcessor(
+        # as Mistral-Small-3.1's preprocessor_config.json: the tower's patch (the processor passes patch x
+        # merge on every call), a longest edge (1540 px there), CLIP mean/std, bicubic
+        image_processor=PixtralImageProcessor(
+            patch_size={"height": patch, "width": patch}, size={"longest_edge": dims["longest_edge"]}
+        ),
+        tokenizer=tok,
+        patch_size=patch,
+        spatial_merge_size=merge,
+        chat_template=chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
+    config = Mistral3Config(
+        text_config={
+            "model_type": "mistral",
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "head_dim": dims["hidden"] // dims["heads"],
+            "max_position_embeddings": 4096,
+            "rope_theta": 1e9,  # the real text model's
+            "sliding_window": None,
+            "bos_token_id": ids["<s>"],
+            "eos_token_id": ids["</s>"],
+            "pad_token_id": ids["<pad>"],
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "head_dim": dims["vision_dim"] // dims["vision_heads"],
+            "hidden_act": "silu",
+            "image_size": 1540,
+            "patch_size": patch,
+            "rope_theta": 10000.0,
+        },
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=merge,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=False,
+        vision_feature_layer=-1,
+        # the published lm_head is its own matrix: Mistral3Config's default (True, transformers 5.24) would tie it
+        tie_word_embeddings=False,
+    )
+    save_tiny_model(
+        out,
+        Mistral3ForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        eos_token_id=ids["</s>"],
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<s>"],
+    )
