@@ -100,8 +100,11 @@ ROWS = {
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> Path:
-    """The clips, the images and a data file of ROWS (paths relative to it)."""
-    root = tmp_path_factory.mktemp("video-data")
+    return write_media(tmp_path_factory.mktemp("video-data"))
+
+
+def write_media(root: Path) -> Path:
+    """The clips, the images and a data file of ROWS (paths relative to it), in `root`."""
     for name, clip in CLIPS.items():
         make_clip(root / f"{name}.mp4", *clip)
     for name, (width, height, colour) in IMAGES.items():

@@ -8,8 +8,10 @@ with "Image features and image tokens do not match" (tests/test_family_glm4v.py 
 method). The fix tells them apart as the processor's own `mm_token_type_ids` do: an <|image|> token inside a
 video's start and end tokens is the video's. Everything else is the method it replaces.
 
-It is installed on the class (Glm46V's model inherits it) when transformers' GLM-4V modeling module is
-imported, not before: importing it costs seconds that commands loading no model should not pay.
+GLM-4.6V's model (`Glm46VModel`, its processor's model type) and GLM-4.5V / GLM-4.6V's MoE model
+(`Glm4vMoeModel`) are copies of the same code, not subclasses, with the same method: each is fixed the same
+way, when transformers' modeling module of that model is imported, not before (importing one costs seconds
+that commands loading no model should not pay).
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import sys
 
 import torch
 
-MODELING = "transformers.models.glm4v.modeling_glm4v"
+# transformers' modeling module -> its model class with the method to fix
+MODELS = {
+    "transformers.models.glm4v.modeling_glm4v": "Glm4vModel",
+    "transformers.models.glm46v.modeling_glm46v": "Glm46VModel",
+    "transformers.models.glm4v_moe.modeling_glm4v_moe": "Glm4vMoeModel",
+}
 _FIXED = "_vlm_recipes_video_span_masks"
 
 
@@ -50,21 +57,29 @@ def placeholder_masks_by_video_span(
 
 
 def fix_placeholder_masks(modeling) -> None:
-    """Install the fix on `modeling.Glm4vModel` (once), keeping the original beside it."""
-    model_class = modeling.Glm4vModel
+    """Install the fix on the module's model class (once), keeping the original beside it."""
+    model_class = getattr(modeling, MODELS[modeling.__name__])
     if not hasattr(model_class, _FIXED):
         setattr(model_class, _FIXED, model_class.get_placeholder_mask)
         model_class.get_placeholder_mask = placeholder_masks_by_video_span
 
 
 class _FixOnImport(importlib.abc.MetaPathFinder):
-    """Finds transformers' GLM-4V modeling module as usual and fixes it right after it executes."""
+    """Finds one of transformers' GLM-4V modeling modules as usual and fixes it right after it executes."""
+
+    def __init__(self, pending: set[str]):
+        self.pending = pending
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != MODELING:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)  # once, and the lookup below must not find this finder again
-        spec = importlib.util.find_spec(fullname)
+        self.pending.discard(fullname)
+        sys.meta_path.remove(self)  # the lookup below must not find this finder again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.pending:
+                sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         execute = spec.loader.exec_module
@@ -78,8 +93,10 @@ class _FixOnImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Fix the module now if it is loaded, else as soon as it is."""
-    if MODELING in sys.modules:
-        fix_placeholder_masks(sys.modules[MODELING])
-    elif not any(isinstance(finder, _FixOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _FixOnImport())
+    """Fix each module now if it is loaded, else as soon as it is."""
+    if any(isinstance(finder, _FixOnImport) for finder in sys.meta_path):
+        return
+    for name in [name for name in MODELS if name in sys.modules]:
+        fix_placeholder_masks(sys.modules[name])
+    if pending := {name for name in MODELS if name not in sys.modules}:
+        sys.meta_path.insert(0, _FixOnImport(pending))
