@@ -25,6 +25,7 @@ from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
+from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 from vlm_recipes.families.mistral3_template import MISTRAL3_CHAT_TEMPLATE
 from vlm_recipes.families.parameters import lora_target_modules, lora_target_parameters, params_by_role
@@ -422,6 +423,52 @@ def glm4v_config() -> dict:
     }
 
 
+def internvl3_5_config() -> dict:
+    """OpenGVLab/InternVL3_5-8B-HF's config.json: InternViT-300M (24 layers of 1024, 448 px tiles of 14 px patches,
+    biased qkv, LayerNorm, mean pooling: the vit_300m_config of OpenGVLab/InternVL's
+    internvl_chat/tools/internvl_custom2hf.py, which wrote the -HF configs, with its image_token_id 151671), pixel
+    shuffle 0.5 into the MLP projector, Qwen3-8B's text model (36 layers of 4096, 32 heads over 8 KV heads of 128,
+    vocab 151936, untied lm_head: Qwen/Qwen3-8B's config.json, the llm_config the script copies)."""
+    return {
+        "model_type": "internvl",
+        "image_token_id": 151671,
+        "image_seq_length": 256,
+        "downsample_ratio": 0.5,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3",
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "internvl_vision",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "attention_bias": True,
+            "norm_type": "layer_norm",
+            "use_qk_norm": False,
+            "use_mean_pooling": True,
+            "layer_scale_init_value": 0.1,
+            "image_size": [448, 448],
+            "patch_size": [14, 14],
+        },
+    }
+
+
 GEMMA4_E4B = gemma4_config(
     {
         "hidden_size": 2560,
@@ -562,6 +609,10 @@ PUBLISHED = {
     # repos quote it (a model survey, a model card write-up, a training log: base + LoRA = its `all params`);
     # it has GLM-4.1V-9B-Thinking's shapes (the hub's 10.3B), built here from that config
     "GLM-4.6V-Flash": (glm4v_config(), 10_292_777_472),
+    # OpenGVLab/InternVL3_5-8B-HF: 8,528,318,464 (BF16), the hub's count (huggingface.co/api/models/OpenGVLab/
+    # InternVL3_5-8B-HF) as public write-ups quote it, one of them a conversion whose keys match the official
+    # model.safetensors.index.json 841 of 841 and which loads to this count
+    "InternVL3.5-8B": (internvl3_5_config(), 8_528_318_464),
 }
 
 
@@ -570,6 +621,7 @@ VISION_QKV = {
     "gemma3": "q_proj",
     "llava-onevision": "q_proj",
     "mistral3": "q_proj",
+    "internvl": "q_proj",
     "gemma4": "q_proj.linear",  # a clippable linear: the nn.Linear inside it
 }  # the vision tower's attention input projection (Qwen: one fused qkv)
 # role prefixes a published checkpoint of the family may lack (Gemma 4's audio tower: E2B and E4B only)
@@ -666,6 +718,9 @@ def test_flop_formula_gives_positive_counts(published):
     elif model.config.model_type == "llava_onevision":  # each 384 px tile (27x27 patches) on its own
         assert (geometry.window, geometry.full_attention_layers) == (27, 0)
         assert geometry.attention_pairs(729 * 5) == 5 * geometry.layers * 729**2
+    elif model.config.model_type == "internvl":  # each 448 px tile (16x16 tokens of 2x2 patches) on its own
+        assert (geometry.window, geometry.full_attention_layers, geometry.patches_per_token) == (16, 0, 4)
+        assert geometry.attention_pairs(256 * 3) == 3 * geometry.layers * 1024**2
     else:
         assert geometry.window is None
 
@@ -704,6 +759,7 @@ PROCESSORS = {
     "llava-onevision": "LlavaOnevisionProcessor",
     "mistral3": "PixtralProcessor",
     "glm4v": "Glm4vProcessor",
+    "internvl": "InternVLProcessor",
 }
 QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
 TOKENS = {
@@ -713,6 +769,7 @@ TOKENS = {
     "llava-onevision": ("<|im_end|>", "<|endoftext|>", "<image>"),
     "mistral3": ("</s>", "<pad>", "[IMG]"),
     "glm4v": ("<|endoftext|>", "<|endoftext|>", "<|image|>"),
+    "internvl": ("<|im_end|>", "<|endoftext|>", "<IMG_CONTEXT>"),
 }
 # what the assistant mask covers: the answer and the end of the turn (SmolVLM's template: "Assistant: ...")
 ASSISTANT_SPANS = {
@@ -731,6 +788,7 @@ PUBLISHED_TEMPLATES = {
     "llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE,
     "mistral3": MISTRAL3_CHAT_TEMPLATE,
     "glm4v": GLM4V_CHAT_TEMPLATE,
+    "internvl": INTERNVL_CHAT_TEMPLATE,
 }
 
 

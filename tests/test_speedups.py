@@ -344,7 +344,7 @@ def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tm
             - processor.image_processor.max_image_size["longest_edge"]
         )
         processor.image_processor.size = {"longest_edge": edge}
-    elif family.name in ("gemma3", "llava-onevision"):  # fixed tile sizes: another normalization
+    elif family.name in ("gemma3", "llava-onevision", "internvl"):  # fixed tile sizes: another normalization
         processor.image_processor.image_mean = [0.25, 0.25, 0.25]
     elif family.name == "gemma4":  # a larger token budget: other sizes, other padding
         processor.image_processor.max_soft_tokens = 140

@@ -341,7 +341,7 @@ def run_cli(tmp_path: Path, data: Path, *overrides: str) -> int:
             "demo:tiny-smolvlm",
             [],
             "train.jsonl:line 1: video not supported: smolvlm takes no video here (the families that do: "
-            "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe)",
+            "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe, glm4v)",
         ),
         (  # 64x48 px frames within 100 pixels: a side shorter than 28 px, which smart_resize makes 0
             "demo:tiny-qwen2-vl",

@@ -11,6 +11,7 @@ from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.families.gemma4 import GEMMA4
 from vlm_recipes.families.glm4v import GLM4V
+from vlm_recipes.families.internvl import INTERNVL
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.mistral3 import MISTRAL3
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAVA_ONEVISION,
     MISTRAL3,
     GLM4V,
+    INTERNVL,
 )
 
 __all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]

@@ -1,0 +1,134 @@
+"""The tiny offline InternVL 3.5 (`demo:tiny-internvl`): Qwen3's tokenizer with InternVL's image tokens (<img>,
+</img>, <IMG_CONTEXT>, ...), GotOcr2's dynamic tiling (small tiles plus a thumbnail), an InternViT tower with
+pixel shuffle 0.5 into an MLP projector, a Qwen3 text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.families.tiny import qwen_generation, save_tiny_model, train_byte_level_bpe
+from vlm_recipes.families.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
+
+# Qwen3's special tokens as InternVL3.5 keeps them (<|endoftext|> pad, <|im_end|> eos), then the tokens the
+# InternVL -HF conversion adds in this order (OpenGVLab/InternVL internvl_chat/tools/internvl_custom2hf.py and
+# transformers' convert_internvl_weights_to_hf.py: <img> ... </box>, then <video>)
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+INTERNVL_TOKENS = (
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+)
+# the tokenizer's named tokens InternVLProcessor reads (tokenizer.start_image_token, ...)
+NAMED_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+# InternVL's normalization (ImageNet mean and std, the -HF preprocessor_config.json's)
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def internvl_tokenizer(corpus: list[str]):
+    """A Qwen2Tokenizer (Qwen3's class) around a BPE trained on `corpus`: Qwen's special tokens, Qwen3's
+    added ones (<think>, ...), InternVL's image tokens, numbered in that order after the BPE vocab."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
+    for token in (*QWEN3_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *INTERNVL_TOKENS):
+        vocab[token] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=NAMED_TOKENS,
+        model_max_length=4096,
+    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
+    # already in the vocab: they keep their ids, are never split, and are special (skipped when decoding)
+    tok.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in INTERNVL_TOKENS], special_tokens=True
+    )
+    return tok
+
+
+def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+    """`chat_template`: the published checkpoints' (the family's INTERNVL_CHAT_TEMPLATE)."""
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+    )
+
+    tok = internvl_tokenizer(corpus)
+    tok.chat_template = chat_template
+    tile, patch = dims["tile"], dims["patch"]
+    size = {"height": tile, "width": tile}
+    tokens_per_tile = (tile // patch) ** 2 // 4  # pixel shuffle 0.5: 2x2 patches into one token
+    processor = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessor(
+            size=size,
+            crop_to_patches=True,
+            min_patches=1,
+            max_patches=dims["max_patches"],
+            image_mean=IMAGENET_MEAN,
+            image_std=IMAGENET_STD,
+        ),
+        tokenizer=tok,
+        video_processor=InternVLVideoProcessor(size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
+        image_seq_length=tokens_per_tile,
+        chat_template=chat_template,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN3_SPECIAL_TOKENS, *INTERNVL_TOKENS)}
+    config = InternVLConfig(
+        text_config={
+            "model_type": "qwen3",
+            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
+            "hidden_size": dims["hidden"],
+            "intermediate_size": dims["intermediate"],
+            "num_hidden_layers": dims["layers"],
+            "num_attention_heads": dims["heads"],
+            "num_key_value_heads": dims["kv_heads"],
+            "head_dim": dims["hidden"] // dims["heads"],
+            "max_position_embeddings": 4096,
+            "rope_theta": 1e6,
+            "pad_token_id": ids["<|endoftext|>"],
+            "bos_token_id": None,
+            "eos_token_id": ids["<|im_end|>"],
+            "tie_word_embeddings": False,
+        },
+        vision_config={
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "image_size": tile,
+            "patch_size": patch,
+            # InternViT-300M's (internvl_custom2hf.py's vit_300m_config): biased qkv, LayerNorm, no qk norm
+            "attention_bias": True,
+            "norm_type": "layer_norm",
+            "use_qk_norm": False,
+            "use_mean_pooling": True,
+        },
+        image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=tokens_per_tile,
+        downsample_ratio=0.5,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,  # the published lm_head is its own matrix (InternVLConfig defaults to tied)
+    )
+    save_tiny_model(out, InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
