@@ -1,16 +1,15 @@
 """InternVL 3.5 as a family: token counts from image sizes alone equal the processor's (<img>, 4 tokens a tile,
 </img>; every size and aspect ratio, several images a row, every pixel bound), what data.min/max_pixels mean for
 it, the training chat template (same text, the stop token in the loss), the vision feature cache's tiles, the
-preprocessed cache's batch, the tower's FLOPs with its CLS tokens, the refusal of video rows, and a two-stage
+preprocessed cache's batch, the tower's FLOPs with its CLS tokens, and a two-stage
 recipe with padding-free packing and the vision feature cache, end to end.
 
 Its published dimensions (meta device), tiny model, assistant mask, seed recipes, speed-ups (packed losses equal
 unpacked ones) and DPO are checked with the other families in tests/test_families.py, tests/test_speedups.py,
-tests/test_dpo.py and tests/test_family_features.py."""
+tests/test_dpo.py and tests/test_family_features.py; its video refusal in tests/test_video.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
-from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths, sample_token_counts
 from vlm_recipes.evaluation.flops import matmul_params_by_role
 from vlm_recipes.families.internvl import (
@@ -232,18 +230,3 @@ def test_vision_flops_are_the_formulas_plus_each_tiles_class_token(model_dir):
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
     assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, INTERNVL)
-
-
-def test_video_rows_are_refused_at_the_data_check(tmp_path, capsys):
-    row = {
-        "messages": [
-            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
-        ],
-        "videos": [str(tmp_path / "clip.mp4")],
-    }
-    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
-    args = ["--recipe", "r1-llm-only", f"model={MODEL}", f"data.train={tmp_path / 'train.jsonl'}"]
-    code = main([*args, "data.eval=null", "--output-dir", str(tmp_path / "runs"), "--run-name", "v"])
-    assert code == 2
-    assert "video not supported: internvl takes no video here" in capsys.readouterr().err

@@ -10,7 +10,6 @@ tests/test_speedups.py and tests/test_dpo.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
-from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths, sample_token_counts
 from vlm_recipes.families.mistral3 import MISTRAL3, token_grid
 from vlm_recipes.families.mistral3_template import MISTRAL3_CHAT_TEMPLATE, MISTRAL3_TRAINING_CHAT_TEMPLATE
@@ -202,18 +200,3 @@ def test_published_config_json_ties_lm_head_in_transformers_without_the_key():
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
     assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, MISTRAL3)
-
-
-def test_video_rows_are_refused_at_the_data_check(tmp_path, capsys):
-    row = {
-        "messages": [
-            {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "a ball"}]},
-        ],
-        "videos": [str(tmp_path / "clip.mp4")],
-    }
-    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
-    args = ["--recipe", "r1-llm-only", f"model={MODEL}", f"data.train={tmp_path / 'train.jsonl'}"]
-    code = main([*args, "data.eval=null", "--output-dir", str(tmp_path / "runs"), "--run-name", "v"])
-    assert code == 2
-    assert "video not supported: mistral3 takes no video here" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from vlm_recipes.data.rows import VideoRules, load_split, undecoded
 from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
 from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.errors import DataError
-from vlm_recipes.families import family_of_demo_model
+from vlm_recipes.families import FAMILIES, family_of_demo_model
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
@@ -334,14 +334,21 @@ def run_cli(tmp_path: Path, data: Path, *overrides: str) -> int:
     )
 
 
+VIDEO_TAKERS = "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe, glm4v"
+NO_VIDEO = [family.name for family in FAMILIES if not family.takes_video]
+
+
 @pytest.mark.parametrize(
     "model, overrides, message",
     [
-        (
-            "demo:tiny-smolvlm",
-            [],
-            "train.jsonl:line 1: video not supported: smolvlm takes no video here (the families that do: "
-            "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe, glm4v)",
+        *(
+            (
+                TINY_MODELS[name],
+                [],
+                f"train.jsonl:line 1: video not supported: {name} takes no video here (the families that do: "
+                f"{VIDEO_TAKERS})",
+            )
+            for name in NO_VIDEO
         ),
         (  # 64x48 px frames within 100 pixels: a side shorter than 28 px, which smart_resize makes 0
             "demo:tiny-qwen2-vl",
@@ -350,7 +357,7 @@ def run_cli(tmp_path: Path, data: Path, *overrides: str) -> int:
             "28 px): raise data.video_max_pixels",
         ),
     ],
-    ids=["family without video", "frames shrunk to nothing"],
+    ids=[*(f"{name} takes no video" for name in NO_VIDEO), "frames shrunk to nothing"],
 )
 def test_the_cli_refuses_video_rows_before_training(media, tmp_path, capsys, model, overrides, message):
     data = tmp_path / "train.jsonl"

@@ -108,6 +108,29 @@ class DecoderLayer:
         return self.pre_norm | {self.pre_mlp_norm, self.post_mlp_norm}
 
 
+def count_expanded_tokens(
+    processor, texts: list[str], sizes: list[list[tuple[int, int]]], expand: Callable[[list, int], str]
+) -> list[tuple[int, int]]:
+    """(text tokens, image tokens) of each chat-templated text, each image placeholder replaced by
+    `expand(sample's image sizes, index)`, the processor's own text for that image (its
+    `replace_image_token`), then tokenized as the processor does: for processors that write more around each
+    image than repeated placeholders (rows and their breaks, tiles and their frames, begin and end tokens)."""
+    expanded = []
+    for text, image_sizes in zip(texts, sizes, strict=True):
+        parts = text.split(processor.image_token)
+        if len(parts) - 1 != len(image_sizes):
+            raise ValueError(
+                f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
+            )
+        pieces = [parts[0]]
+        for index, rest in enumerate(parts[1:]):
+            pieces += [expand(image_sizes, index), rest]
+        expanded.append("".join(pieces))
+    ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    image_id = processor.image_token_id
+    return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -278,11 +301,16 @@ class Family:
         frozen when their role trains in full: no gradient reaches them, and DDP stops on such a one."""
         return []
 
+    # A published chat template TRL has no training variant of (or whose markers leave the stop token out of
+    # the loss, which TRL only warns about) → the variant stages train with: the same text, each answer and
+    # its stop token marked for the loss.
+    training_chat_templates: ClassVar[dict[str, str]] = {}
+
     def training_chat_template(self, processor) -> str | None:
         """A chat template to train with in place of the processor's, rendering the same text (None: the
-        processor's, or TRL's training variant of it). For a published template whose {% generation %}
-        markers leave the stop token out of the loss, which TRL only warns about."""
-        return None
+        processor's, or TRL's training variant of it)."""
+        template = processor.chat_template
+        return self.training_chat_templates.get(template) if isinstance(template, str) else None
 
     def dtype_boundaries(self) -> list[DtypeBoundary]:
         """Where roles meet in the forward, each crossing cast to the receiver's dtype (the dtype-boundary

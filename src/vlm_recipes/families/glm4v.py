@@ -82,11 +82,8 @@ class Glm4vFamily(Qwen2VLFamily):
             text, video = text + len(ids) - frames - 1, video + frames
         return text, video
 
-    def training_chat_template(self, processor) -> str | None:
-        # the published template prints content parts as a Python list and has no generation markers
-        if processor.chat_template == GLM4V_CHAT_TEMPLATE:
-            return GLM4V_TRAINING_CHAT_TEMPLATE
-        return None
+    # the published template prints content parts as a Python list and has no generation markers
+    training_chat_templates = {GLM4V_CHAT_TEMPLATE: GLM4V_TRAINING_CHAT_TEMPLATE}
 
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config

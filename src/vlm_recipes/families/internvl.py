@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
 from vlm_recipes.families.tiny import TINY_TEXT_DIMS
 from vlm_recipes.families.tiny.internvl import build_tiny_internvl
 
@@ -149,27 +149,15 @@ class InternVLFamily(Family):
     ) -> list[tuple[int, int]]:
         """Each <IMG_CONTEXT> expanded by the processor's own `replace_image_token` from the image's tile count,
         then the whole text tokenized as the processor does: (text + <img> / </img>, <IMG_CONTEXT> tokens)."""
-        expanded = []
-        for text, image_sizes in zip(texts, sizes, strict=True):
-            parts = text.split(processor.image_token)
-            if len(parts) - 1 != len(image_sizes):
-                raise ValueError(
-                    f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
-                )
-            tiles = tiles_per_image(processor, image_sizes) if image_sizes else []
-            pieces = [parts[0]]
-            for i, rest in enumerate(parts[1:]):
-                pieces += [processor.replace_image_token({"num_patches": tiles}, image_idx=i), rest]
-            expanded.append("".join(pieces))
-        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        image_id = processor.image_token_id
-        return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
 
-    def training_chat_template(self, processor) -> str | None:
-        # the published template, with each assistant turn (its <|im_end|> included) marked for the loss
-        if processor.chat_template == INTERNVL_CHAT_TEMPLATE:
-            return INTERNVL_TRAINING_CHAT_TEMPLATE
-        return None
+        def expand(image_sizes: list[tuple[int, int]], index: int) -> str:
+            tiles = tiles_per_image(processor, image_sizes)
+            return processor.replace_image_token({"num_patches": tiles}, image_idx=index)
+
+        return count_expanded_tokens(processor, texts, sizes, expand)
+
+    # the published template, with each assistant turn (its <|im_end|> included) marked for the loss
+    training_chat_templates = {INTERNVL_CHAT_TEMPLATE: INTERNVL_TRAINING_CHAT_TEMPLATE}
 
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config

@@ -188,11 +188,8 @@ class LlavaOnevisionFamily(Family):
                 raise ValueError(f"{found} {processor.image_token} in the text, {len(image_sizes)} images")
         return super().count_tokens(processor, texts, sizes)
 
-    def training_chat_template(self, processor) -> str | None:
-        # the published template, with the turn's <|im_end|> inside the loss (renders the same text)
-        if processor.chat_template == LLAVA_ONEVISION_CHAT_TEMPLATE:
-            return LLAVA_ONEVISION_TRAINING_CHAT_TEMPLATE
-        return None
+    # the published template, with the turn's <|im_end|> inside the loss (renders the same text)
+    training_chat_templates = {LLAVA_ONEVISION_CHAT_TEMPLATE: LLAVA_ONEVISION_TRAINING_CHAT_TEMPLATE}
 
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
 from vlm_recipes.families.mistral3_template import (
     DEFAULT_SYSTEM_PROMPT_EXAMPLE,
     MISTRAL3_CHAT_TEMPLATE,
@@ -135,28 +135,15 @@ class Mistral3Family(Family):
         """Each [IMG] expanded by the processor's own `replace_image_token` from the image's token grid, then
         the whole text tokenized as the processor does: (text + [IMG_BREAK] / [IMG_END], [IMG] tokens)."""
         side = token_side(processor)
-        expanded = []
-        for text, image_sizes in zip(texts, sizes, strict=True):
-            parts = text.split(processor.image_token)
-            if len(parts) - 1 != len(image_sizes):
-                raise ValueError(
-                    f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
-                )
-            pieces = [parts[0]]
-            for (height, width), rest in zip(image_sizes, parts[1:], strict=True):
-                rows, cols = token_grid(processor, height, width)
-                layout = {"image_sizes": [(rows * side, cols * side)]}
-                pieces += [processor.replace_image_token(layout, image_idx=0), rest]
-            expanded.append("".join(pieces))
-        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        image_id = processor.image_token_id
-        return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
 
-    def training_chat_template(self, processor) -> str | None:
-        # the published template, with each assistant turn (its </s> included) marked for the loss
-        if processor.chat_template == MISTRAL3_CHAT_TEMPLATE:
-            return MISTRAL3_TRAINING_CHAT_TEMPLATE
-        return None
+        def expand(image_sizes: list[tuple[int, int]], index: int) -> str:
+            rows, cols = token_grid(processor, *image_sizes[index])
+            return processor.replace_image_token({"image_sizes": [(rows * side, cols * side)]}, image_idx=0)
+
+        return count_expanded_tokens(processor, texts, sizes, expand)
+
+    # the published template, with each assistant turn (its </s> included) marked for the loss
+    training_chat_templates = {MISTRAL3_CHAT_TEMPLATE: MISTRAL3_TRAINING_CHAT_TEMPLATE}
 
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
+from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry, count_expanded_tokens
 from vlm_recipes.families.tiny import TINY_TEXT_DIMS
 from vlm_recipes.families.tiny.smolvlm import build_tiny_smolvlm
 
@@ -160,22 +160,12 @@ class SmolVLMFamily(Family):
     ) -> list[tuple[int, int]]:
         """Each <image> expanded by the processor's own `replace_image_token` from the image's tile grid,
         then the whole text tokenized as the processor does: (text + frame tokens, <image> tokens)."""
-        expanded = []
-        for text, image_sizes in zip(texts, sizes, strict=True):
-            parts = text.split(processor.image_token)
-            if len(parts) - 1 != len(image_sizes):
-                raise ValueError(
-                    f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
-                )
-            pieces = [parts[0]]
-            for (height, width), rest in zip(image_sizes, parts[1:], strict=True):
-                rows, cols = tile_grid(processor.image_processor, height, width)
-                layout = {"rows": [[rows]], "cols": [[cols]]}
-                pieces += [processor.replace_image_token(layout, image_idx=0), rest]
-            expanded.append("".join(pieces))
-        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        image_id = processor.image_token_id
-        return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
+
+        def expand(image_sizes: list[tuple[int, int]], index: int) -> str:
+            rows, cols = tile_grid(processor.image_processor, *image_sizes[index])
+            return processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, image_idx=0)
+
+        return count_expanded_tokens(processor, texts, sizes, expand)
 
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config

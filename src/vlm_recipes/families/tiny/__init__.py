@@ -87,6 +87,21 @@ def qwen_generation(ids: dict[str, int]) -> dict[str, int | None]:
     return {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
 
 
+def tiny_text_config(tok, dims: dict, **fields) -> dict:
+    """A tiny language model's config fields: the vocabulary (the tokenizer's, rounded up to a multiple of
+    64; the tokenizer never yields the rest) and `dims`' sizes, then the family's own `fields`."""
+    return {
+        **({"model_type": fields.pop("model_type")} if "model_type" in fields else {}),
+        "vocab_size": -(-len(tok) // 64) * 64,
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["intermediate"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        **fields,
+    }
+
+
 def save_tiny_model(out: Path, model_class, config, processor, dims: dict, **generation) -> None:
     """Random weights (reproducible, the caller's RNG untouched), generation config (`generation`: its
     token ids), processor: to `out`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model
+from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config
 
 # Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
 # <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,
@@ -75,22 +75,18 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA_SPECIAL_TOKENS, *GEMMA_IMAGE_TOKENS)}
     config = Gemma3Config(
-        text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["head_dim"],
-            "query_pre_attn_scalar": dims["head_dim"],
-            "sliding_window": dims["sliding_window"],
-            "layer_types": ["sliding_attention", "full_attention"][: dims["layers"]],
-            "max_position_embeddings": 4096,
-            "pad_token_id": ids["<pad>"],
-            "bos_token_id": ids["<bos>"],
-            "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]],
-        },
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            head_dim=dims["head_dim"],
+            query_pre_attn_scalar=dims["head_dim"],
+            sliding_window=dims["sliding_window"],
+            layer_types=["sliding_attention", "full_attention"][: dims["layers"]],
+            max_position_embeddings=4096,
+            pad_token_id=ids["<pad>"],
+            bos_token_id=ids["<bos>"],
+            eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        ),
         vision_config={
             "model_type": "siglip_vision_model",
             "hidden_size": dims["vision_dim"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, train_byte_level_bpe
+from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
 # 151344; the model config's image_token_id 151343 and video_token_id 151344). The added tokens after them
@@ -86,25 +86,21 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: st
     ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
     stops = [ids[t] for t in STOP_TOKENS]
     config = Glm4vConfig(
-        text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5,
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
             # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
-            "rope_parameters": {
+            rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.5,
                 "mrope_section": dims["mrope"],
             },
-            "pad_token_id": ids["<|endoftext|>"],
-            "eos_token_id": stops,
-        },
+            pad_token_id=ids["<|endoftext|>"],
+            eos_token_id=stops,
+        ),
         vision_config={
             "depth": dims["vision_depth"],
             "hidden_size": dims["vision_dim"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, save_tiny_model, train_byte_level_bpe
+from vlm_recipes.families.tiny import qwen_generation, save_tiny_model, tiny_text_config, train_byte_level_bpe
 from vlm_recipes.families.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
 
 # Qwen3's special tokens as InternVL3.5 keeps them (<|endoftext|> pad, <|im_end|> eos), then the tokens the
@@ -94,22 +94,18 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN3_SPECIAL_TOKENS, *INTERNVL_TOKENS)}
     config = InternVLConfig(
-        text_config={
-            "model_type": "qwen3",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["hidden"] // dims["heads"],
-            "max_position_embeddings": 4096,
-            "rope_theta": 1e6,
-            "pad_token_id": ids["<|endoftext|>"],
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "tie_word_embeddings": False,
-        },
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            model_type="qwen3",
+            head_dim=dims["hidden"] // dims["heads"],
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            pad_token_id=ids["<|endoftext|>"],
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+            tie_word_embeddings=False,
+        ),
         vision_config={
             "hidden_size": dims["vision_dim"],
             "intermediate_size": dims["vision_intermediate"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model, tiny_text_config
 
 # Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
@@ -36,21 +36,17 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_te
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
     config = LlavaOnevisionConfig(
-        text_config={
-            "model_type": "qwen2",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 4096,
-            "rope_theta": 1e6,
-            "pad_token_id": ids["<|endoftext|>"],
-            "bos_token_id": None,
-            "eos_token_id": ids["<|im_end|>"],
-            "tie_word_embeddings": False,
-        },
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            model_type="qwen2",
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            pad_token_id=ids["<|endoftext|>"],
+            bos_token_id=None,
+            eos_token_id=ids["<|im_end|>"],
+            tie_word_embeddings=False,
+        ),
         vision_config={
             "model_type": "siglip_vision_model",
             "hidden_size": dims["vision_dim"],

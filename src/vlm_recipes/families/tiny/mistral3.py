@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, train_byte_level_bpe
+from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
 
 # Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
 # the real tokenizers fill ranks 20..999 with <SPECIAL_n>, left out here). The BPE vocab follows them.
@@ -98,23 +98,19 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
     config = Mistral3Config(
-        text_config={
-            "model_type": "mistral",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["hidden"] // dims["heads"],
-            "max_position_embeddings": 4096,
-            "rope_theta": 1e9,  # the real text model's
-            "sliding_window": None,
-            "bos_token_id": ids["<s>"],
-            "eos_token_id": ids["</s>"],
-            "pad_token_id": ids["<pad>"],
-            "tie_word_embeddings": False,
-        },
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            model_type="mistral",
+            head_dim=dims["hidden"] // dims["heads"],
+            max_position_embeddings=4096,
+            rope_theta=1e9,  # the real text model's
+            sliding_window=None,
+            bos_token_id=ids["<s>"],
+            eos_token_id=ids["</s>"],
+            pad_token_id=ids["<pad>"],
+            tie_word_embeddings=False,
+        ),
         vision_config={
             "model_type": "pixtral",
             "hidden_size": dims["vision_dim"],

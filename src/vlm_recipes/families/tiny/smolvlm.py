@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, train_byte_level_bpe
+from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
 # as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
@@ -81,22 +81,18 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
     config = SmolVLMConfig(
-        text_config={
-            "model_type": "llama",
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": dims["layers"],
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 273768.0,
-            "pad_token_id": ids["<|im_end|>"],
-            "bos_token_id": ids["<|im_start|>"],
-            "eos_token_id": ids["<end_of_utterance>"],
-            "tie_word_embeddings": False,
-        },
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            model_type="llama",
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=273768.0,
+            pad_token_id=ids["<|im_end|>"],
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<end_of_utterance>"],
+            tie_word_embeddings=False,
+        ),
         vision_config={
             "hidden_size": dims["vision_dim"],
             "intermediate_size": dims["vision_intermediate"],
