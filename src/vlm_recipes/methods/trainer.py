@@ -225,9 +225,61 @@ def prepare_trainer(
         )
     decision = apply_trainable_dtype(trainer.model, stage.training.trainable_dtype, built.compute_dtype, when)
     log.info("  %s", decision)
+    tower = every_batch_reaches_the_trained_tower(trainer.model, built.family)
     if decisions is not None:
-        decisions += [*trainer.sharding_decisions, decision]
+        decisions += [*trainer.sharding_decisions, decision, *([tower] if tower else [])]
     return trainer
+
+
+def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family) -> Decision | None:
+    """When the vision tower or projector trains, a forward hook adds 0 x the sum of their trainable weights
+    to the input embeddings, so every batch's loss reaches them, images or not (nothing when they are frozen).
+
+    A batch of text rows never runs the tower. In one process, in a stage training only the tower (r2), its
+    loss then reaches no trained weight and backward fails ("element 0 of tensors does not require grad");
+    on one rank of several, that rank's backward would run none of the collectives the image rank's runs.
+    Through the embeddings the tower's weights are used inside the forward (DDP counts them used) and every
+    rank's backward takes the same path (FSDP gathers the same units). The gradient added is exactly zero,
+    so a batch with images gets its gradient bit for bit; a batch of text rows gives the tower a zero
+    gradient, not none (AdamW steps its moments), in one process and on N ranks alike.
+
+    Not a zero leaf or 0 x weights added to the loss after the forward (tried: DDP hangs on the zero leaf;
+    under FSDP the text rank's backward still skips the decoder layers the image rank's gathers, gloo:
+    "Received data size doesn't match expected size"), nor a dummy image through the tower (LLaMA-Factory,
+    ms-swift: each family's processor would have to make one, and the tower runs for nothing). Under FSDP
+    the tower and projector are in the root unit (wrap_language_layers_only), gathered into plain tensors
+    before any module runs; weights still sharded here (DTensor: units an accelerate config names; ZeRO-3
+    partitions) are left out, to their own unit's collectives as before."""
+    from torch.distributed.tensor import DTensor
+
+    by_role = params_by_role(model, family)
+    trained = {name for role in ("vision", "projector") for name, p in by_role[role] if p.requires_grad}
+    if not trained:
+        return None
+
+    def add_zero_times_tower(module, args, output):
+        if not torch.is_grad_enabled():
+            return output
+        # whole weights only: not an FSDP shard (DTensor) nor a ZeRO-3 partition (ds_id; untested, GPUs only)
+        whole = [
+            p
+            for n, p in model.named_parameters()
+            if n in trained and not isinstance(p, DTensor) and not hasattr(p, "ds_id")
+        ]
+        if not whole:
+            return output
+        # summed in fp32: an fp16 sum could overflow, and 0 x inf is NaN
+        return output + 0.0 * sum(p.sum(dtype=torch.float32) for p in whole).to(output.dtype)
+
+    model.get_input_embeddings().register_forward_hook(add_zero_times_tower)
+    decision = Decision(
+        "rows-without-images",
+        f"0 x the {len(trained)} trained tower / projector tensors added to the input embeddings",
+        "a batch without images still reaches what trains (zero gradient): backward runs, and every rank "
+        "runs the same collectives",
+    )
+    log.info("  %s", decision)
+    return decision
 
 
 @dataclass(frozen=True)
