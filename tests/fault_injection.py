@@ -5,6 +5,8 @@ $VLM_RECIPES_FAULT, as a crash, a lost node or the OOM killer would:
     stage<i>:step<n>         after optimizer step n of stage i
     stage<i>:checkpoint<n>   while checkpoint n of stage i is being written (trainable weights saved, no COMPLETE)
     between<i>               after stage i finished, before stage i+1 starts
+    <point>@rank<r>          at <point> in launched rank r only (the others are then stopped by their
+                             launcher, as torchrun / accelerate stop a group when one process dies)
 
 The hooks are installed here, from outside the package, so production code carries no test switches.
 Launched process groups rerun this file (the launcher relaunches argv[0]), so the faults reach them too.
@@ -28,7 +30,7 @@ current_stage = [0]
 
 
 def kill_at(point: str) -> None:
-    if point == FAULT:
+    if FAULT in (point, f"{point}@rank{os.environ.get('RANK')}"):
         print(f"fault injection: SIGKILL at {point}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

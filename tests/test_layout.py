@@ -17,7 +17,7 @@ FLOORS = [
     ["runner"],
     ["launch"],
     ["stages"],
-    ["plan"],
+    ["plan", "rank_memory"],
     ["evaluation"],
     ["methods"],
     ["speedups"],

@@ -27,6 +27,7 @@ from vlm_recipes.families.parameters import (
     lora_target_parameters,
 )
 from vlm_recipes.model.guards import decide_precision
+from vlm_recipes.rank_memory import quantized_weights, rank_memory
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
 from vlm_recipes.runs.layout import RunOptions, describe_source, run_dir_for, stage_dirs
@@ -207,6 +208,10 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
     family = family_for_model_type(config.model_type)
     counts = count_params_by_role(model, family)
     run_dir = run_dir_for(recipe, options)
+    try:
+        launches = [plan for plan, _ in plan_parallel(recipe, env, options)]
+    except GuardError as exc:
+        launches = [exc] * len(recipe.stages)
     plans = []
     for index, (stage, stage_dir) in enumerate(
         zip(recipe.stages, stage_dirs(recipe, run_dir), strict=True), 1
@@ -230,11 +235,18 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             total = counts[role]["total"]
             trainable = total if mode == "full" else lora_params[role]
             roles[role] = {"mode": mode, "total": total, "trainable": trainable}
+        memory, launch = None, launches[index - 1]
         try:
             decision = decide_precision(stage.precision, env, stage.quantization.mode != "none")
             precision = f"{decision.choice} ({decision.reason})"
         except GuardError as exc:
             precision = f"ERROR: {exc}"
+        else:
+            if isinstance(launch, ParallelPlan):  # per process, as the stage's plan places it
+                adapters = sum(lora_params.values())
+                memory = rank_memory(
+                    model, family, stage, decision.choice, adapters, launch.mode, launch.world_size
+                )
         plans.append(
             {
                 "index": index,
@@ -246,6 +258,10 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 else f"{stage.quantization.mode} {stage.quantization.quant_type}, kept unquantized: "
                 f"{', '.join(stage.quantization.skip_roles) or 'nothing'}",
                 "precision": precision,
+                "parallel": describe_plan(launch, env)
+                if isinstance(launch, ParallelPlan)
+                else f"ERROR: {launch}",
+                "memory": memory,
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
                 "experts": describe_experts(model, family, stage, lora_roles),
                 "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
@@ -292,9 +308,10 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
             lines.append(
                 f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})"
             )
-        for key in ("quantization", "precision", "lora", "experts", "data", "training", "output_dir"):
+        keys = ("quantization", "precision", "parallel", "memory", "lora", "experts", "data", "training")
+        for key in (*keys, "output_dir"):
             if p.get(key) is not None:
-                lines.append(f"    {key:<13} {p[key]}")
+                lines.append(f"    {key:<13} " + str(p[key]).replace("\n", "\n" + " " * 18))
         lines.append("")
     return "\n".join(lines)
 
@@ -303,13 +320,8 @@ def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
     """GPU memory a stage needs for weights and optimizer state, from the model's config (no weights read)."""
     config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
     family = family_for_model_type(config.model_type)
-    quantized_params = 0
-    if stage.quantization.mode != "none":
-        skip = stage.quantization.skip_roles
-        for name, module in model.named_modules():
-            part = "lm_head" if family.is_lm_head(name) else family.role_of(name)
-            if isinstance(module, torch.nn.Linear) and part not in skip:
-                quantized_params += module.weight.numel()
+    parameters = dict(model.named_parameters())
+    quantized_params = sum(parameters[name].numel() for name in quantized_weights(model, family, stage))
     total = sum(p.numel() for p in model.parameters())
     bits = {"4bit": 4, "8bit": 8}.get(stage.quantization.mode, 16)
     weights = (total - quantized_params) * 2 + quantized_params * bits / 8

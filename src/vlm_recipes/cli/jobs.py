@@ -17,10 +17,12 @@ FLAG_RANGES = [
 
 
 def resume_command(args, run_name: str) -> str:
+    # run.json records the recipe, not the flags that place it: the processes are asked for again
+    procs = f" --nproc-per-node {args.nproc_per_node}" if args.nproc_per_node else ""
     if isinstance(args.resume, str):
-        return f"{args.command} --resume {args.resume}"
+        return f"{args.command} --resume {args.resume}{procs}"
     recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
-    return f"{args.command} --resume {args.output_dir / recipe / run_name}"
+    return f"{args.command} --resume {args.output_dir / recipe / run_name}{procs}"
 
 
 def check_flags(args) -> None:

@@ -123,15 +123,16 @@ def _main(argv: list[str] | None, prog: str) -> int:
             raise GuardError(
                 "a multi-node run needs the same --run-name on every node (a timestamp would differ)"
             )
-        if args.dry_run:
-            from vlm_recipes.plan import format_plan, plan_recipe
-
-            for recipe, run_name in jobs:
-                print(format_plan(recipe, plan_recipe(recipe, RunOptions(args.output_dir, run_name))))
-            return 0
         node = NodeSettings(
             args.nnodes, args.node_rank, args.master_addr, args.master_port, args.accelerate_config
         )
+        if args.dry_run:  # planned for the processes the command asks for (per-rank memory)
+            from vlm_recipes.plan import format_plan, plan_recipe
+
+            for recipe, run_name in jobs:
+                options = RunOptions(args.output_dir, run_name, nproc_per_node=args.nproc_per_node, node=node)
+                print(format_plan(recipe, plan_recipe(recipe, options)))
+            return 0
         for recipe, run_name in jobs:
             options = RunOptions(
                 args.output_dir, run_name, bool(args.resume), args.until_stage, args.nproc_per_node, node

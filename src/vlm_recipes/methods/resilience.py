@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import TrainerCallback
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,20 @@ def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable tensor (LoRA adapters and fully trained weights) by module name."""
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    """Every trainable tensor (LoRA adapters and fully trained weights) by module name, whole: an FSDP2
+    shard (DTensor) is gathered, a collective every rank must call."""
+    return {
+        n: whole_tensor(p.detach()).cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Its weights are FSDP2 shards (DTensor): reading them whole takes every rank."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
@@ -48,7 +61,11 @@ def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
         )
     with torch.no_grad():
         for name, value in saved.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+            param = params[name]
+            value = value.to(param.device, param.dtype)
+            if isinstance(param, DTensor):  # FSDP2: each rank keeps its own shard of the whole tensor
+                value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(value)
     return len(saved)
 
 
@@ -61,15 +78,18 @@ class CheckpointCallback(TrainerCallback):
         self.stage_index = stage_index
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
         if state.max_steps and state.global_step >= state.max_steps:
             # A checkpoint of the last step is never resumed from: transformers 5.23 resuming at
             # global_step == max_steps still trains one more step (17 of 16). Left without COMPLETE, a
             # stage killed after its last step resumes from the checkpoint before and ends identical.
             return
+        if not state.is_world_process_zero and not is_sharded(model):
+            return
+        tensors = trainable_state(model)  # FSDP2: every rank takes part in gathering the shards
+        if not state.is_world_process_zero:
+            return
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
+        save_file(tensors, str(checkpoint / TRAINABLE_FILE))
         (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
 
 
