@@ -20,7 +20,9 @@ from vlm_recipes.data.preference import PREFERENCE
 from vlm_recipes.data.rows import load_split, load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.compare import compare_runs, format_comparison, load_run
+from vlm_recipes.evaluation.compare import compare_runs, format_comparison
+from vlm_recipes.evaluation.predictions import side_by_side
+from vlm_recipes.evaluation.run_summary import load_run
 from vlm_recipes.files import read_json
 from vlm_recipes.methods.dpo import build_dpo_config, build_dpo_trainer
 from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
@@ -31,7 +33,7 @@ CPU = Environment(device="cpu", gpu_count=0, bf16_supported=False)
 FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}
 
 
-def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache):
+def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
     quick = ["--max-steps", "2", "training.per_device_batch_size=4", "data.max_train_samples=8"]
     quick += ["data.max_eval_samples=8", "training.logging_steps=1"]
     code = main(["--recipe", "r5-sft-then-dpo", "--output-dir", str(tmp_path), "--run-name", "t", *quick])
@@ -63,6 +65,24 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache):
     table = format_comparison(compare_runs([summary]))
     assert "reward acc" in table and f"{metrics['eval_reward_accuracy']:.3f}" in table
     assert "reward acc" in format_summary(run)  # the end-of-run table too
+
+    # The end-of-run summary puts each stage's answers beside the reference, from the predictions files: the
+    # DPO stage's preference rows keep the demo rows' ids, so stages 1-2 answered them too.
+    printed = capsys.readouterr().out
+    assert "Answers on 3 eval row(s) (each stage answers at its end" in printed
+    by_stage = [
+        {r["id"]: r for r in map(json.loads, (p / "predictions.jsonl").read_text().splitlines())}
+        for p in stages
+    ]
+    rows = side_by_side([("", run)])
+    assert [r.id for r in rows] == list(by_stage[2])[:3]
+    for row in rows:
+        assert row.reference == by_stage[2][row.id]["reference"] and row.reference in printed
+        assert row.answers == [
+            (name, stage[row.id]["output"])
+            for name, stage in zip(["vision-full", "llm-lora", "llm-dpo"], by_stage, strict=True)
+        ]
+        assert f"{row.id} ({row.task}): {row.prompt}" in printed
 
 
 @pytest.mark.parametrize("model", list(TINY_MODELS.values()))

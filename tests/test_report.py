@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from PIL import Image
 
 from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
-from vlm_recipes.evaluation.compare import compare_runs, load_run
+from vlm_recipes.evaluation.compare import compare_runs
+from vlm_recipes.evaluation.run_summary import load_run
 from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
@@ -123,8 +125,20 @@ def test_different_eval_sets_and_seeds_are_flagged_not_mixed(sweep, tmp_path):
 
 def test_compare_script_latest(sweep, tmp_path, capsys):
     assert compare_main(["--latest", "--output-dir", str(sweep), "--out", str(tmp_path / "cmp")]) == 0
-    assert "r2-vision-only" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "r2-vision-only" in printed
     assert (tmp_path / "cmp" / "comparison.png").is_file()
+    # each recipe's answers beside the reference, for the first 3 eval rows (the seed-1 runs: the latest)
+    assert "Answers of each recipe's first run on 3 eval row(s)" in printed
+    first = (sweep / "r1-llm-only" / "s-seed1" / "stage-1-llm-lora" / "predictions.jsonl").read_text()
+    for record in map(json.loads, first.splitlines()[:3]):
+        assert f"{record['id']} ({record['task']}): {record['prompt']}" in printed
+        assert re.search(rf"\n  reference +{re.escape(record['reference'])}\n", printed)
+    assert (
+        printed.count("  r1-llm-only / llm-lora  ") == printed.count("  r2-vision-only / vision-full  ") == 3
+    )
+    markdown = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "### Answers" in markdown and markdown.count("| r2-vision-only / vision-full | ") == 3
     assert compare_main([str(tmp_path / "nope")]) == 2
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_recipes.errors import BadInput
-from vlm_recipes.evaluation.compare import find_runs, format_comparison, write_comparison
+from vlm_recipes.evaluation.compare import format_comparison, write_comparison
+from vlm_recipes.evaluation.predictions import ROWS_SHOWN
+from vlm_recipes.evaluation.run_summary import find_runs
 from vlm_recipes.runs.manifest import run_state
 
 
@@ -31,6 +33,13 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
         "--output-dir", type=Path, default=Path("runs"), help="where runs are (default: runs/)"
     )
     parser.add_argument("--out", type=Path, help="where to write (default: <output-dir>/comparisons/<time>)")
+    parser.add_argument(
+        "--answers",
+        type=int,
+        default=ROWS_SHOWN,
+        metavar="N",
+        help=f"eval rows whose reference and answers (every stage's) are shown side by side (default: {ROWS_SHOWN}, 0: none)",
+    )
     args = parser.parse_args(argv)
 
     if args.latest and args.runs:
@@ -50,10 +59,10 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
         return 2
     out = args.out or args.output_dir / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        comparison, markdown, png = write_comparison(run_dirs, out)
+        comparison, markdown, png = write_comparison(run_dirs, out, args.answers)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(format_comparison(comparison))
+    print(format_comparison(comparison, args.answers))
     print(f"\nComparison: {markdown}\nPlot:       {png}")
     return 0

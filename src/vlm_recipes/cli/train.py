@@ -110,6 +110,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code
 
+    from vlm_recipes.evaluation.predictions import format_answers_text, side_by_side
     from vlm_recipes.launch.launcher import LaunchFailed
     from vlm_recipes.runner import run_recipe
     from vlm_recipes.runs.layout import NodeSettings, RunOptions
@@ -140,6 +141,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
             run_dirs.append(run_recipe(recipe, options))
             if args.until_stage is None and is_main_process():
                 print("\n" + format_summary(run_dirs[-1]))
+                if answers := format_answers_text(side_by_side([("", run_dirs[-1])])):
+                    print("\n" + answers)
     except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,129 +1,28 @@
-"""Compare runs: a table, comparison.md and a PNG, read from run files only (run.json, metrics.json).
+"""Compare runs: a table, comparison.md and a PNG, read from run files only (run.json, metrics.json,
+predictions.jsonl).
 
-Runs of one recipe with different seeds are aggregated (mean ± std), so a difference smaller than the
-seed noise shows as such. Runs measured on different eval sets are never put in one table: each eval
-set gets its own, and the split is flagged. Only finished runs are compared: a failed, interrupted or
-still running one is skipped with the reason (found under a runs directory) or refused (named).
+Runs of one recipe with different seeds are aggregated (mean ± std), and a difference from the best recipe
+larger than the seed spread is marked (`spread_marks`), so a difference smaller than the seed noise shows as
+such. Runs measured on different eval sets are never put in one table: each eval set gets its own, and the
+split is flagged. Only finished runs are compared: a failed, interrupted or still running one is skipped
+with the reason (found under a runs directory) or refused (named).
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from vlm_recipes.errors import RunNotComparable
-from vlm_recipes.files import read_json
-from vlm_recipes.runs.manifest import run_state
-
-
-@dataclass
-class RunSummary:
-    run_dir: Path
-    recipe: str
-    seed: str
-    stages: list[str]
-    trainable_params: int  # summed over stages
-    train_loss: float | None  # last stage's final logged train loss
-    eval_loss: float | None  # last stage's eval loss
-    exact_match: float | None
-    json_f1: float | None
-    reward_accuracy: float | None  # a DPO last stage: chosen scored above rejected on the eval pairs
-    reward_margin: float | None
-    time_s: float
-    samples_per_s: float | None
-    peak_memory_gb: float | None
-    eval_signature: str | None
-    last_method: str = "sft"  # the last stage's method: a dpo stage's losses are preference losses
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
-    preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
-    stage_boundaries: list[int] = field(default_factory=list)
-
-
-def load_run(run_dir: Path) -> RunSummary:
-    """A finished run's numbers; RunNotComparable (a ValueError) says why another run has none."""
-    status, why = run_state(run_dir)
-    if status != "finished":
-        raise RunNotComparable(f"{run_dir}: cannot compare this run: {why}")
-    manifest = read_json(run_dir / "run.json")
-    stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
-    last = stage_metrics[-1]
-    methods = [s.get("method", "sft") for s in manifest["stages"]]
-    curves: dict[str, list[tuple[int, float]]] = {"sft": [], "dpo": []}
-    offset, boundaries = 0, []
-    for method, metrics in zip(methods, stage_metrics, strict=True):
-        curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
-        offset += metrics["steps"]
-        boundaries.append(offset)
-    overall = (last.get("eval") or {}).get("all", {})
-    memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
-    throughput = [m["train_samples_per_second"] for m in stage_metrics if m.get("train_samples_per_second")]
-    return RunSummary(
-        run_dir=run_dir,
-        recipe=manifest["recipe"],
-        seed=",".join(str(s) for s in manifest.get("seeds", [])),
-        stages=[s["name"] for s in manifest["stages"]],
-        trainable_params=sum(
-            sum(r["trainable"] for r in m.get("params_by_role", {}).values()) for m in stage_metrics
-        ),
-        train_loss=last.get("final_train_loss"),
-        eval_loss=last.get("eval_loss"),
-        exact_match=overall.get("exact_match"),
-        json_f1=(overall.get("json_fields") or {}).get("f1"),
-        reward_accuracy=last.get("eval_reward_accuracy"),
-        reward_margin=last.get("eval_reward_margin"),
-        time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
-        samples_per_s=statistics.mean(throughput) if throughput else None,
-        peak_memory_gb=max((m for m in memory if m is not None), default=None),
-        eval_signature=last.get("eval_signature"),
-        last_method=methods[-1],
-        loss_curve=curves["sft"],
-        preference_curve=curves["dpo"],
-        stage_boundaries=boundaries[:-1],
-    )
-
-
-def _peak_gb(peak: dict | None) -> float | None:
-    if not peak:
-        return None
-    return peak.get("allocated_gb", peak.get("rss_gb"))
-
-
-def _say_skipped(run_dir: Path, why: str) -> None:
-    print(f"skipped {run_dir}: {why}", file=sys.stderr)
-
-
-def find_runs(
-    output_dir: Path, latest: bool, on_skip: Callable[[Path, str], None] | None = _say_skipped
-) -> list[Path]:
-    """Finished runs under output_dir (`<recipe>/<run>/run.json`), oldest first; with `latest`, the newest
-    finished run per recipe. Each run left out for not being finished is passed to `on_skip` with the
-    reason (default: said on stderr); with `latest`, only those newer than the run picked instead."""
-    runs = sorted(output_dir.glob("*/*/run.json"), key=lambda p: p.stat().st_mtime)
-    finished: list[Path] = []
-    skipped: list[tuple[Path, str]] = []
-    for path in runs:
-        status, why = run_state(path.parent)
-        if status == "finished":
-            finished.append(path.parent)
-        else:
-            skipped.append((path.parent, why))
-    if latest:
-        newest: dict[str, Path] = {}
-        for run in finished:
-            newest[run.parent.name] = run
-        finished = list(newest.values())
-        order = {p.parent: i for i, p in enumerate(runs)}
-        picked = {run.parent.name: order[run] for run in finished}
-        skipped = [(run, why) for run, why in skipped if order[run] > picked.get(run.parent.name, -1)]
-    if on_skip is not None:
-        for run, why in skipped:
-            on_skip(run, why)
-    return finished
-
+from vlm_recipes.evaluation.predictions import (
+    ROWS_SHOWN,
+    RowAnswers,
+    format_answers_markdown,
+    format_answers_text,
+    side_by_side,
+)
+from vlm_recipes.evaluation.run_summary import RunSummary, load_run
 
 # ---------------------------------------------------------------------------------------------
 # Aggregation
@@ -173,6 +72,76 @@ def compare_runs(runs: list[RunSummary]) -> Comparison:
     return Comparison(groups, warnings)
 
 
+# ---------------------------------------------------------------------------------------------
+# Which differences are larger than the seed spread
+
+# The columns that say how good a recipe is, and which way is better; the costs (parameters, time, memory)
+# are not judged.
+HIGHER_IS_BETTER = {
+    "train_loss": False,
+    "eval_loss": False,
+    "exact_match": True,
+    "json_f1": True,
+    "reward_accuracy": True,
+    "reward_margin": True,
+}
+LOSSES = ("train_loss", "eval_loss")
+SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
+
+
+def _mean_std(row: RecipeRow, attr: str) -> tuple[float, float | None]:
+    """Mean and sample std over seeds; std None with a single run (no spread known)."""
+    values = row.values(attr)
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
+    """Per recipe, how its mean in `attr` stands against the best recipe's: "best"; "beyond" when the
+    difference is larger than both seed spreads together (|mean − best mean| > std + best std); "" when
+    within the spread, when it or the best ran once (no spread to compare against), or when every recipe
+    has the same mean. Losses are compared between recipes whose last stage has the same method only (a DPO
+    stage's loss is a preference loss)."""
+    marks = {row.recipe: "" for row in rows}
+    comparable: dict[str, list[RecipeRow]] = defaultdict(list)
+    for row in rows:
+        if row.values(attr):
+            comparable[row.runs[0].last_method if attr in LOSSES else ""].append(row)
+    for same in comparable.values():
+        stats = {row.recipe: _mean_std(row, attr) for row in same}
+        pick = max if HIGHER_IS_BETTER[attr] else min
+        best_mean = pick(mean for mean, _ in stats.values())
+        best = [row.recipe for row in same if stats[row.recipe][0] == best_mean]
+        if len(best) == len(same):
+            continue  # one recipe, or all the same: nothing stands out
+        best_stds = [stats[recipe][1] for recipe in best]
+        # tied best recipes: the widest spread, so a mark never depends on which one is called best
+        best_std = None if None in best_stds else max(best_stds)
+        for recipe, (mean, std) in stats.items():
+            if recipe in best:
+                marks[recipe] = "best"
+            elif std is not None and best_std is not None and abs(mean - best_mean) > std + best_std:
+                marks[recipe] = "beyond"
+    return marks
+
+
+def spread_note(rows: list[RecipeRow]) -> str:
+    """The legend of the marks under a table ("" with a single recipe: nothing is compared)."""
+    if len(rows) < 2:
+        return ""
+    note = f"(best): best mean in its column; *: differs from the best by more than the seed spread ({SPREAD_RULE})."
+    once = [row.recipe for row in rows if len(row.runs) < 2]
+    if len(once) == len(rows):
+        return (
+            note + " One run per recipe: no seed spread to compare the differences against (run --seeds 0,1)."
+        )
+    if once:
+        note += f" Not judged, one run only: {', '.join(once)}."
+    return note
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
 COLUMNS = [
     ("recipe", None, None),
     ("runs", None, None),
@@ -190,11 +159,18 @@ COLUMNS = [
 ]
 
 
+MARKS = {"best": " (best)", "beyond": " *", "": ""}
+
+
 def table_rows(rows: list[RecipeRow]) -> list[list[str]]:
+    """The table's cells, a judged column's cells marked against its best (`spread_marks`)."""
+    marks = {attr: spread_marks(rows, attr) for _, attr, _ in COLUMNS[3:] if attr in HIGHER_IS_BETTER}
     out = []
     for row in rows:
         cells = [row.recipe, str(len(row.runs)), " → ".join(row.runs[0].stages)]
-        cells += [row.cell(attr, fmt) for _, attr, fmt in COLUMNS[3:]]
+        for _, attr, fmt in COLUMNS[3:]:
+            cell = row.cell(attr, fmt)
+            cells.append(cell + MARKS[marks[attr][row.recipe]] if attr in marks else cell)
         out.append(cells)
     return out
 
@@ -205,19 +181,31 @@ def format_table(rows: list[RecipeRow]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body]
     return "\n".join(out)
 
 
-def format_markdown(comparison: Comparison, png_name: str | None) -> str:
+FIRST_RUNS = " of each recipe's first run"
+
+
+def group_answers(rows: list[RecipeRow], count: int = ROWS_SHOWN) -> list[RowAnswers]:
+    """The first `count` eval rows with every stage's answer, of each recipe's first run."""
+    return side_by_side([(row.recipe, row.runs[0].run_dir) for row in rows], count)
+
+
+def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: int = ROWS_SHOWN) -> str:
     lines = ["# Recipe comparison", ""]
     lines += [f"> ⚠ {w}" for w in comparison.warnings] + ([""] if comparison.warnings else [])
     for signature, rows in comparison.groups.items():
         lines += [f"## Eval set `{signature}`", ""]
         header = [c[0] for c in COLUMNS]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r) + " |" for r in table_rows(rows)]
+        lines += ["| " + " | ".join(r).replace("*", "\\*") + " |" for r in table_rows(rows)]
+        if note := spread_note(rows):
+            lines += ["", note.replace("*", "\\*")]
         lines += ["", "Runs: " + ", ".join(f"`{run.run_dir}`" for row in rows for run in row.runs), ""]
+        if answers := format_answers_markdown(group_answers(rows, answer_rows), FIRST_RUNS):
+            lines += ["### Answers", "", answers, ""]
     lines.append(
         "Values are mean ± std over seeds where a recipe ran more than once. Losses and metrics are "
         "the last stage's; a DPO stage's eval loss is its preference loss, its exact match scores the "
@@ -226,6 +214,16 @@ def format_markdown(comparison: Comparison, png_name: str | None) -> str:
     if png_name:
         lines += ["", f"![loss curves and metrics]({png_name})"]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The figure
+
+TASK_METRICS = [
+    ("exact_match", "exact match", "o"),
+    ("json_f1", "JSON field F1", "s"),
+    ("reward_accuracy", "reward accuracy (DPO)", "^"),
+]
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> Path:
@@ -242,13 +240,25 @@ def plot_comparison(comparison: Comparison, path: Path) -> Path:
 
 
 def comparison_figure(comparison: Comparison):
-    """Three panels: train-loss curves (steps counted across stages, stage boundaries dashed), eval loss,
-    and task metrics (exact match, JSON field F1, DPO's reward accuracy), with error bars over seeds."""
+    """Three panels: train-loss curves (steps counted across stages, stage boundaries dashed); eval loss; task
+    metrics (exact match, JSON field F1, DPO's reward accuracy). Eval loss and metrics are each recipe's mean
+    ± std over seeds on an axis that spans the values (not from 0), so 6.85 against 6.87 shows; the eval-loss
+    panel shades the best recipe's mean ± std, and a recipe further from it than the seed spread has `*`."""
     import matplotlib.pyplot as plt
 
     rows = [row for group in comparison.groups.values() for row in group]
     colors = [f"C{i % 10}" for i in range(len(rows))]
     fig, (curves, losses, tasks) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
+    _train_curves(curves, rows, colors)
+    _eval_losses(losses, comparison, dict(zip(map(id, rows), colors, strict=True)))
+    _task_metrics(tasks, rows, colors)
+    for axis in (losses, tasks):
+        axis.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    return fig
+
+
+def _train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
     preference = curves.twinx() if any(run.preference_curve for row in rows for run in row.runs) else None
     for row, color in zip(rows, colors, strict=True):
         for k, run in enumerate(row.runs):
@@ -271,53 +281,101 @@ def comparison_figure(comparison: Comparison):
         preference.set_ylabel("DPO loss (dotted)")
     curves.legend(fontsize=8)
 
-    # A DPO last stage's eval loss is a preference loss: not a bar beside cross-entropies.
-    sft_rows = [row for row in rows if row.runs[0].last_method == "sft"]
-    means, errors = _mean_and_std(sft_rows, "eval_loss")
-    sft_colors = [c for row, c in zip(rows, colors, strict=True) if row in sft_rows]
-    losses.bar([r.recipe for r in sft_rows], means, yerr=errors, capsize=4, color=sft_colors)
-    losses.set(
-        title="eval loss, last stage if SFT (lower is better)", ylabel="loss (error bars: std over seeds)"
-    )
-    losses.set_ylim(0, max(means, default=1.0) * 1.15 or 1.0)
 
-    names = [r.recipe for r in rows]
-    metrics = [("exact_match", "exact match"), ("json_f1", "JSON field F1")]
-    if any(row.values("reward_accuracy") for row in rows):
-        metrics.append(("reward_accuracy", "reward accuracy (DPO)"))
-    width = 0.8 / len(metrics)
-    positions = range(len(rows))
-    for k, (attr, label) in enumerate(metrics):
-        means, errors = _mean_and_std(rows, attr)
-        shift = (k - (len(metrics) - 1) / 2) * width
-        tasks.bar([p + shift for p in positions], means, width, yerr=errors, capsize=3, label=label)
-    tasks.set_xticks(list(positions), names)
-    tasks.set(title="task metrics on the eval set (higher is better)", ylim=(0, 1), ylabel="score")
-    tasks.legend(fontsize=8)
-    for axis in (losses, tasks):
-        axis.tick_params(axis="x", labelrotation=20)
-    fig.tight_layout()
-    return fig
+def _eval_losses(axis, comparison: Comparison, color_of: dict[int, str]) -> None:
+    """Per eval set, its SFT recipes' eval loss as mean ± std, the best one's mean ± std shaded across them.
+    A DPO last stage's eval loss is a preference loss: not a point beside cross-entropies."""
+    names: list[str] = []
+    for group in comparison.groups.values():
+        sft = [row for row in group if row.runs[0].last_method == "sft" and row.values("eval_loss")]
+        if not sft:
+            continue
+        marks = spread_marks(sft, "eval_loss")
+        stats = [_mean_std(row, "eval_loss") for row in sft]
+        best_mean, best_std = min(stats, key=lambda s: s[0])
+        span = [len(names) - 0.4, len(names) + len(sft) - 0.6]
+        axis.plot(span, [best_mean] * 2, "--", color="grey", linewidth=0.8)
+        if best_std:
+            axis.fill_between(
+                span, best_mean - best_std, best_mean + best_std, color="grey", alpha=0.15, lw=0
+            )
+        for row, (mean, std) in zip(sft, stats, strict=True):
+            x = len(names)
+            axis.errorbar(x, mean, yerr=std or 0.0, fmt="o", color=color_of[id(row)], capsize=4)
+            axis.annotate(f"{mean:.4f}", (x, mean), xytext=(7, 0), textcoords="offset points", fontsize=7)
+            names.append(row.recipe + (" *" if marks[row.recipe] == "beyond" else ""))
+    axis.set(title="eval loss, last stage if SFT (lower is better)")
+    if any(name.endswith(" *") for name in names):
+        axis.set_xlabel("*: further from the best (band: its mean ± std) than the seed spread", fontsize=8)
+    if not names:
+        _say(axis, "no SFT eval loss to show\n(a DPO last stage's is a preference loss)")
+        return
+    axis.set_xticks(range(len(names)), names)
+    axis.set_xlim(-0.6, len(names) - 0.2)
+    axis.ticklabel_format(axis="y", useOffset=False)  # 6.85, not +6.8 and 0.05
+    axis.set_ylabel("mean ± std over seeds (band: best ± std)")
 
 
-def _mean_and_std(rows: list[RecipeRow], attr: str) -> tuple[list[float], list[float]]:
-    means = [statistics.mean(r.values(attr)) if r.values(attr) else 0.0 for r in rows]
-    errors = [statistics.stdev(r.values(attr)) if len(r.values(attr)) > 1 else 0.0 for r in rows]
-    return means, errors
+def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
+    """Each metric someone scored above 0 as mean ± std per recipe; the others named, not drawn as empty."""
+    shown, zero, missing = [], [], []
+    for attr, label, marker in TASK_METRICS:
+        values = [v for row in rows for v in row.values(attr)]
+        if any(values):
+            shown.append((attr, label, marker))
+        elif values:
+            zero.append(label)
+        elif attr != "reward_accuracy":  # only a DPO last stage has one
+            missing.append(label)
+    not_shown = [f"{', '.join(zero)}: 0.000 in every run"] * bool(zero)
+    not_shown += [f"{', '.join(missing)}: not measured"] * bool(missing)
+    axis.set(title="task metrics on the eval set (higher is better)")
+    if not shown:
+        _say(axis, "no task metric to show:\n" + "\n".join(not_shown))
+        return
+    width = 0.6 / len(shown)
+    for k, (attr, label, marker) in enumerate(shown):
+        shift = (k - (len(shown) - 1) / 2) * width
+        for x, (row, color) in enumerate(zip(rows, colors, strict=True)):
+            if row.values(attr):
+                mean, std = _mean_std(row, attr)
+                axis.errorbar(x + shift, mean, yerr=std or 0.0, fmt=marker, color=color, capsize=3)
+        axis.plot([], [], marker, color="black", label=label)  # the legend names the markers
+    low, high = axis.get_ylim()
+    axis.set_ylim(max(low, -0.05), min(high, 1.05))
+    axis.set_xticks(range(len(rows)), [row.recipe for row in rows])
+    if not_shown:
+        axis.set_xlabel("not shown: " + "; ".join(not_shown), fontsize=8)
+    axis.set_ylabel("score: mean ± std over seeds")
+    axis.legend(fontsize=8)
 
 
-def write_comparison(run_dirs: list[Path], out_dir: Path) -> tuple[Comparison, Path, Path]:
+def _say(axis, text: str) -> None:
+    """A panel with nothing to draw says why, instead of staying blank."""
+    axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes, fontsize=10)
+    axis.set_xticks([])
+    axis.set_yticks([])
+
+
+def write_comparison(
+    run_dirs: list[Path], out_dir: Path, answer_rows: int = ROWS_SHOWN
+) -> tuple[Comparison, Path, Path]:
     """Load runs, compare, write comparison.md and comparison.png into out_dir."""
     comparison = compare_runs([load_run(Path(d)) for d in run_dirs])
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot_comparison(comparison, out_dir / "comparison.png")
     md = out_dir / "comparison.md"
-    md.write_text(format_markdown(comparison, png.name))
+    md.write_text(format_markdown(comparison, png.name, answer_rows))
     return comparison, md, png
 
 
-def format_comparison(comparison: Comparison) -> str:
+def format_comparison(comparison: Comparison, answer_rows: int = ROWS_SHOWN) -> str:
+    """The text tables (one per eval set), each with its marks' legend and the answers side by side."""
     parts = [f"warning: {w}" for w in comparison.warnings]
     for signature, rows in comparison.groups.items():
         parts += ["", f"Eval set {signature}", format_table(rows)]
+        if note := spread_note(rows):
+            parts.append(note)
+        if answers := format_answers_text(group_answers(rows, answer_rows), FIRST_RUNS):
+            parts += ["", answers]
     return "\n".join(parts)

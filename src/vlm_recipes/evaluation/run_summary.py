@@ -1,0 +1,119 @@
+"""What one finished run's files say (run.json, each stage's metrics.json), for comparing runs; which runs
+under a runs directory are finished. Nothing is computed again: a run is read from its files only."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlm_recipes.errors import RunNotComparable
+from vlm_recipes.files import read_json
+from vlm_recipes.runs.manifest import run_state
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    recipe: str
+    seed: str
+    stages: list[str]
+    trainable_params: int  # summed over stages
+    train_loss: float | None  # last stage's final logged train loss
+    eval_loss: float | None  # last stage's eval loss
+    exact_match: float | None
+    json_f1: float | None
+    reward_accuracy: float | None  # a DPO last stage: chosen scored above rejected on the eval pairs
+    reward_margin: float | None
+    time_s: float
+    samples_per_s: float | None
+    peak_memory_gb: float | None
+    eval_signature: str | None
+    last_method: str = "sft"  # the last stage's method: a dpo stage's losses are preference losses
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
+    preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
+    stage_boundaries: list[int] = field(default_factory=list)
+
+
+def load_run(run_dir: Path) -> RunSummary:
+    """A finished run's numbers; RunNotComparable (a ValueError) says why another run has none."""
+    status, why = run_state(run_dir)
+    if status != "finished":
+        raise RunNotComparable(f"{run_dir}: cannot compare this run: {why}")
+    manifest = read_json(run_dir / "run.json")
+    stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
+    last = stage_metrics[-1]
+    methods = [s.get("method", "sft") for s in manifest["stages"]]
+    curves: dict[str, list[tuple[int, float]]] = {"sft": [], "dpo": []}
+    offset, boundaries = 0, []
+    for method, metrics in zip(methods, stage_metrics, strict=True):
+        curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+        offset += metrics["steps"]
+        boundaries.append(offset)
+    overall = (last.get("eval") or {}).get("all", {})
+    memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
+    throughput = [m["train_samples_per_second"] for m in stage_metrics if m.get("train_samples_per_second")]
+    return RunSummary(
+        run_dir=run_dir,
+        recipe=manifest["recipe"],
+        seed=",".join(str(s) for s in manifest.get("seeds", [])),
+        stages=[s["name"] for s in manifest["stages"]],
+        trainable_params=sum(
+            sum(r["trainable"] for r in m.get("params_by_role", {}).values()) for m in stage_metrics
+        ),
+        train_loss=last.get("final_train_loss"),
+        eval_loss=last.get("eval_loss"),
+        exact_match=overall.get("exact_match"),
+        json_f1=(overall.get("json_fields") or {}).get("f1"),
+        reward_accuracy=last.get("eval_reward_accuracy"),
+        reward_margin=last.get("eval_reward_margin"),
+        time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
+        samples_per_s=statistics.mean(throughput) if throughput else None,
+        peak_memory_gb=max((m for m in memory if m is not None), default=None),
+        eval_signature=last.get("eval_signature"),
+        last_method=methods[-1],
+        loss_curve=curves["sft"],
+        preference_curve=curves["dpo"],
+        stage_boundaries=boundaries[:-1],
+    )
+
+
+def _peak_gb(peak: dict | None) -> float | None:
+    if not peak:
+        return None
+    return peak.get("allocated_gb", peak.get("rss_gb"))
+
+
+def _say_skipped(run_dir: Path, why: str) -> None:
+    print(f"skipped {run_dir}: {why}", file=sys.stderr)
+
+
+def find_runs(
+    output_dir: Path, latest: bool, on_skip: Callable[[Path, str], None] | None = _say_skipped
+) -> list[Path]:
+    """Finished runs under output_dir (`<recipe>/<run>/run.json`), oldest first; with `latest`, the newest
+    finished run per recipe. Each run left out for not being finished is passed to `on_skip` with the
+    reason (default: said on stderr); with `latest`, only those newer than the run picked instead."""
+    runs = sorted(output_dir.glob("*/*/run.json"), key=lambda p: p.stat().st_mtime)
+    finished: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    for path in runs:
+        status, why = run_state(path.parent)
+        if status == "finished":
+            finished.append(path.parent)
+        else:
+            skipped.append((path.parent, why))
+    if latest:
+        newest: dict[str, Path] = {}
+        for run in finished:
+            newest[run.parent.name] = run
+        finished = list(newest.values())
+        order = {p.parent: i for i, p in enumerate(runs)}
+        picked = {run.parent.name: order[run] for run in finished}
+        skipped = [(run, why) for run, why in skipped if order[run] > picked.get(run.parent.name, -1)]
+    if on_skip is not None:
+        for run, why in skipped:
+            on_skip(run, why)
+    return finished
