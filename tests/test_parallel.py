@@ -77,8 +77,11 @@ def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
 
 # FSDP against one process over the same global batch (16 = 8 per rank x 2, or 16 in one process), fp32,
 # LoRA dropout off (each rank draws its own masks). Noise floor measured on a 2-core AMD EPYC: one process
-# against 2 DDP ranks, 2.6e-6 (full vision stage) and 1.1e-7 (QLoRA adapters), summation order only; FSDP
-# equal to DDP bit for bit. Bounds: 10x the floor; training moves the weights by ~2e-3 (lr 1e-3, 3 steps).
+# against 2 DDP ranks, summation order only, the same on a second run: Qwen2-VL's full vision stage 2.6e-6,
+# its QLoRA adapters 1.1e-7, its LoRA adapters on the fp32 language model 4.9e-8; Gemma 3's full vision stage
+# (SigLIP tower, language model under model.language_model) 3.8e-7, InternVL's (InternViT tiles, Qwen3)
+# 6.0e-8. FSDP equal to DDP bit for bit, Gemma 3 3.1e-8 from it. Bounds: 10x the floor; training moves the
+# weights by ~2e-3 (lr 1e-3, 3 steps).
 FSDP_PROOF = [
     "--max-steps",
     "3",
@@ -92,13 +95,24 @@ FSDP_PROOF = [
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("recipe", "bound"), [("r2-vision-only", 3e-5), ("r1-llm-only", 1e-6)], ids=["full-vision", "qlora"]
+    ("recipe", "model", "overrides", "layer", "bound"),
+    [
+        ("r2-vision-only", "demo:tiny-qwen2-vl", [], "Qwen2VLDecoderLayer", 3e-5),
+        ("r1-llm-only", "demo:tiny-qwen2-vl", [], "Qwen2VLDecoderLayer", 1e-6),
+        ("r1-llm-only", "demo:tiny-qwen2-vl", ["quantization.mode=none"], "Qwen2VLDecoderLayer", 5e-7),
+        ("r2-vision-only", "demo:tiny-gemma3", [], "Gemma3DecoderLayer", 4e-6),
+        ("r2-vision-only", "demo:tiny-internvl", [], "Qwen3DecoderLayer", 6e-7),
+    ],
+    ids=["full-vision", "qlora", "lora", "full-vision-gemma3", "full-vision-internvl"],
 )
-def test_fsdp_on_two_cpu_ranks_ends_where_one_process_does(tmp_path, private_demo_cache, recipe, bound):
-    """FSDP2 through accelerate and Trainer on 2 CPU ranks (gloo): the weights shard, the stage trains on the
-    demo rows (one image, two images and video mixed, so the ranks' batches differ in kind), final/ is
-    gathered, and the trained weights equal one process's within the summation-order floor."""
-    common = ["--recipe", recipe, "--output-dir", str(tmp_path), *FSDP_PROOF]
+def test_fsdp_on_two_cpu_ranks_ends_where_one_process_does(
+    tmp_path, private_demo_cache, recipe, model, overrides, layer, bound
+):
+    """FSDP2 through accelerate and Trainer on 2 CPU ranks (gloo): the weights shard, each family's decoder
+    layers are the units, the stage trains on the demo rows (one image, two images and video mixed where the
+    model takes video, so the ranks' batches differ in kind), final/ is gathered, and the trained weights
+    equal one process's within the summation-order floor."""
+    common = ["--recipe", recipe, f"model={model}", "--output-dir", str(tmp_path), *FSDP_PROOF, *overrides]
     one = run_train(*common, "--run-name", "one", "training.per_device_batch_size=16")
     assert one.returncode == 0, one.stderr[-4000:]
     two = run_train(
@@ -119,18 +133,19 @@ def test_fsdp_on_two_cpu_ranks_ends_where_one_process_does(tmp_path, private_dem
     }
     assert decisions["parallelism"].startswith("FSDP2")
     assert decisions["fsdp-on-cpu"] == "FSDP2 over gloo on 2 CPU processes"
-    assert (
-        decisions["fsdp-units"] == "each Qwen2VLDecoderLayer; the vision tower and projector in the root unit"
-    )
+    assert decisions["fsdp-units"] == f"each {layer}; the vision tower and projector in the root unit"
+    quantized = "quantization.mode=none" not in overrides
     if recipe == "r1-llm-only":
-        assert decisions["fsdp-4bit"].endswith("4-bit weights replicated on every rank, the rest sharded")
+        assert ("fsdp-4bit" in decisions) == quantized
+        if quantized:
+            assert decisions["fsdp-4bit"].endswith("4-bit weights replicated on every rank, the rest sharded")
         weights = "adapter/adapter_model.safetensors"  # lora_B starts at zero: its size is how far it moved
         trained = {run: load_file(tmp_path / recipe / run / stage / weights) for run in ("one", "fsdp")}
         moved = max(t.abs().max().item() for k, t in trained["one"].items() if "lora_B" in k)
     else:
         weights = "final/model.safetensors"
         trained = {run: load_file(tmp_path / recipe / run / stage / weights) for run in ("one", "fsdp")}
-        start = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
+        start = load_file(ensure_demo_model(model) / "model.safetensors")
         moved = max((trained["one"][k] - start[k]).abs().max().item() for k in start)
     assert trained["one"].keys() == trained["fsdp"].keys()
     distance = max((trained["one"][k] - trained["fsdp"][k]).abs().max().item() for k in trained["one"])

@@ -16,6 +16,7 @@ import torch
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import RowFormat
 from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods.resilience import restore_trainable
@@ -158,9 +159,10 @@ def wrap_language_layers_only(model) -> Decision:
     all on a batch of text rows: ranks whose batches differ in kind would gather different units and stall
     or fail (gloo: "Received data size doesn't match expected size"). In the root unit the tower's weights
     are gathered once per step on every rank, whatever the batch holds. Costs the tower's size in unsharded
-    memory during the forward (a few hundred MB for the towers here). A config naming its own classes wins."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layer = type(base.get_decoder().layers[0]).__name__
+    memory during the forward (a few hundred MB for the towers here). A config naming its own classes wins.
+    The layer class is the family's (Family.decoder_layer): Qwen2VLDecoderLayer, Gemma3DecoderLayer, ..."""
+    family = family_for_model_type(model.config.model_type)
+    layer = type(family.decoder_layer.decoder_layers(model)[0]).__name__
     named = os.environ.setdefault("FSDP_TRANSFORMER_CLS_TO_WRAP", layer)
     if named != layer:
         return Decision("fsdp-units", f"each {named}", "the accelerate config names them")
