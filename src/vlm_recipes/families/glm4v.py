@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from vlm_recipes.families import glm4v_masks
 from vlm_recipes.families.base import DecoderLayer, VisionGeometry
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE, GLM4V_TRAINING_CHAT_TEMPLATE
@@ -69,18 +67,9 @@ class Glm4vFamily(Qwen2VLFamily):
         ip = processor.image_processor
         return [ip.get_number_of_image_patches(h, w, {}) // ip.merge_size**2 for h, w in sizes]
 
-    def count_video_tokens(self, processor, plans: list) -> tuple[int, int]:
-        # The processor's own expansion of <|video|> (an image block and a timestamp per pair of frames),
-        # from the grid and times the frame plan gives; the frames' tokens are <|image|> tokens.
-        video_processor, tokenizer = processor.video_processor, processor.tokenizer
-        text = video = 0
-        for plan in plans:
-            grid = plan.grid(video_processor.patch_size, video_processor.temporal_patch_size)
-            inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [plan.metadata()]}
-            ids = tokenizer(processor.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
-            frames = ids.count(processor.image_token_id)
-            text, video = text + len(ids) - frames - 1, video + frames
-        return text, video
+    # a video's frames are <|image|> tokens, each pair of frames an image block and its timestamp (the
+    # processor's own expansion of <|video|>, which count_video_tokens reads)
+    video_feature_token = "image_token_id"
 
     # the published template prints content parts as a Python list and has no generation markers
     training_chat_templates = {GLM4V_CHAT_TEMPLATE: GLM4V_TRAINING_CHAT_TEMPLATE}

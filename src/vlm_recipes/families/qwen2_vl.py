@@ -31,6 +31,8 @@ class Qwen2VLFamily(Family):
     tower_attribute = "visual"
 
     rope_index_keys = QWEN_VL_ROPE_INDEX_KEYS
+    # the processor attribute naming the token a video's features fill (GLM-4V writes frames as images)
+    video_feature_token = "video_token_id"
 
     def split_images(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
         # pixel_values holds every image's patches end to end; an image has t*h*w of them
@@ -98,7 +100,7 @@ class Qwen2VLFamily(Family):
             grid = plan.grid(video_processor.patch_size, video_processor.temporal_patch_size)
             inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [plan.metadata()]}
             ids = tokenizer(processor.replace_video_token(inputs, 0), add_special_tokens=False)["input_ids"]
-            pads = ids.count(processor.video_token_id)
+            pads = ids.count(getattr(processor, self.video_feature_token))
             text, video = text + len(ids) - pads - 1, video + pads
         return text, video
 
