@@ -10,6 +10,8 @@ tests/test_speedups.py and tests/test_dpo.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,28 @@ def test_published_config_json_ties_lm_head_in_transformers_without_the_key():
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == count - 131072 * 5120
+
+
+def test_a_tokenizer_saved_before_transformers_5_tokenizes_with_tekkens_pattern(model_dir, tmp_path):
+    """The published Mistral 3 tokenizers were saved before transformers 5.0 with a pre-tokenizer regex that
+    splits text wrongly; transformers restores Tekken's own pattern only when asked (`fix_mistral_regex`),
+    and only for a vocabulary over 100k (Tekken's: 131072). A copy of the tiny model made to look like one
+    (config from 4.50, a per-character pre-tokenizer, the vocabulary padded to 131072): AutoProcessor alone
+    tokenizes it per character; the processor a stage loads tokenizes as the tiny model's own tokenizer."""
+    published = tmp_path / "saved-by-transformers-4"
+    shutil.copytree(model_dir, published)
+    config = json.loads((published / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps({**config, "transformers_version": "4.50.0"}))
+    tokenizer = json.loads((published / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\S|\s"
+    vocab = tokenizer["model"]["vocab"]
+    vocab.update({f"<SPECIAL_{i}>": i for i in range(len(vocab), 131072)})
+    (published / "tokenizer.json").write_text(json.dumps(tokenizer))
+    text = "Calories 250, fatG 12 per serving"
+    tekken = AutoProcessor.from_pretrained(model_dir).tokenizer.tokenize(text)
+    assert AutoProcessor.from_pretrained(published).tokenizer.tokenize(text) != tekken
+    assert load_processor(str(published), DataSettings(), MISTRAL3).tokenizer.tokenize(text) == tekken
+    assert load_processor(str(model_dir), DataSettings(), MISTRAL3).tokenizer.tokenize(text) == tekken
 
 
 @pytest.mark.e2e

@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
         model = AutoModelForImageTextToText.from_pretrained(
             model_dir, dtype=dtype, device_map="auto" if env.device == "cuda" else None
         )
-        processor = AutoProcessor.from_pretrained(model_dir)
         family, _ = detect_family(model_dir)
+        processor = AutoProcessor.from_pretrained(model_dir, **family.processor_load_kwargs)
         defaults = DataSettings()
         sampling = VideoSampling(
             args.video_fps or defaults.video_fps,

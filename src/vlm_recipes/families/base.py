@@ -161,6 +161,9 @@ class Family:
     # Sub-configs whose towers no stage feeds, each with why (Gemma 4's audio_config): stages set them to
     # None before the weights load (model/build.py), and final/ takes the towers back from the source.
     towers_left_out: ClassVar[dict[str, str]] = {}
+    # Keyword arguments every load of the family's processor passes (model/build.load_processor, predict):
+    # fixes transformers applies only when asked (Mistral 3's fix_mistral_regex).
+    processor_load_kwargs: ClassVar[dict[str, object]] = {}
 
     # ------------------------------------------------------------------ roles
 

@@ -142,6 +142,11 @@ class Mistral3Family(Family):
 
         return count_expanded_tokens(processor, texts, sizes, expand)
 
+    # The published tokenizers (Mistral-Small-3.1's among them) were saved before transformers 5.0 with a
+    # pre-tokenizer regex that splits text wrongly; transformers restores Tekken's own pattern only when asked
+    # (it warns otherwise), and leaves a tokenizer saved by 5.x or of another family as it is: so always ask.
+    processor_load_kwargs = {"fix_mistral_regex": True}
+
     # the published template, with each assistant turn (its </s> included) marked for the loss
     training_chat_templates = {MISTRAL3_CHAT_TEMPLATE: MISTRAL3_TRAINING_CHAT_TEMPLATE}
 

@@ -54,7 +54,9 @@ def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family,
 def load_processor(source: str, data: DataSettings, family: Family, trust_remote_code: bool = False):
     """The model's processor, with the stage's image pixel bounds applied the family's way."""
     try:
-        processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+        processor = AutoProcessor.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **family.processor_load_kwargs
+        )
     except (OSError, ValueError, TypeError) as exc:
         raise MissingProcessorError(
             f"no usable processor in {source} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}). A model "
