@@ -214,3 +214,36 @@ def test_the_printed_resume_command_asks_for_the_same_processes():
     args = build_parser().parse_intermixed_args(["--resume", "runs/r3-two-stage/x", "--nproc-per-node", "2"])
     args.command = "python scripts/train_recipe.py"
     assert resume_command(args, "x") == f"python scripts/train_recipe.py {expected}"
+
+
+def test_a_bf16_vision_stage_trains_under_fsdp_mixed_precision(tmp_path, private_demo_cache):
+    """bf16 under FSDP2: accelerate's mixed-precision policy gathers every weight in bf16 for the step, the
+    tower's fp32 masters too, so the dtype-boundary hooks cast to the receiver's dtype as it runs, not as it
+    was loaded (which stopped the tower -> projector crossing: "mixed dtype (CPU): expect parameter to have
+    scalar type of Float"). The stage trains the tower and leaves the language model as it was."""
+    flags = ["--recipe", "r2-vision-only", "--nproc-per-node", "2", "--parallel", "fsdp", "--max-steps", "3"]
+    settings = [
+        "precision=bf16",
+        "data.max_train_samples=32",
+        "data.eval=null",
+        "training.learning_rate=1e-3",
+    ]
+    result = run_train(*flags, *settings, "--output-dir", str(tmp_path), "--run-name", "bf16", timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    stage = tmp_path / "r2-vision-only" / "bf16" / "stage-1-vision-full"
+    decisions = {d["guard"]: d["choice"] for d in read_json(stage / "report.json")["decisions"]}
+    assert decisions["precision"] == "bf16" and decisions["parallelism"].startswith("FSDP2")
+    family = family_for_model_type("qwen2_vl")
+
+    def weights(model_dir) -> dict[str, torch.Tensor]:  # by the names the roles know (model.visual., ...)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        return {name: p.detach() for name, p in model.named_parameters()}
+
+    start, trained = weights(ensure_demo_model("demo:tiny-qwen2-vl")), weights(stage / "final")
+    by_role = {
+        role: [n for n in start if family.role_of(n) == role] for role in ("vision", "projector", "llm")
+    }
+    assert all(by_role.values()) and sum(map(len, by_role.values())) == len(start)
+    assert all(torch.equal(trained[n], start[n]) for n in by_role["llm"]), "the language model stayed frozen"
+    moved = max((trained[n] - start[n]).abs().max().item() for n in by_role["vision"] + by_role["projector"])
+    assert moved > 1e-4, moved

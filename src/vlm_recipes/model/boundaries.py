@@ -86,19 +86,24 @@ def role_dtypes(model: nn.Module, family: Family) -> dict[str, str]:
 
 
 def install_dtype_boundaries(model: nn.Module, family: Family) -> Decision:
-    """One forward hook per crossing the family declares, casting to the dtype decided from the weights now
-    loaded (run after the dtype guards). Returns the decision, for the log and report.json."""
+    """One forward hook per crossing the family declares, casting to the dtype of the receiver's weights
+    (or `dtype_of`'s) as they are when it runs: the weights now loaded (run after the dtype guards), or the
+    ones FSDP's mixed precision gathers in bf16 for the step. Returns the decision (from the weights now
+    loaded), for the log and report.json."""
     boundaries = family.dtype_boundaries()
     modules = modules_by_path(model)
     dtypes = crossing_dtypes(boundaries, modules)
     for boundary, dtype in zip(boundaries, dtypes, strict=True):
         receiver = modules[boundary.module]
+        source = modules[boundary.dtype_of or boundary.module]
         # a list of modules (Qwen3-VL's DeepStack mergers) is never called itself: each member receives
         for module in receiver if isinstance(receiver, nn.ModuleList) else [receiver]:
             if boundary.side == "output":
-                module.register_forward_hook(_cast_output(dtype))
+                module.register_forward_hook(_cast_output(source, dtype))
             else:
-                module.register_forward_pre_hook(_cast_inputs(dtype, boundary.inputs), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    _cast_inputs(source, dtype, boundary.inputs), with_kwargs=True
+                )
     return decide_dtype_boundaries(boundaries, dtypes, role_dtypes(model, family))
 
 
@@ -108,8 +113,15 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-def _cast_inputs(dtype: torch.dtype, names: tuple[str, ...]):
+def _dtype_now(source: nn.Module, loaded: torch.dtype) -> torch.dtype:
+    """The dtype `source` computes in at this call: under FSDP2 its weights are the gathered ones, in the
+    mixed-precision policy's dtype (bf16 for all roles), not the fp32 / bf16 mix they were loaded in."""
+    return weights_dtype(source) or loaded
+
+
+def _cast_inputs(source: nn.Module, loaded: torch.dtype, names: tuple[str, ...]):
     def hook(module, args, kwargs):
+        dtype = _dtype_now(source, loaded)
         if names:
             return args, {k: _cast(v, dtype) if k in names else v for k, v in kwargs.items()}
         return tuple(_cast(a, dtype) for a in args), {k: _cast(v, dtype) for k, v in kwargs.items()}
@@ -117,8 +129,8 @@ def _cast_inputs(dtype: torch.dtype, names: tuple[str, ...]):
     return hook
 
 
-def _cast_output(dtype: torch.dtype):
+def _cast_output(source: nn.Module, loaded: torch.dtype):
     def hook(module, args, output):
-        return _cast(output, dtype)
+        return _cast(output, _dtype_now(source, loaded))
 
     return hook
