@@ -71,6 +71,7 @@ TINY_MODELS = {
     "llava-onevision": "demo:tiny-llava-onevision",
     "mistral3": "demo:tiny-mistral3",
     "glm4v": "demo:tiny-glm4v",
+    "glm4v-moe": "demo:tiny-glm4v-moe",
     "internvl": "demo:tiny-internvl",
 }
 

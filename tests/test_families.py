@@ -28,7 +28,12 @@ from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 from vlm_recipes.families.mistral3_template import MISTRAL3_CHAT_TEMPLATE
-from vlm_recipes.families.parameters import lora_target_modules, lora_target_parameters, params_by_role
+from vlm_recipes.families.parameters import (
+    lora_target_modules,
+    lora_target_parameters,
+    params_by_role,
+    routed_experts,
+)
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
@@ -423,6 +428,75 @@ def glm4v_config() -> dict:
     }
 
 
+def glm4_5v_config() -> dict:
+    """zai-org/GLM-4.5V's config.json (GLM-4.6V: the same shapes): GLM-4.1V's tower (24 layers of 1536, 336 px
+    learned positions) but a merger of 10944, into GLM-4.5-Air (46 layers of 4096, 96 heads over 8 KV heads of
+    128, biased q/k/v, half of each head rotating; layer 0 a dense MLP of 10944, layers 1-45 a router, 128
+    experts of 1408, 8 per token, and one shared expert of 1408; vocab 151552, untied lm_head). Copied from a
+    public model-inspection report that loaded the published checkpoint with transformers 5.7 and printed its
+    config and tensor table."""
+    return {
+        "model_type": "glm4v_moe",
+        "image_token_id": 151363,
+        "video_token_id": 151364,
+        "image_start_token_id": 151339,
+        "image_end_token_id": 151340,
+        "video_start_token_id": 151341,
+        "video_end_token_id": 151342,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "glm4v_moe_text",
+            "vocab_size": 151552,
+            "hidden_size": 4096,
+            "intermediate_size": 10944,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "attention_bias": True,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "router_aux_loss_coef": 0.0001,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-05,
+            "max_position_embeddings": 65536,
+            "partial_rotary_factor": 0.5,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [8, 12, 12],
+            },
+            "pad_token_id": 151329,
+            "eos_token_id": [151329, 151336, 151338],
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "glm4v_moe_vision",
+            "depth": 24,
+            "hidden_size": 1536,
+            "intermediate_size": 10944,
+            "num_heads": 12,
+            "out_hidden_size": 4096,
+            "image_size": 336,
+            "patch_size": 14,
+            "in_channels": 3,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-05,
+            "attention_bias": False,
+        },
+    }
+
+
 def internvl3_5_config() -> dict:
     """OpenGVLab/InternVL3_5-8B-HF's config.json: InternViT-300M (24 layers of 1024, 448 px tiles of 14 px patches,
     biased qkv, LayerNorm, mean pooling: the vit_300m_config of OpenGVLab/InternVL's
@@ -609,6 +683,11 @@ PUBLISHED = {
     # repos quote it (a model survey, a model card write-up, a training log: base + LoRA = its `all params`);
     # it has GLM-4.1V-9B-Thinking's shapes (the hub's 10.3B), built here from that config
     "GLM-4.6V-Flash": (glm4v_config(), 10_292_777_472),
+    # zai-org/GLM-4.5V: 107,710,933,120 values in its 46 safetensors files (18,106 tensors), as a public
+    # model-inspection report of the published checkpoint counts them (its tensor table), of which the 45 MoE
+    # layers' e_score_correction_bias (128 each, fp32) are buffers, not parameters; no multi-token-prediction
+    # layer is saved (layers 0-45 only)
+    "GLM-4.5V": (glm4_5v_config(), 107_710_933_120 - 45 * 128),
     # OpenGVLab/InternVL3_5-8B-HF: 8,528,318,464 (BF16), the hub's count (huggingface.co/api/models/OpenGVLab/
     # InternVL3_5-8B-HF) as public write-ups quote it, one of them a conversion whose keys match the official
     # model.safetensors.index.json 841 of 841 and which loads to this count
@@ -683,9 +762,10 @@ def test_lora_targets_resolve_for_each_role(published):
     # every layer attends (Qwen3.5: but its Gated DeltaNet layers, which have no q_proj)
     layers = text.num_hidden_layers - list(getattr(text, "layer_types", None) or []).count("linear_attention")
     assert sum(t.endswith(".q_proj") and family.role_of(t) == "llm" for t in named) == layers
-    if getattr(text, "num_experts", None):  # an MoE: `experts` names its two fused weights in every layer
+    if routed_experts(text):  # an MoE: `experts` names its two fused weights in every MoE layer
         experts = lora_target_parameters(model, family, {"llm": ["experts"]})
-        assert len(experts) == 2 * text.num_hidden_layers and all(".experts." in name for name in experts)
+        moe_layers = text.num_hidden_layers - getattr(text, "first_k_dense_replace", 0)  # GLM-4.5V: 1 dense
+        assert len(experts) == 2 * moe_layers and all(".experts." in name for name in experts)
     assert {family.role_of(t) for t in named} == {"llm", "vision"}
 
 
@@ -759,6 +839,7 @@ PROCESSORS = {
     "llava-onevision": "LlavaOnevisionProcessor",
     "mistral3": "PixtralProcessor",
     "glm4v": "Glm4vProcessor",
+    "glm4v-moe": "Glm4vProcessor",  # GLM-4.5V's (GLM-4.6V's: Glm46VProcessor, the same class under its name)
     "internvl": "InternVLProcessor",
 }
 QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
@@ -769,6 +850,7 @@ TOKENS = {
     "llava-onevision": ("<|im_end|>", "<|endoftext|>", "<image>"),
     "mistral3": ("</s>", "<pad>", "[IMG]"),
     "glm4v": ("<|endoftext|>", "<|endoftext|>", "<|image|>"),
+    "glm4v-moe": ("<|endoftext|>", "<|endoftext|>", "<|image|>"),
     "internvl": ("<|im_end|>", "<|endoftext|>", "<IMG_CONTEXT>"),
 }
 # what the assistant mask covers: the answer and the end of the turn (SmolVLM's template: "Assistant: ...")
@@ -778,6 +860,7 @@ ASSISTANT_SPANS = {
     "gemma4": "{answer}<turn|>\n",  # the family's training template (TRL has none for Gemma 4)
     "mistral3": "{answer}</s>",  # the family's training template (TRL has none for Mistral 3)
     "glm4v": "{answer}<|endoftext|>",  # the family's training template: the last answer ends with its eos
+    "glm4v-moe": "{answer}<|endoftext|>",
     # Qwen3.5's thinking template: an empty thought before the answer, in the loss as TRL trains it
     "qwen3.5": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
     "qwen3.5-moe": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
@@ -788,6 +871,7 @@ PUBLISHED_TEMPLATES = {
     "llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE,
     "mistral3": MISTRAL3_CHAT_TEMPLATE,
     "glm4v": GLM4V_CHAT_TEMPLATE,
+    "glm4v-moe": GLM4V_CHAT_TEMPLATE,
     "internvl": INTERNVL_CHAT_TEMPLATE,
 }
 

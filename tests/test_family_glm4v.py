@@ -156,3 +156,54 @@ def test_every_glm4v_model_class_is_fixed_and_glm46v_is_the_family(model_dir):
 @pytest.mark.e2e
 def test_two_stage_recipe_with_packing_and_feature_cache_runs_end_to_end(model_dir, tmp_path):
     assert_r3_trains_packed_with_the_feature_cache(tmp_path, MODEL, GLM4V)
+
+
+# ---------------------------------------------------------------------------------- GLM-4.5V / 4.6V (MoE)
+
+MOE = TINY_MODELS["glm4v-moe"]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(private_demo_cache) -> Path:
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    return ensure_demo_model(MOE)
+
+
+def test_lora_on_every_linear_layer_keeps_the_dense_mlp_and_shared_experts_and_leaves_the_experts(moe_dir):
+    """PEFT rewrites a glm4v_moe LoRA's `.gate_proj` / `.up_proj` / `.down_proj` targets into the fused experts
+    (its transformers 4 conversion): layer 0's dense MLP and the shared experts would lose their adapters, and
+    every expert and the router gain one. With the runner's targets kept as named, the linear layers get the
+    adapters and the experts none; naming `experts` adapts the two fused weights of each MoE layer only."""
+    from peft import LoraConfig, get_peft_model
+
+    from vlm_recipes.families.glm4v import GLM4V_MOE
+    from vlm_recipes.families.parameters import lora_target_modules, lora_target_parameters
+    from vlm_recipes.model.peft_targets import keep_lora_targets_as_named
+
+    keep_lora_targets_as_named()
+    model = AutoModelForImageTextToText.from_pretrained(moe_dir, dtype=torch.float32)
+    assert model.config.text_config.first_k_dense_replace == 1 and len(model.model.language_model.layers) == 3
+    targets = lora_target_modules(model, GLM4V_MOE, {"llm": []})
+    assert "model.language_model.layers.0.mlp.gate_proj" in targets
+    assert "model.language_model.layers.2.mlp.shared_experts.down_proj" in targets
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=targets))
+    adapted = {n.removesuffix(".lora_A.default.weight") for n, _ in peft.named_parameters() if "lora_A" in n}
+    assert adapted == {f"base_model.model.{t}" for t in targets}
+    assert not any(".experts." in n or ".gate." in n for n in adapted)
+
+    model = AutoModelForImageTextToText.from_pretrained(moe_dir, dtype=torch.float32)
+    experts = lora_target_parameters(model, GLM4V_MOE, {"llm": ["experts"]})
+    assert experts == [
+        f"model.language_model.layers.{i}.mlp.experts.{w}"
+        for i in (1, 2)
+        for w in ("gate_up_proj", "down_proj")
+    ]
+    attention = lora_target_modules(model, GLM4V_MOE, {"llm": ["q_proj", "experts"]})
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0, target_modules=attention, target_parameters=experts
+    )
+    peft = get_peft_model(model, config)
+    trainable = [n for n, p in peft.named_parameters() if p.requires_grad]
+    assert sum(".mlp.experts." in n for n in trainable) == 2 * len(experts)  # lora_A and lora_B each
+    assert not any("shared_experts" in n or ".mlp.gate" in n for n in trainable)

@@ -39,9 +39,9 @@ from vlm_recipes.speedups.packing import PaddingFreeVisionCollator, attend_per_s
 from vlm_recipes.stages.run import video_rules
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
-# the families whose video rows the tests below train on: the Qwen line, and GLM-4V (Qwen's frames, its own
-# prompt: an image block and a timestamp per pair of frames)
-VIDEO_FAMILIES = [*QWEN, "glm4v"]
+# the families whose video rows the tests below train on: the Qwen line, and GLM-4V dense and MoE (Qwen's
+# frames, its own prompt: an image block and a timestamp per pair of frames)
+VIDEO_FAMILIES = [*QWEN, "glm4v", "glm4v-moe"]
 
 # name: (frames, fps, width, height)
 CLIPS = {"short": (8, 4, 64, 48), "wide": (12, 6, 96, 40), "tall": (10, 2.5, 48, 64)}
@@ -334,7 +334,7 @@ def run_cli(tmp_path: Path, data: Path, *overrides: str) -> int:
     )
 
 
-VIDEO_TAKERS = "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe, glm4v"
+VIDEO_TAKERS = "qwen2-vl, qwen2.5-vl, qwen3-vl, qwen3.5, qwen3.5-moe, glm4v, glm4v-moe"
 NO_VIDEO = [family.name for family in FAMILIES if not family.takes_video]
 
 

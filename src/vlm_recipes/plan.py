@@ -25,6 +25,7 @@ from vlm_recipes.families.parameters import (
     expert_parameters_of_role,
     lora_target_modules,
     lora_target_parameters,
+    routed_experts,
 )
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.rank_memory import quantized_weights, rank_memory
@@ -294,7 +295,7 @@ def describe_experts(model, family, stage, lora_roles: dict[str, list[str]]) -> 
         " (unquantized: bitsandbytes quantizes nn.Linear only)" if stage.quantization.mode != "none" else ""
     )
     return (
-        f"{text.num_experts} routed, {text.num_experts_per_tok} per token: {what}; {count:,} expert weights, "
+        f"{routed_experts(text)} routed, {text.num_experts_per_tok} per token: {what}; {count:,} expert weights, "
         f"{count * 2 / 2**30:.1f} GB in bf16{unquantized}"
     )
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from vlm_recipes.families.base import Family
+from vlm_recipes.families.parameters import routed_experts
 
 ROLE_ORDER = ("vision", "projector", "llm")  # the order data flows through a VLM
 FORMULA = (
@@ -188,7 +189,7 @@ def active_expert_share(model: nn.Module) -> float:
     text = model.config.get_text_config()
     # Gemma 4's config names experts per token `top_k_experts`, and holds None where it has no experts
     per_token = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None) or 1
-    return per_token / (getattr(text, "num_experts", None) or 1)
+    return per_token / (routed_experts(text) or 1)
 
 
 def peak_tflops(device: str) -> float | None:

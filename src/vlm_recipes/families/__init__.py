@@ -10,7 +10,7 @@ from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.families.gemma4 import GEMMA4
-from vlm_recipes.families.glm4v import GLM4V
+from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
 from vlm_recipes.families.internvl import INTERNVL
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.mistral3 import MISTRAL3
@@ -32,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAVA_ONEVISION,
     MISTRAL3,
     GLM4V,
+    GLM4V_MOE,
     INTERNVL,
 )
 

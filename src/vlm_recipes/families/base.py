@@ -161,6 +161,10 @@ class Family:
     # Sub-configs whose towers no stage feeds, each with why (Gemma 4's audio_config): stages set them to
     # None before the weights load (model/build.py), and final/ takes the towers back from the source.
     towers_left_out: ClassVar[dict[str, str]] = {}
+    # Whether the decoder layers hand attention a packed row's text positions, from which per-sample attention
+    # reads each sample's bounds (padding-free packing); False: the layers get only the 3-D multimodal
+    # positions (GLM-4.5V's MoE layers), and packed rows stay on sdpa under the block mask transformers builds.
+    text_positions_reach_attention: ClassVar[bool] = True
     # Keyword arguments every load of the family's processor passes (model/build.load_processor, predict):
     # fixes transformers applies only when asked (Mistral 3's fix_mistral_regex).
     processor_load_kwargs: ClassVar[dict[str, object]] = {}

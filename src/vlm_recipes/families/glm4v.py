@@ -22,6 +22,18 @@ Built from Qwen2.5-VL's design, so `Glm4vFamily` is a `Qwen2VLFamily`: the inner
   fails, so `glm4v_masks` fixes the placeholder masks as soon as transformers' GLM-4V module is imported;
 - the decoder layer adds post-norms after attention and MLP (`DecoderLayer` below);
 - the language model rotates half of each head (`partial_rotary_factor` 0.5).
+
+GLM-4.5V and GLM-4.6V (`glm4v_moe`, 106B-A12B: `GLM4V_MOE`) have the same processor, tower and projector,
+and GLM-4.5-Air's language model (transformers' models/glm4v_moe):
+- pre-norm layers (input_layernorm, self_attn, post_attention_layernorm, mlp: no post-norms), biased q, k, v;
+- the first `first_k_dense_replace` layers (1) keep a dense MLP; every later one is a routed block: a router
+  (`mlp.gate`, a bare fp32 matrix scoring experts by sigmoid, with a fixed per-expert bias
+  `e_score_correction_bias`, a buffer), 128 experts as two fused 3-D parameters (`mlp.experts.gate_up_proj`,
+  `mlp.experts.down_proj`: not `nn.Linear`, so LoRA reaches them only when named, as Qwen3.5-MoE's), 8 per
+  token, and a shared expert every token runs through (`mlp.shared_experts`, linear layers);
+- the config names the routed experts `n_routed_experts` (transformers' alias `num_local_experts`), not
+  `num_experts`; the load-balancing loss (`router_aux_loss_coef` 0.0001) is transformers' softmax one, over
+  the router's logits, added by TRL when it asks for `output_router_logits`.
 """
 
 from __future__ import annotations
@@ -36,6 +48,18 @@ from vlm_recipes.families.tiny import TINY_TEXT_DIMS
 from vlm_recipes.families.tiny.glm4v import build_tiny_glm4v
 
 glm4v_masks.install()
+
+
+def name_the_experts_as_trl_reads_them() -> None:
+    """TRL 1.16's fused loss reads `text_config.num_experts` for the load-balancing loss, and GLM-4.5V's
+    config names its routed experts `n_routed_experts` (transformers aliases only `num_local_experts`): every
+    training step stopped with an AttributeError. An alias, not a field: config.json is written as before."""
+    from transformers.models.glm4v_moe.configuration_glm4v_moe import Glm4vMoeTextConfig
+
+    Glm4vMoeTextConfig.attribute_map = {**Glm4vMoeTextConfig.attribute_map, "num_experts": "n_routed_experts"}
+
+
+name_the_experts_as_trl_reads_them()
 
 
 class Glm4vFamily(Qwen2VLFamily):
@@ -86,6 +110,14 @@ class Glm4vFamily(Qwen2VLFamily):
         build_tiny_glm4v(out, dims, corpus, GLM4V_CHAT_TEMPLATE)
 
 
+class Glm4vMoeFamily(Glm4vFamily):
+    """GLM-4.5V / GLM-4.6V: GLM-4.1V's processor, tower and projector, GLM-4.5-Air's pre-norm MoE layers."""
+
+    decoder_layer = DecoderLayer()  # input_layernorm, self_attn, post_attention_layernorm, mlp
+    # its text model hands the layers the 3-D positions, not the text ones (transformers 5.24, glm4v_moe)
+    text_positions_reach_attention = False
+
+
 _TINY = {
     **TINY_TEXT_DIMS,
     # 2 heads of 32 (the real 32 of 128): half of each rotates, 8 frequencies over (t, h, w), the real
@@ -104,16 +136,34 @@ _TINY = {
 }
 
 
+# a dense first layer, then two MoE layers (the real: 1 dense, 45 MoE), so the last layer is routed
+_TINY_MOE = {
+    **_TINY,
+    "layers": 3,
+    "dense_layers": 1,
+    "experts": 4,  # routed experts, two of them per token (the real: 128, eight), and one shared expert
+    "experts_per_token": 2,
+    "expert_intermediate": 32,
+}
+
+GLM4V_ROLES = {
+    "vision": ("model.visual",),
+    # the 2x2 downsampling convolution merges patches into the language model's width; the merger projects them
+    "projector": ("model.visual.downsample", "model.visual.merger"),
+    "llm": ("model.language_model", "lm_head"),
+}
+
 GLM4V = Glm4vFamily(
     name="glm4v",
     model_types=("glm4v", "glm46v"),
-    role_prefixes={
-        "vision": ("model.visual",),
-        # the 2x2 downsampling convolution merges patches into the language model's width; the merger
-        # projects them
-        "projector": ("model.visual.downsample", "model.visual.merger"),
-        "llm": ("model.language_model", "lm_head"),
-    },
+    role_prefixes=GLM4V_ROLES,
     lm_head_prefixes=("lm_head",),
     demo_models={"demo:tiny-glm4v": _TINY},
+)
+GLM4V_MOE = Glm4vMoeFamily(
+    name="glm4v-moe",
+    model_types=("glm4v_moe",),
+    role_prefixes=GLM4V_ROLES,
+    lm_head_prefixes=("lm_head",),
+    demo_models={"demo:tiny-glm4v-moe": _TINY_MOE},
 )

@@ -45,6 +45,12 @@ def expert_parameters_of_role(model: nn.Module, family: Family, role: str) -> li
     ]
 
 
+def routed_experts(text_config) -> int | None:
+    """A mixture-of-experts language model's routed experts (None: a dense one). Qwen's and Gemma 4's configs
+    name them `num_experts`; GLM-4.5V's (DeepSeek's naming) `n_routed_experts`."""
+    return getattr(text_config, "num_experts", None) or getattr(text_config, "n_routed_experts", None)
+
+
 def _matches(name: str, suffixes: list[str]) -> bool:
     """`name` ends with one of `suffixes` at a dot, or (a parameter) its module does: `experts` names both
     of a block's expert weights."""

@@ -24,8 +24,11 @@ from vlm_recipes.families.parameters import (
     params_by_role,
 )
 from vlm_recipes.model.experts import expert_decisions
+from vlm_recipes.model.peft_targets import keep_lora_targets_as_named
 from vlm_recipes.recipes.schema import DataSettings, QuantizationSettings, Stage
 from vlm_recipes.roles import ROLES
+
+keep_lora_targets_as_named()  # before any adapter is made or loaded: model/peft_targets.py says why
 
 log = logging.getLogger(__name__)
 

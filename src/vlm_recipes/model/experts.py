@@ -1,8 +1,9 @@
 """What a stage does with a mixture-of-experts language model's experts and router, and why.
 
-A mixture-of-experts block (Qwen3.5-MoE, Qwen3-VL-MoE) holds a router (`mlp.gate`, a bare matrix scoring
-the experts for each token), routed experts as two fused 3-D weights (`mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`: [experts, out, in]) and, in Qwen3.5, a shared expert every token passes through.
+A mixture-of-experts block (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V) holds a router (`mlp.gate`, a bare matrix
+scoring the experts for each token), routed experts as two fused 3-D weights (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`: [experts, out, in]) and, in Qwen3.5 and GLM-4.5V, a shared expert every token passes
+through.
 Neither the router nor the fused experts are `nn.Linear`, so:
 - LoRA adapts the experts only where the recipe names them (`lora.targets.llm: [..., experts]`), through
   PEFT's `target_parameters`; otherwise they stay frozen, as LLaMA-Factory's `lora_target: all` leaves them;
@@ -19,7 +20,7 @@ from torch import nn
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.families.base import Family
-from vlm_recipes.families.parameters import expert_parameters_of_role
+from vlm_recipes.families.parameters import expert_parameters_of_role, routed_experts
 
 
 def expert_decisions(
@@ -30,7 +31,7 @@ def expert_decisions(
     if not experts:
         return []
     text = model.config.get_text_config()
-    routing = f"{text.num_experts} routed experts, {text.num_experts_per_tok} per token"
+    routing = f"{routed_experts(text)} routed experts, {text.num_experts_per_tok} per token"
     if llm_mode == "full":
         what, why = "trained in full", f"llm: full; {routing}"
     elif expert_targets:

@@ -115,13 +115,23 @@ def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -
                 "linear map per patch, and the CPU convolution (its weight gradient most) is slower",
             )
         )
-    if stage.training.padding_free and attend_per_sample(built.model):
+    per_sample = built.family.text_positions_reach_attention
+    if stage.training.padding_free and per_sample and attend_per_sample(built.model):
         decisions.append(
             Decision(
                 "per-sample-attention",
                 f"text attention {PER_SAMPLE_SDPA}",
                 "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
                 "own, causally, instead of densely over the whole row under a block mask",
+            )
+        )
+    elif stage.training.padding_free and not per_sample:
+        decisions.append(
+            Decision(
+                "per-sample-attention",
+                "off: packed rows attended under transformers' block mask",
+                f"the {built.family.name} text model hands its layers the 3-D multimodal positions, not the "
+                "text ones each sample's bounds are read from",
             )
         )
     if stage.training.sparse_lora_dropout:

@@ -173,6 +173,9 @@ def _packed_lengths(
     """The sample lengths of a packed causal row without a KV cache, or None for anything else."""
     if (
         position_ids is None
+        # 3-D multimodal positions, not the text ones (GLM-4.5V's MoE layers are handed these): no sample
+        # boundaries to read; the block mask transformers built from the text positions keeps samples apart
+        or position_ids.dim() == 3
         or query.shape[0] != 1
         or query.shape[2] != key.shape[2]
         or position_ids.shape[-1] != query.shape[2]

@@ -1,7 +1,9 @@
-"""The tiny offline GLM-4.1V (`demo:tiny-glm4v`): a byte-level BPE split by GLM-4's pre-tokenizer pattern with
-GLM's special tokens numbered after it, Glm4vProcessor (14 px patches merged 2x2, timestamps after each pair
-of video frames), a GLM-4V tower (2-D RoPE, learned positions resampled to each image, a 2x2 downsampling
-convolution, the patch merger) and a GLM-4 text model (post-norms, partial 3-D RoPE)."""
+"""The tiny offline GLM-4.1V (`demo:tiny-glm4v`) and GLM-4.5V (`demo:tiny-glm4v-moe`): a byte-level BPE split
+by GLM-4's pre-tokenizer pattern with GLM's special tokens numbered after it, Glm4vProcessor (14 px patches
+merged 2x2, timestamps after each pair of video frames), a GLM-4V tower (2-D RoPE, learned positions
+resampled to each image, a 2x2 downsampling convolution, the patch merger) and a GLM-4 text model (post-norms,
+partial 3-D RoPE); for GLM-4.5V, GLM-4.5-Air's text model instead (pre-norm layers, a dense first layer, then
+a few routed experts beside a shared one)."""
 
 from __future__ import annotations
 
@@ -64,11 +66,14 @@ def glm4_tokenizer(corpus: list[str]):
 
 
 def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
-    """`chat_template`: the published checkpoint's (the family's GLM4V_CHAT_TEMPLATE)."""
+    """`chat_template`: the published checkpoint's (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
+    GLM-4.5V's Glm4vMoeForConditionalGeneration (same processor and tower)."""
     from transformers import (
         Glm4vConfig,
         Glm4vForConditionalGeneration,
         Glm4vImageProcessor,
+        Glm4vMoeConfig,
+        Glm4vMoeForConditionalGeneration,
         Glm4vProcessor,
         Glm4vVideoProcessor,
     )
@@ -85,22 +90,41 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: st
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
     stops = [ids[t] for t in STOP_TOKENS]
-    config = Glm4vConfig(
-        text_config=tiny_text_config(
-            tok,
-            dims,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-5,
-            # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.5,
-                "mrope_section": dims["mrope"],
-            },
-            pad_token_id=ids["<|endoftext|>"],
-            eos_token_id=stops,
-        ),
+    text = tiny_text_config(
+        tok,
+        dims,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": dims["mrope"],
+        },
+        pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=stops,
+    )
+    moe = "experts" in dims
+    if moe:  # GLM-4.5-Air's: the first layers' MLP dense (intermediate_size), then routed and shared experts
+        text |= {
+            "first_k_dense_replace": dims["dense_layers"],
+            "n_routed_experts": dims["experts"],
+            "num_experts_per_tok": dims["experts_per_token"],
+            "moe_intermediate_size": dims["expert_intermediate"],
+            "n_shared_experts": 1,
+            "n_group": 1,  # GLM-4.5V's: one group of experts, sigmoid scores, the top-k renormalized
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "attention_bias": True,  # GLM-4.5-Air's biased q, k, v
+        }
+    config_class, model_class = (
+        (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration)
+        if moe
+        else (Glm4vConfig, Glm4vForConditionalGeneration)
+    )
+    config = config_class(
+        text_config=text,
         vision_config={
             "depth": dims["vision_depth"],
             "hidden_size": dims["vision_dim"],
@@ -123,7 +147,7 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: st
     )
     save_tiny_model(
         out,
-        Glm4vForConditionalGeneration,
+        model_class,
         config,
         processor,
         dims,
