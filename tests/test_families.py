@@ -478,20 +478,11 @@ def glm4_5v_config() -> dict:
             "eos_token_id": [151329, 151336, 151338],
             "tie_word_embeddings": False,
         },
+        # GLM-4.1V's tower, with a merger of 10944 and no bias in its attention
         "vision_config": {
+            **glm4v_config()["vision_config"],
             "model_type": "glm4v_moe_vision",
-            "depth": 24,
-            "hidden_size": 1536,
             "intermediate_size": 10944,
-            "num_heads": 12,
-            "out_hidden_size": 4096,
-            "image_size": 336,
-            "patch_size": 14,
-            "in_channels": 3,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "hidden_act": "silu",
-            "rms_norm_eps": 1e-05,
             "attention_bias": False,
         },
     }
