@@ -20,13 +20,22 @@ from vlm_recipes.evaluation.compare import (
     spread_marks,
 )
 from vlm_recipes.evaluation.predictions import format_answers_markdown, format_answers_text, side_by_side
-from vlm_recipes.evaluation.run_summary import RunSummary
+from vlm_recipes.evaluation.run_summary import RunSummary, load_run
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.runs.manifest import format_summary, stage_summary
 
 matplotlib.use("Agg")
 
 
 def run(recipe: str, seed: int, eval_loss: float, method: str = "sft", **metrics) -> RunSummary:
-    values = {"exact_match": 0.0, "json_f1": 0.0, "reward_accuracy": None, "reward_margin": None} | metrics
+    values = {
+        "exact_match": 0.0,
+        "json_f1": 0.0,
+        "reward_accuracy": None,
+        "reward_margin": None,
+        "reward": None,
+    }
+    values |= metrics
     return RunSummary(
         run_dir=Path(f"runs/{recipe}/s-seed{seed}"),
         recipe=recipe,
@@ -158,3 +167,99 @@ def test_an_eval_loss_panel_with_only_preference_losses_says_so():
     runs = [run("dpo", s, 0.69, method="dpo", reward_accuracy=0.4 + s / 10) for s in (0, 1)]
     losses = comparison_figure(compare_runs(runs)).axes[1]
     assert "no SFT eval loss to show" in " ".join(t.get_text() for t in losses.texts)
+
+
+def stage_metrics(steps: int, losses: list[float], **extra) -> dict:
+    """A stage's metrics.json: its loss curve (one point per step), eval loss and exact match."""
+    return {
+        "loss_curve": [{"step": i, "loss": loss} for i, loss in enumerate(losses, 1)],
+        "steps": steps,
+        "final_train_loss": losses[-1],
+        "eval_loss": losses[-1] + 0.1,
+        "eval": {"all": {"exact_match": 0.25}},
+        "wall_time_s": 2.0,
+    } | extra
+
+
+GRPO_METRICS = {
+    "eval_reward": 1.375,  # exact match and format rewards summed: may exceed 1
+    "eval_reward_std": 0.5,
+    "eval_reward:exact_match": 0.5,
+    "reward_curve": [
+        {"step": 1, "reward": 0.5, "reward_std": 0.4, "completion_length": 12.0, "reward:exact_match": 0.0},
+        {"step": 2, "reward": 1.25, "reward_std": 0.3, "completion_length": 9.0, "reward:exact_match": 0.5},
+    ],
+}
+
+
+def write_finished_run(root: Path, stages: list[tuple[str, str, dict]]) -> Path:
+    """A finished run: run.json listing (name, method) stages as the runner does, each with its metrics.json."""
+    summaries = []
+    for index, (name, method, metrics) in enumerate(stages, 1):
+        stage_dir = root / f"stage-{index}-{name}"
+        stage_dir.mkdir(parents=True)
+        (stage_dir / "metrics.json").write_text(json.dumps(metrics))
+        stage = Stage(name=name, method=method)
+        summaries.append(stage_summary(index, stage, stage_dir, "previous", metrics))
+    manifest = {"recipe": root.parent.name, "seeds": [0], "status": "finished", "stages": summaries}
+    manifest["final_model"] = summaries[-1]["final_model"]
+    (root / "run.json").write_text(json.dumps(manifest))
+    return root
+
+
+def sft_then_grpo(root: Path) -> Path:
+    sft = stage_metrics(3, [2.0, 1.5, 1.2])
+    grpo = stage_metrics(2, [0.01, -0.02], **GRPO_METRICS)  # a policy loss: near 0
+    return write_finished_run(root, [("llm-lora", "sft", sft), ("llm-grpo", "grpo", grpo)])
+
+
+def test_a_run_ending_in_grpo_has_its_reward_and_reward_curve_not_its_loss_beside_sft_losses(tmp_path):
+    summary = load_run(sft_then_grpo(tmp_path / "r6" / "t"))
+    assert summary.last_method == "grpo" and summary.reward == 1.375
+    assert summary.loss_curve == [(1, 2.0), (2, 1.5), (3, 1.2)]  # the SFT stage's only
+    assert summary.reward_curve == [(4, 0.5), (5, 1.25)]  # steps counted after the SFT stage's 3
+    assert summary.preference_curve == [] and summary.stage_boundaries == [3]
+
+    figure = comparison_figure(compare_runs([summary]))
+    twin = figure.axes[3]  # the reward curve's own axis, beside the SFT losses
+    assert [list(line.get_xdata()) for line in twin.lines] == [[4, 5]]
+    assert "GRPO mean reward" in twin.get_ylabel()
+    assert "mean reward (GRPO)" in [t.get_text() for t in figure.axes[2].get_legend().get_texts()]
+    low, high = figure.axes[2].get_ylim()
+    assert high > 1.375, (low, high)  # a reward above 1 is not cut off at a score's 1.05
+
+
+def reward_cells(table: str) -> dict[str, str]:
+    """recipe → its reward cell, from the text table."""
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("recipe"))
+    column = re.split(r"\s{2,}", header).index("reward")
+    rows = [line for line in lines if line.startswith(("better", "worse", "sft"))]
+    return {r.split()[0]: re.split(r"\s{2,}", r)[column] for r in rows}
+
+
+def test_the_table_shows_the_grpo_reward_and_marks_the_best_recipe_by_it():
+    runs = [run("better", s, 0.01, method="grpo", reward=1.30 + s / 100) for s in (0, 1)]
+    runs += [run("worse", s, -0.02, method="grpo", reward=0.80 + s / 100) for s in (0, 1)]
+    runs += [run("sft", 0, 6.85)]
+    comparison = compare_runs(runs)
+    text = format_comparison(comparison, answer_rows=0)
+    assert reward_cells(text) == {"better": "1.305 ± 0.007 (best)", "worse": "0.805 ± 0.007 *", "sft": "-"}
+    # a policy loss is near 0 by construction: a lower one is not a better recipe
+    assert "(best)" not in eval_loss_cells(text)["worse"]
+    assert "| 0.805 ± 0.007 \\* |" in format_markdown(comparison, None, answer_rows=0)
+
+
+def test_the_end_of_run_table_shows_the_reward_and_no_loss_for_a_grpo_stage(tmp_path):
+    run_dir = sft_then_grpo(tmp_path / "r6" / "t")
+    assert read_stages(run_dir)[1]["eval_reward"] == 1.375
+    lines = format_summary(run_dir).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    assert header.split()[-2:] == ["reward", "time"]
+    sft, grpo = (line.split() for line in lines if line.lstrip().startswith(("1 ", "2 ")))
+    assert sft[3:7] == ["1.2000", "1.3000", "0.250", "-"]  # train loss, eval loss, exact match, no reward
+    assert grpo[3:7] == ["-", "-", "0.250", "1.375"]  # a policy loss is not a likelihood: not shown
+
+
+def read_stages(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "run.json").read_text())["stages"]

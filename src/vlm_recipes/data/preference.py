@@ -22,7 +22,7 @@ from vlm_recipes.data.rows import (
 from vlm_recipes.families.base import Family
 
 
-def _messages_problem(value, key: str, answer: bool) -> str | None:
+def messages_problem(value, key: str, answer: bool) -> str | None:
     if not isinstance(value, list) or not value:
         return f"the row needs a `{key}` list of messages"
     roles = [m.get("role") if isinstance(m, dict) else None for m in value]
@@ -42,7 +42,7 @@ def preference_row_problem(
     for key, answer in (("prompt", False), ("chosen", True), ("rejected", True)):
         if row.get(key) is None:
             return f"no {key}", f"the row needs `{key}` (preference rows: prompt, chosen, rejected, images)"
-        if detail := _messages_problem(row[key], key, answer):
+        if detail := messages_problem(row[key], key, answer):
             return f"bad {key}", detail
     images = row.get("images") or []
     placeholders = count_image_parts(row["prompt"])

@@ -165,7 +165,9 @@ def image_problem(image, image_root: Path | None, allow_remote_images: bool) -> 
 
 
 # A row format: its check, (reason, detail) or None for a row, and the columns kept.
+# (the row check, the columns kept); ALL_COLUMNS keeps every column (GRPO's rewards read any of them)
 RowFormat = tuple[Callable[[dict, Path | None, bool], tuple[str, str] | None], tuple[str, ...]]
+ALL_COLUMNS: tuple[str, ...] = ("*",)
 MESSAGES: RowFormat = (row_problem, ("messages", "images"))
 
 
@@ -216,7 +218,11 @@ def load_split(
         ds = ds.map(
             lambda row: {"videos": [str(Path(root) / p) for p in row["videos"] or []]}, desc="video paths"
         )
-    keep = [c for c in (*columns, "videos") if c in ds.column_names]
+    keep = (
+        ds.column_names
+        if columns == ALL_COLUMNS
+        else [c for c in (*columns, "videos") if c in ds.column_names]
+    )
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
     return (ds.remove_columns(extra) if extra else ds), skipped
 

@@ -1,8 +1,8 @@
 """The embedded demo data: synthetic image and video datasets, generated offline and deterministically on
 first use.
 
-Recipes name ``demo:train`` / ``demo:eval`` (and the benchmark ``demo:bench``) as their data, so every
-recipe runs end to end without a dataset hub. Tasks: `shapes` (one image), `nutrition` (a label read as
+Recipes name ``demo:train`` / ``demo:eval`` (and the benchmark ``demo:bench``; ``demo:preference-*`` for
+DPO, ``demo:prompt-*`` for GRPO) as their data, so every recipe runs end to end without a dataset hub. Tasks: `shapes` (one image), `nutrition` (a label read as
 JSON), `pair` (two images: are the shapes the same colour?) and `motion` (a short clip rendered with PyAV:
 which way does the dot move?). A family that takes no video reads the splits without their `motion` rows
 (``train-images.jsonl``), which the log says. Files are cached under ``cache_dir() / VERSION``; bump the
@@ -89,8 +89,11 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
         return str(ensure_bench_dataset() / "bench.jsonl")
     if split.startswith(_PREFERENCE_PREFIX) and split[len(_PREFERENCE_PREFIX) :] in _SPLITS:
         return str(ensure_preference_dataset() / f"{split[len(_PREFERENCE_PREFIX) :]}.jsonl")
+    if split.startswith(_PROMPT_PREFIX) and split[len(_PROMPT_PREFIX) :] in _SPLITS:
+        return str(ensure_prompt_dataset() / f"{split[len(_PROMPT_PREFIX) :]}.jsonl")
     if split not in _SPLITS:
-        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in ("", _PREFERENCE_PREFIX) for s in _SPLITS)
+        prefixes = ("", _PREFERENCE_PREFIX, _PROMPT_PREFIX)
+        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in prefixes for s in _SPLITS)
         raise ValueError(f"Unknown demo data source {source!r}; valid demo sources are: {valid}")
     if not with_videos:
         log.info("%s: its %s rows left out (this model takes no video)", source, "/".join(_VIDEO_TASKS))
@@ -251,6 +254,39 @@ def _build_preference_dataset(out: Path) -> None:
                     "images": row["images"],
                 }
                 f.write(json.dumps(pair, ensure_ascii=False) + "\n")
+        info["splits"][split] = {"rows": len(samples)}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- prompt rows (method: grpo)
+
+_PROMPT_PREFIX = "prompt-"
+
+
+def ensure_prompt_dataset() -> Path:
+    """``train.jsonl`` / ``eval.jsonl`` prompt rows (method: grpo) over the demo tasks' images: the question
+    as `prompt`, the answer as `solution` (exact match and JSON F1 check it)."""
+    return build_dir_atomically(
+        cache_dir() / VERSION / "prompt-data",
+        ("train.jsonl", "eval.jsonl", "dataset_info.json"),
+        _build_prompt_dataset,
+        "demo prompt dataset",
+    )
+
+
+def _build_prompt_dataset(out: Path) -> None:
+    """The demo splits' image rows (same generator, same bytes) as prompt / solution rows."""
+    (out / "images").mkdir()
+    info: dict[str, Any] = {"version": VERSION, "seeds": _SPLIT_SEEDS, "splits": {}}
+    for split in _SPLITS:
+        samples = [s for s in _generate_split(split) if s[0]["task"] not in _VIDEO_TASKS]
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for row, images, clips in samples:
+                _write_media(out, row, images, clips)
+                prompt, answer = row["messages"]
+                solution = answer["content"][0]["text"]
+                line = {"id": row["id"], "task": row["task"], "prompt": [prompt], "solution": solution}
+                f.write(json.dumps({**line, "images": row["images"]}, ensure_ascii=False) + "\n")
         info["splits"][split] = {"rows": len(samples)}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 

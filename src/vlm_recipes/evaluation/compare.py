@@ -84,8 +84,10 @@ HIGHER_IS_BETTER = {
     "json_f1": True,
     "reward_accuracy": True,
     "reward_margin": True,
+    "reward": True,
 }
 LOSSES = ("train_loss", "eval_loss")
+NOT_JUDGED_LOSSES = ("grpo",)  # a GRPO stage's policy loss is near 0 by construction: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
 
 
@@ -100,12 +102,13 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
     difference is larger than both seed spreads together (|mean − best mean| > std + best std); "" when
     within the spread, when it or the best ran once (no spread to compare against), or when every recipe
     has the same mean. Losses are compared between recipes whose last stage has the same method only (a DPO
-    stage's loss is a preference loss)."""
+    stage's loss is a preference loss); a GRPO stage's policy loss is not judged."""
     marks = {row.recipe: "" for row in rows}
     comparable: dict[str, list[RecipeRow]] = defaultdict(list)
     for row in rows:
-        if row.values(attr):
-            comparable[row.runs[0].last_method if attr in LOSSES else ""].append(row)
+        method = row.runs[0].last_method if attr in LOSSES else ""
+        if row.values(attr) and method not in NOT_JUDGED_LOSSES:
+            comparable[method].append(row)
     for same in comparable.values():
         stats = {row.recipe: _mean_std(row, attr) for row in same}
         pick = max if HIGHER_IS_BETTER[attr] else min
@@ -153,6 +156,7 @@ COLUMNS = [
     ("JSON F1", "json_f1", "{:.3f}"),
     ("reward acc", "reward_accuracy", "{:.3f}"),
     ("reward margin", "reward_margin", "{:.4f}"),
+    ("reward", "reward", "{:.3f}"),
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("peak mem GB", "peak_memory_gb", "{:.2f}"),
@@ -209,7 +213,8 @@ def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: i
     lines.append(
         "Values are mean ± std over seeds where a recipe ran more than once. Losses and metrics are "
         "the last stage's; a DPO stage's eval loss is its preference loss, its exact match scores the "
-        "chosen answers."
+        "chosen answers; a GRPO stage's losses are its policy loss (not judged), its reward the mean total "
+        "reward of completions sampled for the eval prompts (higher is better)."
     )
     if png_name:
         lines += ["", f"![loss curves and metrics]({png_name})"]
@@ -223,7 +228,9 @@ TASK_METRICS = [
     ("exact_match", "exact match", "o"),
     ("json_f1", "JSON field F1", "s"),
     ("reward_accuracy", "reward accuracy (DPO)", "^"),
+    ("reward", "mean reward (GRPO)", "v"),
 ]
+ONE_METHOD_ONLY = ("reward_accuracy", "reward")  # only a DPO / GRPO last stage has one
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> Path:
@@ -240,10 +247,11 @@ def plot_comparison(comparison: Comparison, path: Path) -> Path:
 
 
 def comparison_figure(comparison: Comparison):
-    """Three panels: train-loss curves (steps counted across stages, stage boundaries dashed); eval loss; task
-    metrics (exact match, JSON field F1, DPO's reward accuracy). Eval loss and metrics are each recipe's mean
-    ± std over seeds on an axis that spans the values (not from 0), so 6.85 against 6.87 shows; the eval-loss
-    panel shades the best recipe's mean ± std, and a recipe further from it than the seed spread has `*`."""
+    """Three panels: train curves (steps counted across stages, stage boundaries dashed; DPO losses and GRPO
+    rewards on a second axis); eval loss; task metrics (exact match, JSON field F1, DPO's reward accuracy,
+    GRPO's mean reward). Eval loss and metrics are each recipe's mean ± std over seeds on an axis that spans
+    the values (not from 0), so 6.85 against 6.87 shows; the eval-loss panel shades the best recipe's mean ±
+    std, and a recipe further from it than the seed spread has `*`."""
     import matplotlib.pyplot as plt
 
     rows = [row for group in comparison.groups.values() for row in group]
@@ -258,33 +266,46 @@ def comparison_figure(comparison: Comparison):
     return fig
 
 
+# The curves drawn on the second axis, not comparable with SFT losses: (RunSummary attribute, line, label).
+TWIN_CURVES = [
+    ("preference_curve", ":", "DPO loss (dotted)"),
+    ("reward_curve", "-.", "GRPO mean reward (dash-dot)"),
+]
+
+
 def _train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
-    preference = curves.twinx() if any(run.preference_curve for row in rows for run in row.runs) else None
+    """SFT losses on the left axis; DPO losses and GRPO rewards, where a run has them, on a second axis."""
+    runs = [run for row in rows for run in row.runs]
+    twins = [(attr, line, label) for attr, line, label in TWIN_CURVES if any(getattr(r, attr) for r in runs)]
+    twin = curves.twinx() if twins else None
     for row, color in zip(rows, colors, strict=True):
         for k, run in enumerate(row.runs):
             style = {"color": color, "alpha": 0.9 if k == 0 else 0.35}
-            for axis, points, line in (
-                (curves, run.loss_curve, "-"),
-                (preference, run.preference_curve, ":"),
-            ):
+            drawn = [(curves, run.loss_curve, "-")] + [(twin, getattr(run, a), line) for a, line, _ in twins]
+            label = row.recipe if k == 0 else None
+            for axis, points, line in drawn:
                 if points:
                     steps, values = zip(*points, strict=True)
                     marker = "." if len(steps) < 30 else None
-                    label = row.recipe if k == 0 and axis is curves else None
                     axis.plot(steps, values, line, marker=marker, label=label, **style)
+                    label = None  # one legend entry per recipe, on whichever axis its first curve is
             for boundary in run.stage_boundaries:
                 curves.axvline(boundary, color=color, linestyle="--", linewidth=0.8, alpha=0.5)
+    title = "train loss" + " and reward" * any(a == "reward_curve" for a, _, _ in twins)
     curves.set(
-        title="train loss (dashed: stage boundaries)", xlabel="optimizer step, all stages", ylabel="SFT loss"
+        title=f"{title} (dashed: stage boundaries)", xlabel="optimizer step, all stages", ylabel="SFT loss"
     )
-    if preference is not None:
-        preference.set_ylabel("DPO loss (dotted)")
-    curves.legend(fontsize=8)
+    if twin is not None:
+        twin.set_ylabel(", ".join(label for _, _, label in twins))
+    handles = [h for axis in (curves, twin) if axis is not None for h in axis.get_legend_handles_labels()[0]]
+    if handles:  # on the top axis, where no curve hides it
+        (curves if twin is None else twin).legend(handles=handles, fontsize=8)
 
 
 def _eval_losses(axis, comparison: Comparison, color_of: dict[int, str]) -> None:
     """Per eval set, its SFT recipes' eval loss as mean ± std, the best one's mean ± std shaded across them.
-    A DPO last stage's eval loss is a preference loss: not a point beside cross-entropies."""
+    A DPO last stage's eval loss is a preference loss, a GRPO one's a policy loss: not points beside
+    cross-entropies."""
     names: list[str] = []
     for group in comparison.groups.values():
         sft = [row for row in group if row.runs[0].last_method == "sft" and row.values("eval_loss")]
@@ -308,7 +329,10 @@ def _eval_losses(axis, comparison: Comparison, color_of: dict[int, str]) -> None
     if any(name.endswith(" *") for name in names):
         axis.set_xlabel("*: further from the best (band: its mean ± std) than the seed spread", fontsize=8)
     if not names:
-        _say(axis, "no SFT eval loss to show\n(a DPO last stage's is a preference loss)")
+        _say(
+            axis,
+            "no SFT eval loss to show\n(a DPO last stage's is a preference loss,\na GRPO one's a policy loss)",
+        )
         return
     axis.set_xticks(range(len(names)), names)
     axis.set_xlim(-0.6, len(names) - 0.2)
@@ -325,7 +349,7 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
             shown.append((attr, label, marker))
         elif values:
             zero.append(label)
-        elif attr != "reward_accuracy":  # only a DPO last stage has one
+        elif attr not in ONE_METHOD_ONLY:
             missing.append(label)
     not_shown = [f"{', '.join(zero)}: 0.000 in every run"] * bool(zero)
     not_shown += [f"{', '.join(missing)}: not measured"] * bool(missing)
@@ -341,13 +365,19 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
                 mean, std = _mean_std(row, attr)
                 axis.errorbar(x + shift, mean, yerr=std or 0.0, fmt=marker, color=color, capsize=3)
         axis.plot([], [], marker, color="black", label=label)  # the legend names the markers
-    low, high = axis.get_ylim()
-    axis.set_ylim(max(low, -0.05), min(high, 1.05))
+    _score_limits(axis, [v for attr, _, _ in shown for row in rows for v in row.values(attr)])
     axis.set_xticks(range(len(rows)), [row.recipe for row in rows])
     if not_shown:
         axis.set_xlabel("not shown: " + "; ".join(not_shown), fontsize=8)
     axis.set_ylabel("score: mean ± std over seeds")
     axis.legend(fontsize=8)
+
+
+def _score_limits(axis, values: list[float]) -> None:
+    """Keep the axis within the scores' range [0, 1] (a std bar may reach past it), except on a side a value
+    lies beyond (a GRPO reward is a sum of reward functions: it may exceed 1, or be negative)."""
+    low, high = axis.get_ylim()
+    axis.set_ylim(low if min(values) < 0 else max(low, -0.05), high if max(values) > 1 else min(high, 1.05))
 
 
 def _say(axis, text: str) -> None:

@@ -208,10 +208,17 @@ def _text_of(content) -> str:
 
 def prompts_from_rows(rows: Iterable[dict]) -> list[Prompt]:
     """Split each conversation before its last assistant turn: the prompt, and the reference answer.
-    A preference row (method: dpo) is scored as its prompt followed by the chosen answer."""
+    A preference row (method: dpo) is scored as its prompt followed by the chosen answer, a prompt row
+    (method: grpo) as its prompt followed by its solution."""
     prompts = []
     for index, row in enumerate(rows):
-        messages = row["messages"] if "messages" in row else row["prompt"] + row["chosen"]
+        if "messages" in row:
+            messages = row["messages"]
+        elif "chosen" in row:
+            messages = row["prompt"] + row["chosen"]
+        else:
+            solution = [{"type": "text", "text": row.get("solution") or ""}]
+            messages = row["prompt"] + [{"role": "assistant", "content": solution}]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         context = attach_images(messages[:last], row.get("images"))
         user_text = " ".join(_text_of(m["content"]) for m in messages[:last] if m["role"] == "user")

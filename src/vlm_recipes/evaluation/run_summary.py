@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,15 @@ class RunSummary:
     json_f1: float | None
     reward_accuracy: float | None  # a DPO last stage: chosen scored above rejected on the eval pairs
     reward_margin: float | None
+    reward: float | None  # a GRPO last stage: mean total reward of sampled completions on the eval prompts
     time_s: float
     samples_per_s: float | None
     peak_memory_gb: float | None
     eval_signature: str | None
-    last_method: str = "sft"  # the last stage's method: a dpo stage's losses are preference losses
+    last_method: str = "sft"  # the last stage's method: dpo and grpo losses are preference / policy losses
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
     preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
+    reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
 
 
@@ -46,12 +49,7 @@ def load_run(run_dir: Path) -> RunSummary:
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
     methods = [s.get("method", "sft") for s in manifest["stages"]]
-    curves: dict[str, list[tuple[int, float]]] = {"sft": [], "dpo": []}
-    offset, boundaries = 0, []
-    for method, metrics in zip(methods, stage_metrics, strict=True):
-        curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
-        offset += metrics["steps"]
-        boundaries.append(offset)
+    curves, boundaries = _curves(methods, stage_metrics)
     overall = (last.get("eval") or {}).get("all", {})
     memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
     throughput = [m["train_samples_per_second"] for m in stage_metrics if m.get("train_samples_per_second")]
@@ -69,6 +67,7 @@ def load_run(run_dir: Path) -> RunSummary:
         json_f1=(overall.get("json_fields") or {}).get("f1"),
         reward_accuracy=last.get("eval_reward_accuracy"),
         reward_margin=last.get("eval_reward_margin"),
+        reward=last.get("eval_reward") if methods[-1] == "grpo" else None,
         time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
@@ -76,8 +75,30 @@ def load_run(run_dir: Path) -> RunSummary:
         last_method=methods[-1],
         loss_curve=curves["sft"],
         preference_curve=curves["dpo"],
+        reward_curve=curves["grpo"],
         stage_boundaries=boundaries[:-1],
     )
+
+
+def _curves(
+    methods: list[str], stage_metrics: list[dict]
+) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
+    """Per method, its stages' curve with steps counted across all stages: the loss of SFT and DPO stages,
+    the mean reward of GRPO stages (whose policy loss says nothing beside a likelihood); and the step at
+    which each stage ends."""
+    curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    offset, boundaries = 0, []
+    for method, metrics in zip(methods, stage_metrics, strict=True):
+        if method == "grpo":
+            points = metrics.get("reward_curve") or []
+            curves[method] += [
+                (offset + p["step"], p["reward"]) for p in points if p.get("reward") is not None
+            ]
+        else:
+            curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+        offset += metrics["steps"]
+        boundaries.append(offset)
+    return curves, boundaries
 
 
 def _peak_gb(peak: dict | None) -> float | None:

@@ -296,3 +296,5 @@ class TrainingMethod:
     check_lengths: Callable
     max_length: Callable[[Stage], int | None]
     eval_metrics: Callable[[dict], dict]  # trainer.evaluate()'s output -> extra keys of metrics.json
+    # trainer.state.log_history -> extra keys of metrics.json (GRPO's reward curve)
+    train_metrics: Callable[[list[dict]], dict] = lambda history: {}

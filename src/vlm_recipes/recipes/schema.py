@@ -15,8 +15,10 @@ Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
-# How a stage trains; each value has its trainer in stages/methods.py (GRPO later: one more value there).
-Method = Literal["sft", "dpo"]
+# How a stage trains; each value has its module in methods/ (methods/__init__.py lists them).
+Method = Literal["sft", "dpo", "grpo"]
+GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
+RewardScaling = Literal["group", "batch", "none"]
 DpoLoss = Literal[
     "sigmoid",
     "hinge",
@@ -303,6 +305,68 @@ class DpoSettings:
 
 
 @dataclass
+class RewardSettings:
+    """One reward of a GRPO stage; the stage's reward is the weighted sum of its rewards."""
+
+    name: str = doc(
+        "exact_match (1 when the completion equals the row's `solution`, normalized as the eval scores it), "
+        "json_f1 (field F1 of the completion's JSON against the `solution` JSON), format (1 when the whole "
+        "completion matches `pattern`), length (1 at or below `target_length` tokens, falling linearly to 0 "
+        "at twice it), or your own `module:function` with TRL's reward signature",
+        "exact_match",
+    )
+    weight: float = doc("its weight in the stage's reward", 1.0)
+    pattern: str | None = doc(
+        "format: the regular expression the whole completion must match, e.g. "
+        "'<think>.*?</think>\\s*<answer>.*?</answer>'",
+        None,
+    )
+    target_length: int | None = doc(
+        "length: completions up to this many tokens get the full reward", None, range=AT_LEAST_1
+    )
+
+
+@dataclass
+class GrpoSettings:
+    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows.
+    Defaults fit a 7B model with LoRA on one 24-80 GB GPU."""
+
+    rewards: list[RewardSettings] = doc(
+        "the rewards, summed with their weights", factory=lambda: [RewardSettings()]
+    )
+    num_generations: int = doc(
+        "completions sampled per prompt: the group whose rewards set each completion's advantage; "
+        "training.per_device_batch_size counts completions and must be a multiple of it",
+        8,
+        range=Range(2),
+    )
+    max_completion_length: int = doc("longest sampled completion, in tokens", 256, range=AT_LEAST_1)
+    max_prompt_length: int | None = doc(
+        "longest prompt in tokens, image tokens included; a longer prompt is a data error, never cut; "
+        "null: data.max_length minus max_completion_length",
+        None,
+        range=AT_LEAST_1,
+    )
+    temperature: float = doc("sampling temperature of the completions", 1.0, range=ABOVE_0)
+    beta: float = doc(
+        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter "
+        "off); 0: no KL term and no reference pass (DAPO, Dr. GRPO)",
+        0.0,
+        range=AT_LEAST_0,
+    )
+    loss_type: GrpoLoss = doc(
+        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
+        "bnpo, cispo, sapo",
+        "dapo",
+    )
+    epsilon: float = doc("clipping range of the policy ratio", 0.2, range=ABOVE_0)
+    scale_rewards: RewardScaling = doc(
+        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
+        "group",
+    )
+
+
+@dataclass
 class Stage:
     name: str = doc("stage name, unique in the recipe; its directory is stage-<i>-<name>", "")
     description: str = doc("one line on what this stage does", "")
@@ -312,8 +376,9 @@ class Stage:
         "previous",
     )
     method: Method = doc(
-        "how the stage trains: sft (supervised, `messages` rows) or dpo (preference pairs: `prompt`, "
-        "`chosen`, `rejected` rows; see the dpo section)",
+        "how the stage trains: sft (supervised, `messages` rows), dpo (preference pairs: `prompt`, "
+        "`chosen`, `rejected` rows; see the dpo section) or grpo (sampled completions scored by rewards: "
+        "`prompt` rows with a `solution`; see the grpo section)",
         "sft",
     )
     train: TrainModes = doc("training mode per module role", factory=TrainModes)
@@ -332,6 +397,9 @@ class Stage:
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
     dpo: DpoSettings = doc("preference-training settings, used when method is dpo", factory=DpoSettings)
+    grpo: GrpoSettings = doc(
+        "reinforcement-learning settings, used when method is grpo", factory=GrpoSettings
+    )
 
 
 @dataclass

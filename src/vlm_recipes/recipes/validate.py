@@ -22,7 +22,15 @@ from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, Range, Recipe
 from vlm_recipes.roles import ROLES
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
-DEMO_DATA = ("demo:train", "demo:eval", "demo:bench", "demo:preference-train", "demo:preference-eval")
+DEMO_DATA = (
+    "demo:train",
+    "demo:eval",
+    "demo:bench",
+    "demo:preference-train",
+    "demo:preference-eval",
+    "demo:prompt-train",
+    "demo:prompt-eval",
+)
 
 
 @dataclass
@@ -250,7 +258,8 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
                 Problem(
                     f"{at}.data.{key}",
                     f"unknown demo data `{source}`: use demo:train or demo:eval "
-                    "(demo:preference-train or demo:preference-eval for method: dpo)",
+                    "(demo:preference-train or demo:preference-eval for method: dpo, "
+                    "demo:prompt-train or demo:prompt-eval for method: grpo)",
                 )
             )
     return problems
@@ -283,8 +292,8 @@ def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Proble
 
 def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
     """A DPO stage that trains LoRA takes the model with its adapter off as the reference: a role trained
-    fully beside it would move the reference too. Cutting the last layer to the labelled positions is an
-    SFT loss's speed-up."""
+    fully beside it would move the reference too (a GRPO stage with a KL term alike). Cutting the last layer
+    to the labelled positions is an SFT loss's speed-up. A GRPO batch holds whole prompt groups."""
     problems = []
     if stage.method != "sft" and stage.training.loss_positions_only:
         problems.append(
@@ -295,13 +304,48 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
         )
     lora = [role for role, mode in modes.items() if mode == "lora"]
     full = [role for role, mode in modes.items() if mode == "full"]
-    if stage.method == "dpo" and lora and full:
+    with_reference = stage.method == "dpo" or (stage.method == "grpo" and stage.grpo.beta > 0)
+    if with_reference and lora and full:
         problems.append(
             Problem(
                 f"{at}.train",
-                f"method dpo trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the reference "
-                "(the model with its adapter off) would move with the fully trained roles. Train every role "
-                "with LoRA, or every trained role fully",
+                f"method {stage.method} trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the "
+                "reference (the model with its adapter off) would move with the fully trained roles. Train "
+                "every role with LoRA, or every trained role fully",
             )
         )
+    if stage.method == "grpo":
+        problems += _grpo_problems(stage, at)
+    return problems
+
+
+def _grpo_problems(stage, at: str) -> list[Problem]:
+    """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion;
+    the rewards exist (names, their keys, a user's function importable with TRL's signature)."""
+    from vlm_recipes.methods.rewards import reward_problems
+
+    problems = []
+    g, t = stage.grpo, stage.training
+    completions = t.per_device_batch_size * t.gradient_accumulation_steps
+    if completions % g.num_generations:
+        problems.append(
+            Problem(
+                f"{at}.training.per_device_batch_size",
+                f"{t.per_device_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} = "
+                f"{completions} completions a step, not a multiple of grpo.num_generations "
+                f"{g.num_generations}: a step must hold whole prompt groups",
+            )
+        )
+    no_room = stage.data.max_length is not None and stage.data.max_length <= g.max_completion_length
+    if g.max_prompt_length is None and no_room:
+        problems.append(
+            Problem(
+                f"{at}.grpo.max_completion_length",
+                f"{g.max_completion_length} leaves no room for the prompt in data.max_length "
+                f"{stage.data.max_length}: raise data.max_length or set grpo.max_prompt_length",
+            )
+        )
+    for error in reward_problems(g.rewards, f"{at}.grpo.rewards"):
+        where, _, problem = str(error).partition(": ")  # the error starts with its key path
+        problems.append(Problem(where, problem))
     return problems

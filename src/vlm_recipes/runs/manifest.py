@@ -132,26 +132,39 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         },
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
         "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
+        "eval_reward": metrics.get("eval_reward"),  # method grpo only
     }
 
 
 def format_summary(run_dir: Path) -> str:
-    """The table printed at the end of a run (with DPO's eval reward accuracy when a stage has one)."""
+    """The table printed at the end of a run (with DPO's eval reward accuracy and GRPO's eval reward when a
+    stage has one)."""
     manifest = read_json(run_dir / "run.json")
     stages = manifest["stages"]
-    rewards = any(s.get("eval_reward_accuracy") is not None for s in stages)
+    accuracies = any(s.get("eval_reward_accuracy") is not None for s in stages)
+    rewards = any(s.get("eval_reward") is not None for s in stages)
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
-    header += f" {'reward acc':>10}" * rewards + f" {'time':>7}"
+    header += f" {'reward acc':>10}" * accuracies + f" {'reward':>7}" * rewards + f" {'time':>7}"
     lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
     for s in stages:
+        train_loss, eval_loss = _losses(s)
         line = (
-            f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(s['final_train_loss']):>10} "
-            f"{_num(s['eval_loss']):>9} {_num(s.get('exact_match'), 3):>11}"
+            f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(train_loss):>10} "
+            f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
         )
-        line += f" {_num(s.get('eval_reward_accuracy'), 3):>10}" * rewards
+        line += f" {_num(s.get('eval_reward_accuracy'), 3):>10}" * accuracies
+        line += f" {_num(s.get('eval_reward'), 3):>7}" * rewards
         lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
     return "\n".join(lines)
+
+
+def _losses(stage: dict) -> tuple[float | None, float | None]:
+    """A stage's final train loss and eval loss, as the table shows them."""
+    if stage.get("method") == "grpo":
+        # GRPO's loss is its policy loss (near 0 by construction): not a likelihood, so not shown as one
+        return None, None
+    return stage["final_train_loss"], stage["eval_loss"]
 
 
 def _num(value, digits: int = 4) -> str:

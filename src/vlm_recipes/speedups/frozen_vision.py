@@ -130,19 +130,23 @@ class VisionFeatureCache:
         autocast = self._autocast_dtype(pixel_values.device.type)
         keys = [self._key(pixels, grid, autocast) for pixels, grid in units]
         features = [self._load(key, pixel_values.device) for key in keys]
-        missing = [i for i, f in enumerate(features) if f is None]
+        # An image the batch holds several times is computed once: GRPO repeats each prompt, image and all,
+        # once per sampled completion (TRL's RepeatSampler), so its group's copies share one tower pass.
+        missing = list(dict.fromkeys(keys[i] for i, f in enumerate(features) if f is None))
+        first_of = {key: keys.index(key) for key in missing}
         self.hits += len(features) - len(missing)
         self.misses += len(missing)
         if missing:
             with torch.no_grad():
                 computed = compute(
-                    *self.family.batch_image_units([units[i] for i in missing]),
+                    *self.family.batch_image_units([units[first_of[key]] for key in missing]),
                     **{**kwargs, "return_dict": True},
                 )
             # every tensor the model reads (Qwen3-VL: its DeepStack features too), one dict per image
-            for i, image in zip(missing, self.family.split_image_features(computed), strict=True):
-                features[i] = image
-                self._store(keys[i], image)
+            by_key = dict(zip(missing, self.family.split_image_features(computed), strict=True))
+            for key, image in by_key.items():
+                self._store(key, image)
+            features = [by_key.get(key, feature) for key, feature in zip(keys, features, strict=True)]
         return self.family.join_image_features(features)
 
     @staticmethod

@@ -309,6 +309,7 @@ def measure(
     eval_metrics = trainer.evaluate() if data.eval is not None else {}
     metrics = collect_metrics(trainer, train_output, eval_metrics, started)
     metrics.update(method_of(ctx.stage).eval_metrics(eval_metrics))
+    metrics.update(method_of(ctx.stage).train_metrics(trainer.state.log_history))
     metrics["peak_memory"] = peak_memory(ctx.env)
     metrics["params_by_role"] = count_params_by_role(built.model, built.family)
     metrics["skipped_steps"] = callbacks["nonfinite"].skipped_steps

@@ -1,0 +1,86 @@
+"""Prompt rows (method: grpo), in TRL's conversational prompt format, with the answer the rewards check:
+
+    {"prompt":   [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "…"}]}],
+     "solution": "the checkable answer",          # read by exact_match / json_f1 and by the eval
+     "images":   ["images/0001.png"]}             # paths relative to the data file, one per image part
+
+Every other column (a `task`, a bounding box, ...) reaches the reward functions as a keyword argument, as
+TRL passes it. Checked like SFT rows (rows.py), before the model loads; the length check counts the prompt's
+image tokens exactly, as TRL renders it (chat template with the generation prompt). A prompt too long is a
+data error: GRPOTrainer would otherwise generate from a prompt cut through its image tokens.
+"""
+
+from __future__ import annotations
+
+import datasets
+
+from vlm_recipes.data.lengths import lengths_of_usable_rows, refuse_too_long, sample_lengths
+from vlm_recipes.data.preference import messages_problem
+from vlm_recipes.data.rows import ALL_COLUMNS, RowFormat, count_image_parts, image_problem, undecoded
+from vlm_recipes.families.base import Family
+
+
+def prompt_row_problem(row: dict, image_root, allow_remote_images: bool = False) -> tuple[str, str] | None:
+    """(reason, detail) for a prompt row that cannot be trained on, or None."""
+    if row.get("prompt") is None:
+        return "no prompt", "the row needs `prompt` (prompt rows: prompt, solution, images)"
+    if detail := messages_problem(row["prompt"], "prompt", answer=False):
+        return "bad prompt", detail
+    if "solution" in row and not isinstance(row["solution"], str):
+        return "bad solution", f"`solution` must be text, got {type(row['solution']).__name__}"
+    images = row.get("images") or []
+    placeholders = count_image_parts(row["prompt"])
+    if placeholders != len(images):
+        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
+    for image in images:
+        if problem := image_problem(image, image_root, allow_remote_images):
+            return problem
+    return None
+
+
+PROMPTS: RowFormat = (prompt_row_problem, ALL_COLUMNS)
+
+
+def generation_prompt_tokens(processor, prompt: list[dict]) -> int:
+    """Tokens the chat template adds after the prompt when asked to open the answer (`<|im_start|>assistant\\n`
+    for Qwen): the prompt TRL generates from is the template's with add_generation_prompt=True."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    text_only = [{**m, "content": [p for p in m["content"] if p.get("type") == "text"]} for m in prompt]
+    opened, closed = (
+        processor.apply_chat_template(text_only, tokenize=False, add_generation_prompt=asked)
+        for asked in (True, False)
+    )
+    return len(tokenizer(opened)["input_ids"]) - len(tokenizer(closed)["input_ids"])
+
+
+def check_prompt_lengths(
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    max_length: int | None,
+    source: str,
+    on_bad_sample: str = "fail",
+    video=None,  # prompt rows with video: not yet (the row check refuses none, the family's processor decides)
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """Refuse prompts longer than `max_length` (grpo.max_prompt_length), image tokens counted.
+
+    Returns the dataset (without too-long rows under `skip`), each prompt's length and the skip count."""
+
+    def prompt_lengths(rows: datasets.Dataset) -> list[int]:
+        plain = undecoded(rows)
+        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
+        as_messages = datasets.Dataset.from_dict({"messages": plain["prompt"], "images": images})
+        opened = generation_prompt_tokens(processor, plain[0]["prompt"])
+        return [n + opened for n in sample_lengths(as_messages, processor, family)]
+
+    ds, lengths, refused = lengths_of_usable_rows(ds, prompt_lengths, source, on_bad_sample)
+    ds, lengths, too_long = refuse_too_long(
+        ds,
+        lengths,
+        max_length,
+        source,
+        on_bad_sample,
+        "prompt(s) longer than grpo.max_prompt_length (raise it or data.max_length, or lower data.max_pixels "
+        "so images take fewer tokens)",
+    )
+    return ds, lengths, refused | too_long

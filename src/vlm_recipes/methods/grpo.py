@@ -1,0 +1,202 @@
+"""The GRPO stage's trainer: TRL's GRPOTrainer on prompt rows, rewarded by the recipe's `grpo.rewards`
+(methods/rewards.py), with the recipe's resume and per-role learning rates (RecipeTrainerMixin).
+
+Its reference model (used only when `grpo.beta` > 0): with LoRA, the same model with its adapter switched
+off (TRL's own choice for a PeftModel: no second copy); fully trained roles get a frozen copy, loaded from
+the stage's source by TRL, and the plan says so."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
+from vlm_recipes.data.rows import StageData
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.methods.rewards import build_rewards, check_rewards
+from vlm_recipes.methods.trainer import (
+    RecipeTrainerMixin,
+    TrainingMethod,
+    common_training_args,
+    prepare_trainer,
+)
+from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.model.guards import apply_parallelism
+from vlm_recipes.recipes.schema import Stage
+
+log = logging.getLogger(__name__)
+
+
+def grpo_max_prompt_length(stage: Stage) -> int | None:
+    """Longest prompt: grpo.max_prompt_length, else what data.max_length leaves beside the completion."""
+    if stage.grpo.max_prompt_length is not None:
+        return stage.grpo.max_prompt_length
+    if stage.data.max_length is None:
+        return None
+    return stage.data.max_length - stage.grpo.max_completion_length
+
+
+def build_grpo_config(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool = False,
+    unused_possible: bool = True,
+) -> GRPOConfig:
+    g = stage.grpo
+    common = common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible)
+    # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
+    common["per_device_eval_batch_size"] = g.num_generations
+    return GRPOConfig(
+        **common,
+        num_generations=g.num_generations,
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        beta=g.beta,
+        loss_type=g.loss_type,
+        epsilon=g.epsilon,
+        scale_rewards=g.scale_rewards,
+        reward_weights=[reward.weight for reward in g.rewards],
+    )
+
+
+class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
+    """The GRPO stage's trainer."""
+
+    counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, num_images=None, **kwargs):
+        """LLaVA-OneVision tiles a row's single image ("anyres") but not each of a row's several, and its
+        forward tells them apart by `batch_num_images`: TRL 1.16 keeps that field for generation but drops it
+        from the log-probability passes, so a prompt of two images met 5 tiles' worth of features where one
+        tile each was sent ("split_with_sizes expects split_sizes to sum exactly to 8"). Here the batch goes
+        in one chunk with its per-row counts."""
+        kwargs.pop("batch_num_images", None)  # from the processor's fields, where TRL passes them all
+        if not (self.counts_images_per_row and num_images is not None):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, *args, num_images=num_images, **kwargs
+            )
+        counts = torch.tensor(num_images, device=input_ids.device)
+
+        def with_counts(module, positional, keywords):
+            return positional, {**keywords, "batch_num_images": counts}
+
+        hook = model.register_forward_pre_hook(with_counts, with_kwargs=True)
+        try:
+            kwargs["batch_size"] = input_ids.size(0)  # one chunk: the counts are the whole batch's
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, *args, num_images=num_images, **kwargs
+            )
+        finally:
+            hook.remove()
+
+
+def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
+    """What the KL term compares against (nothing when beta is 0)."""
+    if stage.grpo.beta == 0:
+        return Decision("grpo-reference", "none", "grpo.beta is 0: no KL term, no reference pass")
+    if "full" not in (stage.train.vision, stage.train.projector, stage.train.llm):
+        return Decision(
+            "grpo-reference", "the model with its LoRA adapter switched off", "no second model copy"
+        )
+    return Decision(
+        "grpo-reference",
+        f"a frozen copy loaded from {built.source}",
+        "fully trained weights: no adapter to switch off (a second model in memory)",
+    )
+
+
+def build_grpo_trainer(
+    built: BuiltModel,
+    stage: Stage,
+    args: GRPOConfig,
+    data: StageData,
+    decisions: list[Decision] | None = None,
+    callbacks: list | None = None,
+) -> RecipeGRPOTrainer:
+    """The stage's GRPOTrainer, its rewards checked on a training row first, with the parallelism and
+    trainable-dtype guards applied."""
+    where = f"stage {stage.name}: grpo.rewards"
+    rewards, _ = build_rewards(
+        stage.grpo.rewards, built.processor, where, tolerance=stage.evaluation.numeric_tolerance
+    )
+    check_rewards(rewards, data.train[0], where)
+    reference = reference_decision(built, stage)
+    log.info("  %s", reference)
+    if decisions is not None:
+        decisions.append(reference)
+    for key in ("padding_free", "preprocessed_cache", "group_by_length"):
+        if getattr(stage.training, key):
+            log.warning("  training.%s is not used by method grpo (TRL samples its own batches)", key)
+    apply_parallelism(args)
+    trainer = RecipeGRPOTrainer(
+        model=built.model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        callbacks=callbacks,
+    )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    forward = type(model.get_base_model() if hasattr(model, "get_base_model") else model).forward
+    trainer.counts_images_per_row = "batch_num_images" in inspect.signature(forward).parameters
+    return prepare_trainer(trainer, built, stage, decisions, "after GRPOTrainer was built")
+
+
+def grpo_eval_metrics(eval_metrics: dict) -> dict:
+    """Eval reward (mean and std over the eval prompts' sampled completions, each reward's mean), from TRL."""
+    found = {
+        "eval_reward": eval_metrics.get("eval_reward"),
+        "eval_reward_std": eval_metrics.get("eval_reward_std"),
+    }
+    for key, value in eval_metrics.items():
+        if key.startswith("eval_rewards/") and key.endswith("/mean"):
+            found[f"eval_reward:{key.split('/')[1]}"] = value
+    return found
+
+
+# TRL's per-step logs that say how the policy moves: reward (total and per function), completion lengths,
+# how many hit max_completion_length, and the KL to the reference (beta > 0).
+_CURVE_KEYS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "completions/mean_length": "completion_length",
+    "completions/clipped_ratio": "clipped_ratio",
+    "kl": "kl",
+}
+
+
+def grpo_train_metrics(history: list[dict]) -> dict:
+    """The reward curve: one point per logged step."""
+    curve = []
+    for entry in history:
+        if "reward" not in entry:
+            continue
+        point = {"step": entry["step"]}
+        point |= {name: entry[key] for key, name in _CURVE_KEYS.items() if key in entry}
+        point |= {
+            f"reward:{key.split('/')[1]}": value
+            for key, value in entry.items()
+            if key.startswith("rewards/") and key.endswith("/mean")
+        }
+        curve.append(point)
+    return {"reward_curve": curve}
+
+
+GRPO = TrainingMethod(
+    name="grpo",
+    row_format=PROMPTS,
+    build_config=build_grpo_config,
+    build_trainer=build_grpo_trainer,
+    check_lengths=check_prompt_lengths,
+    max_length=grpo_max_prompt_length,
+    eval_metrics=grpo_eval_metrics,
+    train_metrics=grpo_train_metrics,
+)
