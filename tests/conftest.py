@@ -46,6 +46,9 @@ def private_demo_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("vlm-recipes-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLM_RECIPES_CACHE", str(cache))
+        # The demo models' random weights: every family's is built in seconds, and the mechanics the tests
+        # check need no pretraining (tests/test_demo_pretraining.py takes the pretrained ones).
+        mp.setenv("VLM_RECIPES_DEMO_WEIGHTS", "untrained")
         mp.setenv("HF_HUB_OFFLINE", "1")  # tests never reach a hub
         mp.setenv("TOKENIZERS_PARALLELISM", "false")
         yield cache

@@ -6,6 +6,7 @@ import pytest
 
 from vlm_recipes.evaluation.evaluate import (
     exact_match,
+    final_answer,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
@@ -29,6 +30,19 @@ REF = {"calories": 250, "fat_g": 12, "sodium_mg": 480}
 )
 def test_exact_match(prediction, reference, expected):
     assert exact_match(prediction, reference) == expected
+
+
+@pytest.mark.parametrize(
+    ("generated", "answer"),
+    [
+        ("\n</think>\n\ngreen", "green"),  # Qwen3.5: the generation prompt opened <think>
+        ("<think>it is round</think> circle", "circle"),
+        ("a </think> b </think> c", "c"),
+        ("red", "red"),
+    ],
+)
+def test_a_thinking_models_answer_is_what_follows_its_reasoning(generated, answer):
+    assert final_answer(generated) == answer
 
 
 def test_json_fields_all_right():

@@ -29,6 +29,23 @@ FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}
 COLOUR_QUESTION = "What colour is the shape?"
 
 
+def grpo_recipe(
+    directory: Path,
+    data: str = "{train: demo:prompt-train, eval: null}",
+    grpo: str = "{num_generations: 4, max_completion_length: 4}",
+    training: str = "{per_device_batch_size: 4}",
+    model: str = "demo:tiny-qwen2-vl",
+    extra: str = "    precision: fp32\n    evaluation: {generate: false}\n",
+) -> Path:
+    """A one-stage GRPO recipe (LoRA on the language model), its sections as YAML flow mappings."""
+    return write_recipe(
+        directory,
+        "grpo",
+        f"model: {model}\nstages:\n  - name: grpo\n    method: grpo\n    train: {{llm: lora}}\n{extra}"
+        f"    data: {data}\n    grpo: {grpo}\n    training: {training}\n",
+    )
+
+
 def test_r6_sft_then_grpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
     quick = ["--max-steps", "2", "training.per_device_batch_size=4", "data.max_train_samples=8"]
     quick += ["data.max_eval_samples=4", "training.logging_steps=1", "precision=fp32"]
@@ -66,20 +83,12 @@ def test_r6_sft_then_grpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
 def test_a_grpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
     """One GRPO step (LoRA on the language model, bf16) per family: its completions sampled with the family's
     processor and images, rewarded, the adapter merged into final/, answers generated."""
-    recipe = write_recipe(
+    recipe = grpo_recipe(
         tmp_path,
-        "grpo",
-        f"model: {model}\n"
-        "stages:\n"
-        "  - name: grpo\n"
-        "    method: grpo\n"
-        "    train: {llm: lora}\n"
-        "    precision: bf16\n"
-        "    data: {train: demo:prompt-train, eval: demo:prompt-eval, max_train_samples: 4, "
-        "max_eval_samples: 2}\n"
-        "    grpo: {num_generations: 4, max_completion_length: 4}\n"
-        "    evaluation: {max_new_tokens: 4}\n"
-        "    training: {per_device_batch_size: 4, learning_rate: 1.0e-3, logging_steps: 1}\n",
+        data="{train: demo:prompt-train, eval: demo:prompt-eval, max_train_samples: 4, max_eval_samples: 2}",
+        training="{per_device_batch_size: 4, learning_rate: 1.0e-3, logging_steps: 1}",
+        model=model,
+        extra="    precision: bf16\n    evaluation: {max_new_tokens: 4}\n",
     )
     args = ["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "t", "--max-steps", "1"]
     assert main(args) == 0
@@ -185,19 +194,10 @@ def test_the_reward_rises_over_a_grpo_stage_that_learns(tmp_path, monkeypatch, p
 def test_a_killed_grpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog, private_demo_cache):
     """SIGKILL after step 3 of 4 (checkpoint at step 2), then --resume: the final weights equal an
     uninterrupted run's exactly (sampling included: the RNG state comes back with the checkpoint)."""
-    recipe = write_recipe(
+    recipe = grpo_recipe(
         tmp_path,
-        "grpo",
-        "model: demo:tiny-qwen2-vl\n"
-        "stages:\n"
-        "  - name: grpo\n"
-        "    method: grpo\n"
-        "    train: {llm: lora}\n"
-        "    precision: fp32\n"
-        "    data: {train: demo:prompt-train, eval: null, max_train_samples: 8}\n"
-        "    grpo: {num_generations: 4, max_completion_length: 4}\n"
-        "    evaluation: {generate: false}\n"
-        "    training: {max_steps: 4, per_device_batch_size: 4, save_steps: 2, learning_rate: 1.0e-3}\n",
+        data="{train: demo:prompt-train, eval: null, max_train_samples: 8}",
+        training="{max_steps: 4, per_device_batch_size: 4, save_steps: 2, learning_rate: 1.0e-3}",
     )
 
     def final_weights(name: str) -> dict[str, torch.Tensor]:
@@ -260,18 +260,10 @@ def test_bad_prompt_rows_are_named(tmp_path, bad, message):
 
 
 def _grpo_recipe(directory: Path, data: Path | str, extra: str = "") -> Path:
-    return write_recipe(
+    return grpo_recipe(
         directory,
-        "bad-grpo",
-        "model: demo:tiny-qwen2-vl\n"
-        "stages:\n"
-        "  - name: grpo\n"
-        "    method: grpo\n"
-        "    train: {llm: lora}\n"
-        "    precision: fp32\n"
-        f"    data: {{train: {data}, eval: null}}\n"
-        "    training: {per_device_batch_size: 4}\n"
-        f"    grpo: {{num_generations: 4, max_completion_length: 4{extra}}}\n",
+        data=f"{{train: {data}, eval: null}}",
+        grpo=f"{{num_generations: 4, max_completion_length: 4{extra}}}",
     )
 
 
@@ -340,19 +332,10 @@ def test_a_frozen_tower_sees_each_prompts_image_once_per_group(tmp_path, private
     """GRPO repeats a prompt, images and all, once per completion: with the tower frozen and the feature
     cache on, each distinct image goes through the tower once in the whole stage (generation and the
     log-probability pass read it back), and the stage ends with exactly the weights of an uncached one."""
-    recipe = write_recipe(
+    recipe = grpo_recipe(
         tmp_path,
-        "grpo",
-        "model: demo:tiny-qwen2-vl\n"
-        "stages:\n"
-        "  - name: grpo\n"
-        "    method: grpo\n"
-        "    train: {llm: lora}\n"
-        "    precision: fp32\n"
-        "    data: {train: demo:prompt-train, eval: null, max_train_samples: 4}\n"
-        "    grpo: {num_generations: 4, max_completion_length: 4}\n"
-        "    evaluation: {generate: false}\n"
-        "    training: {max_steps: 2, per_device_batch_size: 8, learning_rate: 1.0e-3}\n",
+        data="{train: demo:prompt-train, eval: null, max_train_samples: 4}",
+        training="{max_steps: 2, per_device_batch_size: 8, learning_rate: 1.0e-3}",
     )
     runs = []
     for cached in ("false", "true"):
@@ -374,4 +357,6 @@ def test_a_step_of_partial_prompt_groups_is_refused_at_load(tmp_path, capsys):
     recipe = _grpo_recipe(tmp_path, "demo:prompt-train")  # 4 completions a step, groups of 4
     recipe.write_text(recipe.read_text().replace("per_device_batch_size: 4", "per_device_batch_size: 6"))
     err = _exits_2(recipe, tmp_path, capsys)
-    assert "stages[0].training.per_device_batch_size" in err and "not a multiple of grpo.num_generations" in err
+    assert (
+        "stages[0].training.per_device_batch_size" in err and "not a multiple of grpo.num_generations" in err
+    )

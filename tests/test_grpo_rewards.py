@@ -86,8 +86,8 @@ def test_completion_text_reads_strings_messages_and_parts():
 def test_exact_match_normalizes_as_the_eval(form):
     reward = built(name="exact_match")
     assert reward.__name__ == "exact_match"
-    completions = [form("Red."), form(" red"), form("dark red"), form("")]
-    assert trl_call(reward, completions, solution="red") == [1.0, 1.0, 0.0, 0.0]
+    completions = [form("Red."), form(" red"), form("dark red"), form(""), form("\n</think>\n\nred")]
+    assert trl_call(reward, completions, solution="red") == [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def test_exact_match_does_not_apply_without_a_solution_value():

@@ -20,9 +20,11 @@ from typing import Any
 
 from vlm_recipes.demo.samples import (
     COLOURS,
+    ONE_SHAPE_QUESTIONS,
     describe_sample,
     motion_sample,
     nutrition_sample,
+    one_shape_sample,
     pair_sample,
     shapes_sample,
     write_clip,
@@ -91,8 +93,10 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
         return str(ensure_preference_dataset() / f"{split[len(_PREFERENCE_PREFIX) :]}.jsonl")
     if split.startswith(_PROMPT_PREFIX) and split[len(_PROMPT_PREFIX) :] in _SPLITS:
         return str(ensure_prompt_dataset() / f"{split[len(_PROMPT_PREFIX) :]}.jsonl")
+    if split.startswith(_PRETRAINING_PREFIX) and split[len(_PRETRAINING_PREFIX) :] in _PRETRAINING_SPLITS:
+        return str(ensure_pretraining_dataset() / f"{split[len(_PRETRAINING_PREFIX) :]}.jsonl")
     if split not in _SPLITS:
-        prefixes = ("", _PREFERENCE_PREFIX, _PROMPT_PREFIX)
+        prefixes = ("", _PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)
         valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in prefixes for s in _SPLITS)
         raise ValueError(f"Unknown demo data source {source!r}; valid demo sources are: {valid}")
     if not with_videos:
@@ -288,6 +292,49 @@ def _build_prompt_dataset(out: Path) -> None:
                 line = {"id": row["id"], "task": row["task"], "prompt": [prompt], "solution": solution}
                 f.write(json.dumps({**line, "images": row["images"]}, ensure_ascii=False) + "\n")
         info["splits"][split] = {"rows": len(samples)}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- pretraining rows
+
+_PRETRAINING_PREFIX = "pretraining-"
+QUESTION_KINDS = {question: kind for kind, question in ONE_SHAPE_QUESTIONS.items()}
+_PRETRAINING_SPLITS = {"train": 768, "eval": 60}
+_PRETRAINING_SEEDS = {"train": 1111, "eval": 2222}
+
+
+def ensure_pretraining_dataset() -> Path:
+    """What the demo models are pretrained on (demo/pretraining.yaml): one shape on white, asked its colour,
+    its kind or both (`one_shape_sample`)."""
+    return build_dir_atomically(
+        cache_dir() / VERSION / "pretraining-data",
+        ("train.jsonl", "eval.jsonl", "dataset_info.json"),
+        _build_pretraining_dataset,
+        "demo pretraining dataset",
+    )
+
+
+def _build_pretraining_dataset(out: Path) -> None:
+    (out / "images").mkdir()
+    info: dict[str, Any] = {"version": VERSION, "seeds": _PRETRAINING_SEEDS, "splits": {}}
+    for split, n in _PRETRAINING_SPLITS.items():
+        rng = random.Random(_PRETRAINING_SEEDS[split])
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            for i in range(n):
+                image, question, answer = one_shape_sample(rng)
+                path = f"images/{split}-{i:05d}.png"
+                image.save(out / path, format="PNG")
+                row = {
+                    "id": f"{split}-{i:05d}",
+                    "task": QUESTION_KINDS[question],
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+                    ],
+                    "images": [path],
+                }
+                f.write(json.dumps(row) + "\n")
+        info["splits"][split] = {"rows": n}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 

@@ -4,19 +4,37 @@ Recipes name ``demo:tiny-qwen2-vl`` as their model and ``demo:train`` / ``demo:e
 every recipe runs end to end on a laptop CPU without a model hub. Each model is built by its family's
 ``build_tiny`` on first use, deterministically (fixed seeds, no network), and cached under
 ``cache_dir() / VERSION``; later calls only check that the files are there.
+
+The ``demo:tiny-*`` models are then pretrained once (demo/pretraining.yaml: one-shape images asked their
+colour and kind), so that a recipe starts from a small model that sees and says something, as it would
+from a real one, rather than from random weights. ``VLM_RECIPES_DEMO_WEIGHTS=untrained`` gives the random
+weights instead: the test suite's default, where only the mechanics are tested and every family's model is
+built in seconds.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 from vlm_recipes.demo.data import VERSION, tokenizer_corpus
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.families import FAMILIES, family_of_demo_model
-from vlm_recipes.files import build_dir_atomically, cache_dir
+from vlm_recipes.files import build_dir_atomically, cache_dir, read_json, write_json
+
+log = logging.getLogger(__name__)
 
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"  # the embedded default's model
 DEMO_MODEL_IDS = tuple(model_id for family in FAMILIES for model_id in family.demo_models)
+WEIGHTS_ENV = "VLM_RECIPES_DEMO_WEIGHTS"  # pretrained (default) or untrained
+PRETRAINED_PREFIX = "demo:tiny-"  # the benchmark's bench-* and *-shaped models keep random weights
+PRETRAINING_RECIPE = Path(__file__).with_name("pretraining.yaml")
 
 _MODEL_FILES = (
     "config.json",
@@ -30,7 +48,8 @@ _MODEL_FILES = (
 
 
 def ensure_demo_model(model_id: str = DEMO_MODEL_ID) -> Path:
-    """The directory of a demo model (weights, processor, tokenizer, chat template); built on first use."""
+    """The directory of a demo model (weights, processor, tokenizer, chat template); built on first use, and
+    for a ``demo:tiny-*`` model pretrained on first use unless VLM_RECIPES_DEMO_WEIGHTS=untrained."""
     found = family_of_demo_model(model_id)
     if found is None:
         raise UnsupportedModelError(
@@ -38,11 +57,73 @@ def ensure_demo_model(model_id: str = DEMO_MODEL_ID) -> Path:
         )
     family, dims = found
     name = model_id.removeprefix("demo:")
-    return build_dir_atomically(
+    untrained = build_dir_atomically(
         cache_dir() / VERSION / name,
         _MODEL_FILES,
         lambda out: family.build_tiny(out, dims, tokenizer_corpus()),
         f"demo model {name}",
+    )
+    if not model_id.startswith(PRETRAINED_PREFIX) or demo_weights() == "untrained":
+        return untrained
+    return build_dir_atomically(
+        cache_dir() / VERSION / f"{name}-pretrained",
+        (*_MODEL_FILES, "pretraining.json"),
+        lambda out: pretrain(untrained, out),
+        f"pretrained demo model {name}",
+    )
+
+
+def demo_weights() -> str:
+    """What `demo:tiny-*` means here: `pretrained` (default) or `untrained` (VLM_RECIPES_DEMO_WEIGHTS)."""
+    value = os.environ.get(WEIGHTS_ENV, "pretrained")
+    if value not in ("pretrained", "untrained"):
+        raise UnsupportedModelError(f"{WEIGHTS_ENV}={value!r}: use pretrained or untrained")
+    return value
+
+
+def pretrain(untrained: Path, out: Path) -> None:
+    """Run demo/pretraining.yaml on the untrained model, in a process of its own (a run of the runner, with
+    its guards and its freeze audit), and keep its final/ with the run's log and metrics in `out`.
+
+    A separate process: the pretraining may start inside another run (the first stage that names the model),
+    whose lock, logging and Trainer state it must not touch."""
+    started = time.time()
+    log.info(
+        "Pretraining demo model %s once (%s: one-shape images, about a minute on 2 cores); cached in %s",
+        untrained.name,
+        PRETRAINING_RECIPE.name,
+        out.parent,
+    )
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".pretraining-") as runs:
+        command = [sys.executable, "-m", "vlm_recipes", "train", "--recipe", str(PRETRAINING_RECIPE)]
+        command += ["--output-dir", runs, "--run-name", "run", f"model={untrained}"]
+        with open(out / "pretraining.log", "w", encoding="utf-8") as log_file:
+            done = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+        if done.returncode != 0:
+            kept = out.parent / f"{untrained.name}-pretraining-failed.log"
+            shutil.copyfile(out / "pretraining.log", kept)
+            raise RuntimeError(f"pretraining demo model {untrained.name} failed; its log: {kept}")
+        stage = Path(runs) / "pretraining" / "run" / "stage-1-pretraining"
+        for path in (stage / "final").iterdir():
+            shutil.copy2(path, out / path.name)
+        metrics = read_json(stage / "metrics.json")
+    summary = {
+        "recipe": PRETRAINING_RECIPE.name,
+        "from": str(untrained),
+        "steps": metrics["steps"],
+        "final_train_loss": metrics["final_train_loss"],
+        "eval_loss": metrics["eval_loss"],
+        "eval": metrics.get("eval"),
+        "wall_time_s": round(time.time() - started, 1),
+    }
+    write_json(out / "pretraining.json", summary)
+    exact = (metrics.get("eval") or {}).get("all", {}).get("exact_match")
+    log.info(
+        "Pretrained demo model %s in %.0f s: eval loss %.3f, exact match %s on its held-out questions",
+        untrained.name,
+        summary["wall_time_s"],
+        metrics["eval_loss"],
+        "-" if exact is None else f"{exact:.3f}",
     )
 
 

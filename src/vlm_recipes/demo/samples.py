@@ -75,6 +75,28 @@ def shapes_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     return img, "Is the shape at the top or the bottom?", side
 
 
+SHAPES = ("circle", "square", "triangle")
+ONE_SHAPE_QUESTIONS = {
+    "colour": "What colour is the shape?",
+    "shape": "What shape is it?",
+    "name": "Name the shape and its colour.",
+}
+
+
+def one_shape_sample(rng: random.Random, question: str | None = None) -> tuple[Image.Image, str, str]:
+    """One shape of a random colour, kind and size on white; asked its colour, its kind, or both (`question`:
+    a key of ONE_SHAPE_QUESTIONS, else drawn). What the demo models are pretrained on: seeing and saying."""
+    w, h = rng.randint(56, 112), rng.randint(56, 112)
+    img = Image.new("RGB", (w, h), (255, 255, 255))
+    size = rng.randint(16, min(w, h) - 8)
+    x0, y0 = rng.randint(4, w - 4 - size), rng.randint(4, h - 4 - size)
+    colour, kind = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    draw_shape(ImageDraw.Draw(img), kind, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
+    question = question or rng.choice(list(ONE_SHAPE_QUESTIONS))
+    answer = {"colour": colour, "shape": kind, "name": f"a {colour} {kind}"}[question]
+    return img, ONE_SHAPE_QUESTIONS[question], answer
+
+
 def nutrition_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     """A rendered nutrition-facts label; the answer is its values as compact JSON in fixed key order."""
     carbs = rng.randint(0, 80)

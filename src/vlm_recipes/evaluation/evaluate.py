@@ -31,6 +31,17 @@ def normalize_text(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower()).strip(" .!?;:,\"'")
 
 
+THINK_END = "</think>"
+
+
+def final_answer(text: str) -> str:
+    """What a thinking model answers after its reasoning: the text after the last `</think>` (Qwen3.5's
+    template opens `<think>` in the generation prompt and trains `<think>\n\n</think>\n\n` before every
+    answer, so its generations start `</think>`), else the whole text. Scored as the answer; the rest is
+    kept as `thinking` in predictions.jsonl."""
+    return text.rsplit(THINK_END, 1)[1].strip() if THINK_END in text else text
+
+
 def exact_match(prediction: str, reference: str) -> float:
     return float(normalize_text(prediction) == normalize_text(reference))
 
@@ -327,15 +338,11 @@ def evaluate_generation(
     answers = generate_answers(
         model, processor, prompts, max_new_tokens, batch_size, desc, autocast_dtype, videos
     )
-    records = [
-        {
-            "id": p.id,
-            "task": p.task,
-            "prompt": p.text,
-            "reference": p.reference,
-            "output": answer,
-            "exact_match": exact_match(answer, p.reference or ""),
-        }
-        for p, answer in zip(prompts, answers, strict=True)
-    ]
+    records = []
+    for p, generated in zip(prompts, answers, strict=True):
+        answer = final_answer(generated)
+        record = {"id": p.id, "task": p.task, "prompt": p.text, "reference": p.reference, "output": answer}
+        if answer != generated:
+            record["thinking"] = generated.rsplit(THINK_END, 1)[0]
+        records.append(record | {"exact_match": exact_match(answer, p.reference or "")})
     return score_predictions(records, tolerance), records

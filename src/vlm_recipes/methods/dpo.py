@@ -4,7 +4,6 @@ when the stage trains LoRA: the reference pass is the same model with its adapte
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from trl import DPOConfig, DPOTrainer
@@ -16,14 +15,13 @@ from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.methods.trainer import (
     RecipeTrainerMixin,
     TrainingMethod,
+    announce_method_settings,
     common_training_args,
     prepare_trainer,
 )
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
-
-log = logging.getLogger(__name__)
 
 REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
 
@@ -87,12 +85,8 @@ def build_dpo_trainer(
 ) -> RecipeDPOTrainer:
     """The stage's DPOTrainer (ref_model=None), with the parallelism and trainable-dtype guards applied."""
     reference = reference_decision(built, stage)
-    log.info("  %s", reference)
-    if decisions is not None:
-        decisions.append(reference)
-    for key in ("padding_free", "preprocessed_cache"):
-        if getattr(stage.training, key):
-            log.warning("  training.%s is not used by method dpo (TRL's preference collator)", key)
+    unused = ("padding_free", "preprocessed_cache")
+    announce_method_settings(stage, decisions, reference, unused, "TRL's preference collator")
     apply_parallelism(args)
     trainer = RecipeDPOTrainer(
         model=built.model,

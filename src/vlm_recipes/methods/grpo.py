@@ -8,7 +8,6 @@ the stage's source by TRL, and the plan says so."""
 from __future__ import annotations
 
 import inspect
-import logging
 from pathlib import Path
 
 import torch
@@ -21,14 +20,13 @@ from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.trainer import (
     RecipeTrainerMixin,
     TrainingMethod,
+    announce_method_settings,
     common_training_args,
     prepare_trainer,
 )
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
-
-log = logging.getLogger(__name__)
 
 
 def grpo_max_prompt_length(stage: Stage) -> int | None:
@@ -127,13 +125,10 @@ def build_grpo_trainer(
         stage.grpo.rewards, built.processor, where, tolerance=stage.evaluation.numeric_tolerance
     )
     check_rewards(rewards, data.train[0], where)
-    reference = reference_decision(built, stage)
-    log.info("  %s", reference)
-    if decisions is not None:
-        decisions.append(reference)
-    for key in ("padding_free", "preprocessed_cache", "group_by_length"):
-        if getattr(stage.training, key):
-            log.warning("  training.%s is not used by method grpo (TRL samples its own batches)", key)
+    unused = ("padding_free", "preprocessed_cache", "group_by_length")
+    announce_method_settings(
+        stage, decisions, reference_decision(built, stage), unused, "TRL samples its own batches"
+    )
     apply_parallelism(args)
     trainer = RecipeGRPOTrainer(
         model=built.model,

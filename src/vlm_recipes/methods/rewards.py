@@ -26,6 +26,7 @@ from vlm_recipes.errors import BadInput
 from vlm_recipes.evaluation.evaluate import (
     _text_of,
     exact_match,
+    final_answer,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
@@ -76,10 +77,11 @@ def _solutions(kwargs: dict, name: str) -> list:
 
 
 def exact_match_reward(completions: list, **kwargs) -> list[float | None]:
-    """1.0 when the completion equals the row's solution after the eval's normalization (`Red.` = `red`)."""
+    """1.0 when the completion's answer (after any `</think>`, as the eval reads it) equals the row's solution
+    after the eval's normalization (`Red.` = `red`)."""
     solutions = _solutions(kwargs, "exact_match")
     return [
-        None if solution is None else exact_match(completion_text(completion), str(solution))
+        None if solution is None else exact_match(final_answer(completion_text(completion)), str(solution))
         for completion, solution in zip(completions, solutions, strict=True)
     ]
 
@@ -95,7 +97,7 @@ def json_f1_reward(tolerance: float = TOLERANCE) -> Callable:
             if reference is None:
                 scores.append(None)
                 continue
-            counts = json_field_counts(completion_text(completion), reference, tolerance)
+            counts = json_field_counts(final_answer(completion_text(completion)), reference, tolerance)
             fields = precision_recall_f1(counts.true_positive, counts.false_positive, counts.false_negative)
             scores.append(fields["f1"])
         return scores

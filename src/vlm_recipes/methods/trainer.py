@@ -217,6 +217,19 @@ def fsdp_on_cpu_ranks(decisions: list[Decision]) -> Iterator[None]:
         AcceleratorState.__init__ = original
 
 
+def announce_method_settings(
+    stage: Stage, decisions: list[Decision] | None, reference: Decision, unused: tuple[str, ...], why: str
+) -> None:
+    """A preference or RL stage's reference model (logged and recorded), and the `training` speed-ups it does
+    not use (`why`: what makes its batches instead), said once each."""
+    log.info("  %s", reference)
+    if decisions is not None:
+        decisions.append(reference)
+    for key in unused:
+        if getattr(stage.training, key):
+            log.warning("  training.%s is not used by method %s (%s)", key, stage.method, why)
+
+
 def prepare_trainer(
     trainer: RecipeTrainerMixin, built: BuiltModel, stage: Stage, decisions: list[Decision] | None, when: str
 ):

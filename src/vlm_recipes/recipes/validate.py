@@ -30,6 +30,8 @@ DEMO_DATA = (
     "demo:preference-eval",
     "demo:prompt-train",
     "demo:prompt-eval",
+    "demo:pretraining-train",
+    "demo:pretraining-eval",
 )
 
 
