@@ -14,11 +14,11 @@ import pytest
 
 from vlm_recipes.evaluation.compare import (
     compare_runs,
-    comparison_figure,
     format_comparison,
     format_markdown,
     spread_marks,
 )
+from vlm_recipes.evaluation.comparison_plot import comparison_figure
 from vlm_recipes.evaluation.predictions import format_answers_markdown, format_answers_text, side_by_side
 from vlm_recipes.evaluation.run_summary import RunSummary, load_run
 from vlm_recipes.recipes.schema import Stage

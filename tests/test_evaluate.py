@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from vlm_recipes.evaluation.evaluate import (
+from vlm_recipes.evaluation.evaluate import prompts_from_rows
+from vlm_recipes.scoring import (
     exact_match,
     final_answer,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
-    prompts_from_rows,
     score_predictions,
     values_match,
 )

@@ -27,7 +27,7 @@ FLOORS = [
     ["recipes"],
     ["demo"],
     ["families"],
-    ["errors", "decisions", "roles", "ranks", "versions", "files", "logs"],
+    ["errors", "decisions", "roles", "ranks", "versions", "files", "logs", "scoring"],
 ]
 
 

@@ -106,6 +106,7 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
                     labels[extra[0]] = f"--seeds {args.seeds}"
                 run_name = base_name if seed is None else f"{base_name}-seed{seed}"
                 jobs.append((load_recipe(name, overrides + extra, labels), run_name))
+    check_rewards_of(recipe for recipe, _ in jobs)
     if args.until_stage is not None:
         from vlm_recipes.recipes.validate import Problem, RecipeError
 
@@ -121,3 +122,20 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
                     "Bad command line",
                 )
     return jobs
+
+
+def check_rewards_of(recipes) -> None:
+    """Every GRPO stage's rewards can be built (a built-in's keys; a user's module:function imports and takes
+    TRL's keyword arguments), before anything trains; every bad one is reported, under its key path."""
+    from vlm_recipes.methods.rewards import reward_problems
+    from vlm_recipes.recipes.validate import Problem, RecipeError
+
+    for recipe in {recipe.name: recipe for recipe in recipes}.values():
+        problems = []
+        for i, stage in enumerate(recipe.stages):
+            if stage.method == "grpo":
+                for error in reward_problems(stage.grpo.rewards, f"stages[{i}].grpo.rewards"):
+                    at, _, said = str(error).partition(": ")  # the error starts with its key path
+                    problems.append(Problem(f"{recipe.name}: {at}", said))
+        if problems:
+            raise RecipeError(problems, f"Recipe {recipe.name} is not valid")

@@ -161,7 +161,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
-        from vlm_recipes.evaluation.compare import format_comparison, write_comparison
+        from vlm_recipes.evaluation.compare import format_comparison
+        from vlm_recipes.evaluation.comparison_plot import write_comparison
 
         comparison, markdown, png = write_comparison(run_dirs, args.output_dir / "comparisons" / base_name)
         print("\n" + format_comparison(comparison))

@@ -23,16 +23,17 @@ from transformers import TrainerState
 from trl.trainer.utils import get_callable_name, is_async_callable
 
 from vlm_recipes.errors import BadInput
-from vlm_recipes.evaluation.evaluate import (
-    _text_of,
+from vlm_recipes.recipes.method_settings import RewardSettings
+from vlm_recipes.recipes.schema import EvaluationSettings
+from vlm_recipes.recipes.validate import did_you_mean, key_path
+from vlm_recipes.scoring import (
     exact_match,
     final_answer,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
+    text_of,
 )
-from vlm_recipes.recipes.schema import EvaluationSettings, RewardSettings
-from vlm_recipes.recipes.validate import did_you_mean, key_path
 
 BUILT_INS = ("exact_match", "json_f1", "format", "length")
 # What TRL passes besides the dataset's columns (and `environments` when the stage has some).
@@ -56,7 +57,7 @@ def completion_text(completion) -> str:
     if isinstance(completion, str):
         return completion.strip()
     answers = [m for m in completion if m.get("role") == "assistant"] or list(completion)
-    return _text_of(answers[-1].get("content") or "").strip() if answers else ""
+    return text_of(answers[-1].get("content") or "").strip() if answers else ""
 
 
 def json_reference(solution: str | None) -> dict | None:

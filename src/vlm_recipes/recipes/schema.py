@@ -7,9 +7,11 @@ these dataclasses, `validate.py` checks every value against its type and its `Ra
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
+
+from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, doc
+from vlm_recipes.recipes.method_settings import DpoSettings, GrpoSettings
 
 Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -17,81 +19,7 @@ QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
 # How a stage trains; each value has its module in methods/ (methods/__init__.py lists them).
 Method = Literal["sft", "dpo", "grpo"]
-GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
-RewardScaling = Literal["group", "batch", "none"]
-DpoLoss = Literal[
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-]
-
-# Parts a quantized load can leave in full precision: the training roles plus the output head.
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key may take: from `low` to `high` (either may be open-ended), plus `also`
-    (values with a special meaning outside the range, e.g. -1 for "no limit"). Floats must be finite."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # `low` itself is not allowed
-    high_open: bool = False  # `high` itself is not allowed
-    also: tuple[float, ...] = ()
-    why: str = ""  # said after the bounds in an error
-
-    def __str__(self) -> str:
-        parts = []
-        if self.low is not None:
-            parts.append(f"{'above' if self.low_open else 'at least'} {_number(self.low)}")
-        if self.high is not None:
-            parts.append(f"{'below' if self.high_open else 'at most'} {_number(self.high)}")
-        text = " and ".join(parts) or "any number"
-        return " or ".join([*(_number(v) for v in self.also), text])
-
-    def problem(self, value: float) -> str | None:
-        """Why `value` is out of range (None when it is fine)."""
-        if value in self.also:
-            return None
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number ({self}), got {value!r}"
-        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
-        if not (too_low or too_high):
-            return None
-        why = f" ({self.why})" if self.why else ""
-        return f"must be {self}{why}, got {value!r}"
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(value)
-
-
-AT_LEAST_1 = Range(1)
-AT_LEAST_0 = Range(0)
-ABOVE_0 = Range(0, low_open=True)
-SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
-
-
-def doc(text: str, default=None, factory=None, range: Range | None = None):
-    """A dataclass field carrying its help text and, for a number, its allowed range (both shown by
-    `--schema`; the range is checked when a recipe is loaded)."""
-    metadata = {"help": text, "range": range}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -280,89 +208,6 @@ class EvaluationSettings:
     )
     eval_steps: int | None = doc(
         "also compute eval loss every N optimizer steps; null: at the end only", None, range=AT_LEAST_1
-    )
-
-
-@dataclass
-class DpoSettings:
-    """Preference training (method: dpo): TRL's DPOTrainer on prompt / chosen / rejected rows."""
-
-    beta: float = doc(
-        "strength of the pull towards the reference model (the stage's start); lower: the policy may drift "
-        "further from it",
-        0.1,
-        range=ABOVE_0,
-    )
-    loss_type: DpoLoss = doc(
-        "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
-    )
-    max_length: int | None = doc(
-        "longest prompt + answer (chosen or rejected) in tokens, image tokens included; a longer pair is a "
-        "data error, never cut; null: data.max_length",
-        None,
-        range=AT_LEAST_1,
-    )
-
-
-@dataclass
-class RewardSettings:
-    """One reward of a GRPO stage; the stage's reward is the weighted sum of its rewards."""
-
-    name: str = doc(
-        "exact_match (1 when the completion equals the row's `solution`, normalized as the eval scores it), "
-        "json_f1 (field F1 of the completion's JSON against the `solution` JSON), format (1 when the whole "
-        "completion matches `pattern`), length (1 at or below `target_length` tokens, falling linearly to 0 "
-        "at twice it), or your own `module:function` with TRL's reward signature",
-        "exact_match",
-    )
-    weight: float = doc("its weight in the stage's reward", 1.0)
-    pattern: str | None = doc(
-        "format: the regular expression the whole completion must match, e.g. "
-        "'<think>.*?</think>\\s*<answer>.*?</answer>'",
-        None,
-    )
-    target_length: int | None = doc(
-        "length: completions up to this many tokens get the full reward", None, range=AT_LEAST_1
-    )
-
-
-@dataclass
-class GrpoSettings:
-    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows.
-    Defaults fit a 7B model with LoRA on one 24-80 GB GPU."""
-
-    rewards: list[RewardSettings] = doc(
-        "the rewards, summed with their weights", factory=lambda: [RewardSettings()]
-    )
-    num_generations: int = doc(
-        "completions sampled per prompt: the group whose rewards set each completion's advantage; "
-        "training.per_device_batch_size counts completions and must be a multiple of it",
-        8,
-        range=Range(2),
-    )
-    max_completion_length: int = doc("longest sampled completion, in tokens", 256, range=AT_LEAST_1)
-    max_prompt_length: int | None = doc(
-        "longest prompt in tokens, image tokens included; a longer prompt is a data error, never cut; "
-        "null: data.max_length minus max_completion_length",
-        None,
-        range=AT_LEAST_1,
-    )
-    temperature: float = doc("sampling temperature of the completions", 1.0, range=ABOVE_0)
-    beta: float = doc(
-        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter "
-        "off); 0: no KL term and no reference pass (DAPO, Dr. GRPO)",
-        0.0,
-        range=AT_LEAST_0,
-    )
-    loss_type: GrpoLoss = doc(
-        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
-        "bnpo, cispo, sapo",
-        "dapo",
-    )
-    epsilon: float = doc("clipping range of the policy ratio", 0.2, range=ABOVE_0)
-    scale_rewards: RewardScaling = doc(
-        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
-        "group",
     )
 
 

@@ -1,0 +1,61 @@
+"""The recipe schema's field helpers: `doc` (a field with its help text and allowed range) and `Range`, with
+the ranges most keys share. schema.py and method_settings.py build the recipe format from them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: from `low` to `high` (either may be open-ended), plus `also`
+    (values with a special meaning outside the range, e.g. -1 for "no limit"). Floats must be finite."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # `low` itself is not allowed
+    high_open: bool = False  # `high` itself is not allowed
+    also: tuple[float, ...] = ()
+    why: str = ""  # said after the bounds in an error
+
+    def __str__(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'above' if self.low_open else 'at least'} {_number(self.low)}")
+        if self.high is not None:
+            parts.append(f"{'below' if self.high_open else 'at most'} {_number(self.high)}")
+        text = " and ".join(parts) or "any number"
+        return " or ".join([*(_number(v) for v in self.also), text])
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is out of range (None when it is fine)."""
+        if value in self.also:
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number ({self}), got {value!r}"
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if not (too_low or too_high):
+            return None
+        why = f" ({self.why})" if self.why else ""
+        return f"must be {self}{why}, got {value!r}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+AT_LEAST_1 = Range(1)
+AT_LEAST_0 = Range(0)
+ABOVE_0 = Range(0, low_open=True)
+SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
+
+
+def doc(text: str, default=None, factory=None, range: Range | None = None):
+    """A dataclass field carrying its help text and, for a number, its allowed range (both shown by
+    `--schema`; the range is checked when a recipe is loaded)."""
+    metadata = {"help": text, "range": range}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)

@@ -1,0 +1,113 @@
+"""The settings of the stage methods beside SFT (the recipe's `dpo:` and `grpo:` sections): part of the
+recipe schema (schema.py), kept apart only to keep each file short."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, doc
+
+GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
+RewardScaling = Literal["group", "batch", "none"]
+DpoLoss = Literal[
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+]
+
+# Parts a quantized load can leave in full precision: the training roles plus the output head.
+
+
+@dataclass
+class DpoSettings:
+    """Preference training (method: dpo): TRL's DPOTrainer on prompt / chosen / rejected rows."""
+
+    beta: float = doc(
+        "strength of the pull towards the reference model (the stage's start); lower: the policy may drift "
+        "further from it",
+        0.1,
+        range=ABOVE_0,
+    )
+    loss_type: DpoLoss = doc(
+        "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
+    )
+    max_length: int | None = doc(
+        "longest prompt + answer (chosen or rejected) in tokens, image tokens included; a longer pair is a "
+        "data error, never cut; null: data.max_length",
+        None,
+        range=AT_LEAST_1,
+    )
+
+
+@dataclass
+class RewardSettings:
+    """One reward of a GRPO stage; the stage's reward is the weighted sum of its rewards."""
+
+    name: str = doc(
+        "exact_match (1 when the completion equals the row's `solution`, normalized as the eval scores it), "
+        "json_f1 (field F1 of the completion's JSON against the `solution` JSON), format (1 when the whole "
+        "completion matches `pattern`), length (1 at or below `target_length` tokens, falling linearly to 0 "
+        "at twice it), or your own `module:function` with TRL's reward signature",
+        "exact_match",
+    )
+    weight: float = doc("its weight in the stage's reward", 1.0)
+    pattern: str | None = doc(
+        "format: the regular expression the whole completion must match, e.g. "
+        "'<think>.*?</think>\\s*<answer>.*?</answer>'",
+        None,
+    )
+    target_length: int | None = doc(
+        "length: completions up to this many tokens get the full reward", None, range=AT_LEAST_1
+    )
+
+
+@dataclass
+class GrpoSettings:
+    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows.
+    Defaults fit a 7B model with LoRA on one 24-80 GB GPU."""
+
+    rewards: list[RewardSettings] = doc(
+        "the rewards, summed with their weights", factory=lambda: [RewardSettings()]
+    )
+    num_generations: int = doc(
+        "completions sampled per prompt: the group whose rewards set each completion's advantage; "
+        "training.per_device_batch_size counts completions and must be a multiple of it",
+        8,
+        range=Range(2),
+    )
+    max_completion_length: int = doc("longest sampled completion, in tokens", 256, range=AT_LEAST_1)
+    max_prompt_length: int | None = doc(
+        "longest prompt in tokens, image tokens included; a longer prompt is a data error, never cut; "
+        "null: data.max_length minus max_completion_length",
+        None,
+        range=AT_LEAST_1,
+    )
+    temperature: float = doc("sampling temperature of the completions", 1.0, range=ABOVE_0)
+    beta: float = doc(
+        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter "
+        "off); 0: no KL term and no reference pass (DAPO, Dr. GRPO)",
+        0.0,
+        range=AT_LEAST_0,
+    )
+    loss_type: GrpoLoss = doc(
+        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
+        "bnpo, cispo, sapo",
+        "dapo",
+    )
+    epsilon: float = doc("clipping range of the policy ratio", 0.2, range=ABOVE_0)
+    scale_rewards: RewardScaling = doc(
+        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
+        "group",
+    )

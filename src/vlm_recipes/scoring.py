@@ -1,0 +1,163 @@
+"""Scoring answers against references: pure functions, tested against hand-computed cases. Used after every
+stage (evaluation/evaluate.py), by GRPO's rewards (methods/rewards.py), and by the comparison, so an answer
+is scored the same way everywhere."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def normalize_text(text: str) -> str:
+    """Lower case, single spaces, no surrounding punctuation: `Red.` and ` red` are the same answer."""
+    return re.sub(r"\s+", " ", text.strip().lower()).strip(" .!?;:,\"'")
+
+
+THINK_END = "</think>"
+
+
+def final_answer(text: str) -> str:
+    """What a thinking model answers after its reasoning: the text after the last `</think>` (Qwen3.5's
+    template opens `<think>` in the generation prompt and trains `<think>\n\n</think>\n\n` before every
+    answer, so its generations start `</think>`), else the whole text. Scored as the answer; the rest is
+    kept as `thinking` in predictions.jsonl."""
+    return text.rsplit(THINK_END, 1)[1].strip() if THINK_END in text else text
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    return float(normalize_text(prediction) == normalize_text(reference))
+
+
+def parse_json_object(text: str) -> dict | None:
+    """The first JSON object in a model's output (models often wrap it in prose or code fences)."""
+    start = text.find("{")
+    while start != -1:
+        depth = 0
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                try:
+                    value = json.loads(text[start : end + 1])
+                except json.JSONDecodeError:
+                    break
+                return value if isinstance(value, dict) else None
+        start = text.find("{", start + 1)
+    return None
+
+
+def flatten(obj: dict, prefix: str = "") -> dict[str, object]:
+    """Nested objects become dotted keys: {"a": {"b": 1}} → {"a.b": 1}."""
+    flat: dict[str, object] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _as_number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace(",", ""))
+        except ValueError:
+            return None
+    return None
+
+
+def values_match(predicted, reference, tolerance: float) -> bool:
+    """Numbers match within a relative tolerance (at least `tolerance` absolute); anything else as text."""
+    ref_num, pred_num = _as_number(reference), _as_number(predicted)
+    if ref_num is not None and pred_num is not None:
+        return math.isclose(pred_num, ref_num, rel_tol=tolerance, abs_tol=tolerance)
+    return normalize_text(str(predicted)) == normalize_text(str(reference))
+
+
+@dataclass
+class FieldCounts:
+    true_positive: int = 0
+    false_positive: int = 0
+    false_negative: int = 0
+    parsed: bool = True
+
+
+def json_field_counts(prediction: str, reference: dict, tolerance: float) -> FieldCounts:
+    """Per field: right value → TP; wrong value → FP and FN; missing → FN; extra → FP.
+    Unparseable output scores every reference field as missed."""
+    ref = flatten(reference)
+    parsed = parse_json_object(prediction)
+    if parsed is None:
+        return FieldCounts(false_negative=len(ref), parsed=False)
+    pred = flatten(parsed)
+    counts = FieldCounts()
+    for key, value in ref.items():
+        if key in pred and values_match(pred[key], value, tolerance):
+            counts.true_positive += 1
+        else:
+            counts.false_negative += 1
+            counts.false_positive += key in pred
+    counts.false_positive += sum(1 for key in pred if key not in ref)
+    return counts
+
+
+def precision_recall_f1(tp: int, fp: int, fn: int) -> dict[str, float]:
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "f1": f1}
+
+
+def score_predictions(records: Iterable[dict], tolerance: float = 0.01) -> dict:
+    """Aggregate scores over prediction records (`reference`, `output`, optional `task`).
+
+    Exact match for every row; JSON field precision/recall/F1 for rows whose reference is a JSON object.
+    Also broken down per task when rows carry one."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for record in records:
+        groups["all"].append(record)
+        if record.get("task"):
+            groups[f"task:{record['task']}"].append(record)
+    scores = {}
+    for name, rows in groups.items():
+        entry: dict = {
+            "rows": len(rows),
+            "exact_match": sum(exact_match(r["output"], r["reference"]) for r in rows) / len(rows),
+        }
+        total = FieldCounts()
+        json_rows = 0
+        for r in rows:
+            reference = parse_json_object(r["reference"])
+            if reference is None or not r["reference"].strip().startswith("{"):
+                continue
+            counts = json_field_counts(r["output"], reference, tolerance)
+            json_rows += 1
+            total.true_positive += counts.true_positive
+            total.false_positive += counts.false_positive
+            total.false_negative += counts.false_negative
+            total.parsed = total.parsed and counts.parsed
+            entry.setdefault("_parsed", 0)
+            entry["_parsed"] += counts.parsed
+        if json_rows:
+            entry["json_fields"] = precision_recall_f1(
+                total.true_positive, total.false_positive, total.false_negative
+            )
+            entry["json_fields"]["parse_rate"] = entry.pop("_parsed") / json_rows
+            entry["json_fields"]["rows"] = json_rows
+        scores[name] = entry
+    return scores
+
+
+def text_of(content) -> str:
+    """A message's text: its string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return " ".join(p.get("text") or "" for p in content if p.get("type") == "text").strip()
