@@ -139,18 +139,25 @@ def check_lengths(
     ("image features and image tokens do not match"), and cutting the answer trains on nothing.
 
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    ds, lengths, refused = lengths_of_usable_rows(
-        ds, lambda rows: sample_lengths(undecoded(rows), processor, family, video), source, on_bad_sample
-    )
-    ds, lengths, too_long = refuse_too_long(
+    return lengths_within(
         ds,
-        lengths,
+        lambda rows: sample_lengths(undecoded(rows), processor, family, video),
         max_length,
         source,
         on_bad_sample,
         "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer "
         "tokens, or data.max_frames / data.video_max_pixels for videos)",
     )
+
+
+def lengths_within(
+    ds: datasets.Dataset, lengths_of, max_length: int | None, source: str, on_bad_sample: str, what: str
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """`lengths_of(ds)` for the rows whose images the processor takes, then the rows longer than
+    `max_length` refused (`what`: how to fix them). Every method's length check (SFT, DPO, GRPO) is this.
+    Returns the rows kept, their lengths and the skip counts."""
+    ds, lengths, refused = lengths_of_usable_rows(ds, lengths_of, source, on_bad_sample)
+    ds, lengths, too_long = refuse_too_long(ds, lengths, max_length, source, on_bad_sample, what)
     return ds, lengths, refused | too_long
 
 

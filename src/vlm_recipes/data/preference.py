@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import lengths_of_usable_rows, refuse_too_long, sample_lengths
+from vlm_recipes.data.lengths import lengths_within, sample_lengths
 from vlm_recipes.data.rows import (
     RowFormat,
     count_image_parts,
@@ -83,14 +83,12 @@ def check_preference_lengths(
             sides.append(sample_lengths(both, processor, family))
         return [max(c, r) for c, r in zip(*sides, strict=True)]
 
-    ds, lengths, refused = lengths_of_usable_rows(ds, longer_side, source, on_bad_sample)
-    ds, lengths, too_long = refuse_too_long(
+    return lengths_within(
         ds,
-        lengths,
+        longer_side,
         max_length,
         source,
         on_bad_sample,
         "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
         "data.max_length, or lower data.max_pixels so images take fewer tokens)",
     )
-    return ds, lengths, refused | too_long

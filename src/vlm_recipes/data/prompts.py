@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import lengths_of_usable_rows, refuse_too_long, sample_lengths
+from vlm_recipes.data.lengths import lengths_within, sample_lengths
 from vlm_recipes.data.preference import messages_problem
 from vlm_recipes.data.rows import ALL_COLUMNS, RowFormat, count_image_parts, image_problem, undecoded
 from vlm_recipes.families.base import Family
@@ -73,14 +73,12 @@ def check_prompt_lengths(
         opened = generation_prompt_tokens(processor, plain[0]["prompt"])
         return [n + opened for n in sample_lengths(as_messages, processor, family)]
 
-    ds, lengths, refused = lengths_of_usable_rows(ds, prompt_lengths, source, on_bad_sample)
-    ds, lengths, too_long = refuse_too_long(
+    return lengths_within(
         ds,
-        lengths,
+        prompt_lengths,
         max_length,
         source,
         on_bad_sample,
         "prompt(s) longer than grpo.max_prompt_length (raise it or data.max_length, or lower data.max_pixels "
         "so images take fewer tokens)",
     )
-    return ds, lengths, refused | too_long
