@@ -25,14 +25,14 @@ def test_unknown_or_missing_command_lists_the_commands(argv, capsys):
     assert vlm_recipes(argv) == 2
     err = capsys.readouterr().err
     assert ("unknown command `frobnicate`" if argv else "no command given") in err
-    for command in ("train", "data", "compare", "predict", "inspect", "bench"):
+    for command in ("train", "data", "compare", "predict", "inspect", "bench", "demo-learns"):
         assert f"\n  {command} " in err
     assert "Traceback" not in err
 
 
 def test_help_lists_the_commands(capsys):
     assert vlm_recipes(["--help"]) == 0
-    assert set(COMMANDS) == {"train", "data", "compare", "predict", "inspect", "bench"}
+    assert set(COMMANDS) == {"train", "data", "compare", "predict", "inspect", "bench", "demo-learns"}
     assert "benchmark against a plain TRL script" in capsys.readouterr().out  # the package ships it
 
 

@@ -253,6 +253,11 @@ def test_schema_listing_shows_the_ranges(capsys):
     assert (
         "max_steps: -1  # stop after this many optimizer steps; -1: run all epochs [-1 or at least 1]" in out
     )
+    # a list of settings (GRPO's rewards) shows its default as YAML would and each entry's keys
+    assert "rewards:  # the rewards, summed with their weights; default [{'name': 'exact_match'" in out
+    assert "RewardSettings(" not in out
+    for key in ("name: 'exact_match'", "weight: 1.0", "pattern: None", "target_length: None"):
+        assert f"\n        {key}  # " in out
 
 
 def test_a_recipe_with_a_utf8_bom_loads(tmp_path):

@@ -29,6 +29,7 @@ from vlm_recipes.families.parameters import (
 )
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.rank_memory import quantized_weights, rank_memory
+from vlm_recipes.recipes.learning_rates import learning_rate_scale
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
 from vlm_recipes.runs.layout import RunOptions, describe_source, run_dir_for, stage_dirs
@@ -237,6 +238,10 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             trainable = total if mode == "full" else lora_params[role]
             roles[role] = {"mode": mode, "total": total, "trainable": trainable}
         memory, launch = None, launches[index - 1]
+        scale = learning_rate_scale(recipe.model)  # recipes/learning_rates.py: demo models train faster
+        learning_rate = f"{stage.training.learning_rate * scale:g}" + (
+            f" (the recipe's x{scale}, for a demo model)" if scale != 1 else ""
+        )
         try:
             decision = decide_precision(stage.precision, env, stage.quantization.mode != "none")
             precision = f"{decision.choice} ({decision.reason})"
@@ -266,7 +271,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
                 "experts": describe_experts(model, family, stage, lora_roles),
                 "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
-                "training": f"{stage.training.epochs:g} epoch(s), lr {stage.training.learning_rate:g}, "
+                "training": f"{stage.training.epochs:g} epoch(s), lr {learning_rate}, "
                 f"batch {stage.training.per_device_batch_size} × accum "
                 f"{stage.training.gradient_accumulation_steps}",
                 "output_dir": str(Path(stage_dir)),

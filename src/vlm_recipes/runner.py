@@ -22,6 +22,7 @@ from vlm_recipes.files import read_json, write_json
 from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
 from vlm_recipes.plan import ParallelPlan, plan_parallel
 from vlm_recipes.ranks import broadcast_from_main, launched, process_state
+from vlm_recipes.recipes.learning_rates import stage_learning_rates
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import (
     FINAL_DIR,
@@ -155,16 +156,17 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
                 )
             state.wait_for_everyone()
             plan, decision = plans[index - 1] if plans else launched_plan(state)
+            trained, rates = stage_learning_rates(recipe.model, stage)
             ctx = StageContext(
                 recipe,
-                stage,
+                trained,
                 index,
                 stage_dir,
                 source,
                 env,
                 state=state,
                 parallel=plan,
-                decisions=[decision],
+                decisions=[decision, *([rates] if rates else [])],
             )
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True

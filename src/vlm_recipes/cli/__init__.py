@@ -6,6 +6,7 @@ vlm-recipes predict ...   answer with a trained model (= python scripts/predict.
 vlm-recipes inspect ...   what the guards see in a model (= python scripts/inspect_checkpoint.py ...)
 vlm-recipes data check PATH   a dataset read as a stage reads it: format, lengths, every problem
 vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ...)
+vlm-recipes demo-learns   does the demo teach? each demo model at its start and trained (= python scripts/demo_learns.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ COMMANDS = {
     "bench": (
         "vlm_recipes.evaluation.bench",
         "benchmark against a plain TRL script, in the scenarios a user runs",
+    ),
+    "demo-learns": (
+        "vlm_recipes.cli.demo_learns",
+        "does the demo teach? each demo model's eval at a recipe's start and after it, per seed",
     ),
 }
 EXIT_BAD_INPUT = 2

@@ -34,6 +34,12 @@ def describe_schema() -> str:
             if dataclasses.is_dataclass(hint):
                 out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
                 out += walk(hint, indent + "  ")
+            elif typing.get_origin(hint) is list and dataclasses.is_dataclass(
+                item := typing.get_args(hint)[0]
+            ):
+                listed = [dataclasses.asdict(entry) for entry in default]
+                out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}; default {listed}; each:")
+                out += walk(item, indent + "    ")
             else:
                 bounds = f.metadata.get("range")
                 allowed = f" [{bounds}]" if bounds else ""

@@ -20,12 +20,11 @@ from typing import Any
 
 from vlm_recipes.demo.samples import (
     COLOURS,
-    ONE_SHAPE_QUESTIONS,
     describe_sample,
     motion_sample,
     nutrition_sample,
-    one_shape_sample,
     pair_sample,
+    pretraining_sample,
     shapes_sample,
     write_clip,
 )
@@ -34,7 +33,7 @@ from vlm_recipes.files import build_dir_atomically, cache_dir
 log = logging.getLogger(__name__)
 
 DEMO_DATA_PREFIX = "demo:"
-VERSION = "demo-v2"
+VERSION = "demo-v3"
 _DATA_DIRNAME = "data"
 _SPLITS = {"train": 192, "eval": 48}
 _SPLIT_SEEDS = {"train": 1234, "eval": 5678}
@@ -298,14 +297,13 @@ def _build_prompt_dataset(out: Path) -> None:
 # --------------------------------------------------------------------------- pretraining rows
 
 _PRETRAINING_PREFIX = "pretraining-"
-QUESTION_KINDS = {question: kind for kind, question in ONE_SHAPE_QUESTIONS.items()}
 _PRETRAINING_SPLITS = {"train": 768, "eval": 60}
 _PRETRAINING_SEEDS = {"train": 1111, "eval": 2222}
 
 
 def ensure_pretraining_dataset() -> Path:
     """What the demo models are pretrained on (demo/pretraining.yaml): one shape on white, asked its colour,
-    its kind or both (`one_shape_sample`)."""
+    its kind or both, scenes counted and placed, labels read (`pretraining_sample`)."""
     return build_dir_atomically(
         cache_dir() / VERSION / "pretraining-data",
         ("train.jsonl", "eval.jsonl", "dataset_info.json"),
@@ -321,12 +319,12 @@ def _build_pretraining_dataset(out: Path) -> None:
         rng = random.Random(_PRETRAINING_SEEDS[split])
         with open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as f:
             for i in range(n):
-                image, question, answer = one_shape_sample(rng)
+                image, question, answer, kind = pretraining_sample(rng)
                 path = f"images/{split}-{i:05d}.png"
                 image.save(out / path, format="PNG")
                 row = {
                     "id": f"{split}-{i:05d}",
-                    "task": QUESTION_KINDS[question],
+                    "task": kind,
                     "messages": [
                         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
                         {"role": "assistant", "content": [{"type": "text", "text": answer}]},

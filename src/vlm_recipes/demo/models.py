@@ -5,9 +5,9 @@ every recipe runs end to end on a laptop CPU without a model hub. Each model is 
 ``build_tiny`` on first use, deterministically (fixed seeds, no network), and cached under
 ``cache_dir() / VERSION``; later calls only check that the files are there.
 
-The ``demo:tiny-*`` models are then pretrained once (demo/pretraining.yaml: one-shape images asked their
-colour and kind), so that a recipe starts from a small model that sees and says something, as it would
-from a real one, rather than from random weights. ``VLM_RECIPES_DEMO_WEIGHTS=untrained`` gives the random
+The ``demo:tiny-*`` models are then pretrained once (demo/pretraining.yaml: shapes asked their colour, kind
+and place, in words, yes/no and JSON), so that a recipe starts from a small model that sees and says
+something, as it would from a real one, rather than from random weights. ``VLM_RECIPES_DEMO_WEIGHTS=untrained`` gives the random
 weights instead: the test suite's default, where only the mechanics are tested and every family's model is
 built in seconds.
 """
@@ -89,7 +89,8 @@ def pretrain(untrained: Path, out: Path) -> None:
     whose lock, logging and Trainer state it must not touch."""
     started = time.time()
     log.info(
-        "Pretraining demo model %s once (%s: one-shape images, about a minute on 2 cores); cached in %s",
+        "Pretraining demo model %s once (%s: shapes' colours, kinds and places, about a minute on 2 cores); "
+        "cached in %s",
         untrained.name,
         PRETRAINING_RECIPE.name,
         out.parent,

@@ -97,6 +97,55 @@ def one_shape_sample(rng: random.Random, question: str | None = None) -> tuple[I
     return img, ONE_SHAPE_QUESTIONS[question], answer
 
 
+def scene_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """1-4 shapes in the cells of a 2x2 grid, counted and each named with its place: the words of the demo
+    tasks' answers (digits, colours, kinds, top/bottom/left/right) in one sentence."""
+    img, _, described = describe_sample(rng)
+    parts = described.removeprefix("There is ").removesuffix(".").split(", ")
+    parts = [part.replace("a orange", "an orange") for part in parts]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    count = "There is 1 shape" if len(parts) == 1 else f"There are {len(parts)} shapes"
+    return img, "Describe the picture.", f"{count}: {listed}."
+
+
+PRETRAINING_TASKS = {  # kind -> share of the pretraining rows
+    "colour": 0.3,
+    "shape": 0.1,
+    "name": 0.15,
+    "is_colour": 0.15,
+    "json": 0.1,
+    "scene": 0.15,
+    "label": 0.05,
+}
+
+
+def pretraining_sample(rng: random.Random) -> tuple[Image.Image, str, str, str]:
+    """What the demo models are pretrained on: seeing (colours, kinds, places, counts; labels, less surely)
+    and saying every word the demo tasks answer with (yes/no, digits, JSON), in questions other than theirs.
+    Returns (image, question, answer, kind)."""
+    kind = rng.choices(list(PRETRAINING_TASKS), weights=list(PRETRAINING_TASKS.values()))[0]
+    if kind in ONE_SHAPE_QUESTIONS:
+        return (*one_shape_sample(rng, kind), kind)
+    if kind == "scene":
+        return (*scene_sample(rng), kind)
+    if kind == "label":
+        img, _, facts = nutrition_sample(rng)
+        values = json.loads(facts)
+        read = ", ".join(line.format(values[key]) for key, line in NUTRITION_LINES.items())
+        return img, "Read the label.", read, kind
+    img, _, name = one_shape_sample(rng, "name")  # "a red circle"
+    _, colour, shape = name.split()
+    if kind == "json":
+        return (
+            img,
+            "Describe the shape as JSON.",
+            json.dumps({"colour": colour, "shape": shape}, separators=(",", ":")),
+            kind,
+        )
+    asked = colour if rng.random() < 0.5 else rng.choice([c for c in COLOURS if c != colour])
+    return img, f"Is the shape {asked}?", "yes" if asked == colour else "no", kind
+
+
 def nutrition_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     """A rendered nutrition-facts label; the answer is its values as compact JSON in fixed key order."""
     carbs = rng.randint(0, 80)
