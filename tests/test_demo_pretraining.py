@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlm_recipes.cli.demo_learns import AT_START, run
+from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import models
 from vlm_recipes.demo.data import VERSION, ensure_demo_dataset
@@ -100,6 +101,18 @@ def test_demo_models_train_at_width_scaled_rates_and_real_models_at_the_recipes(
         assert learning_rate_scale(model) == 1 and stage_learning_rates(model, r4) == (r4, None)
     monkeypatch.setenv(WEIGHTS_ENV, "untrained")  # the suite's mechanics tests: the recipe's rates
     assert learning_rate_scale("demo:tiny-qwen2-vl") == 1
+
+
+def test_a_dry_run_plans_a_demo_model_without_pretraining_it(
+    tmp_path, monkeypatch, private_demo_cache, capsys
+):
+    """The plan reads the config of the untrained model (the same config, built in seconds): `--dry-run` on a
+    cold cache says what would run, at the demo's learning rate, without a minute of pretraining first."""
+    monkeypatch.setenv(WEIGHTS_ENV, "pretrained")
+    args = ["--recipe", "r1-llm-only", "--dry-run", "--output-dir", str(tmp_path), "model=demo:tiny-smolvlm"]
+    assert main(args) == 0
+    assert "lr 0.0048 (the recipe's x24, for a demo model)" in capsys.readouterr().out
+    assert not (private_demo_cache / VERSION / "tiny-smolvlm-pretrained").exists()
 
 
 def start_and_seeds(recipe: str, model: str, runs: Path) -> tuple[dict, list[dict]]:

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.demo.models import resolve_model_source
+from vlm_recipes.demo.models import config_source
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.parameters import (
@@ -206,7 +206,7 @@ def meta_model(source: str, trust_remote_code: bool):
 
 def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = None) -> list[dict]:
     env = env or Environment.detect()
-    config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
+    config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
     family = family_for_model_type(config.model_type)
     counts = count_params_by_role(model, family)
     run_dir = run_dir_for(recipe, options)
@@ -324,7 +324,7 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
 
 def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
     """GPU memory a stage needs for weights and optimizer state, from the model's config (no weights read)."""
-    config, model = meta_model(resolve_model_source(recipe.model), recipe.trust_remote_code)
+    config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
     family = family_for_model_type(config.model_type)
     parameters = dict(model.named_parameters())
     quantized_params = sum(parameters[name].numel() for name in quantized_weights(model, family, stage))

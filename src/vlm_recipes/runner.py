@@ -18,6 +18,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
 from vlm_recipes.plan import ParallelPlan, plan_parallel
@@ -50,6 +51,9 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     try:
         if launched():  # a child of the launcher: train the stages it was given
             return train_stages(recipe, options, process_state())
+        resolve_model_source(
+            recipe.model
+        )  # a demo model is built (and pretrained) here, once, before any child
         env = Environment.detect()
         plans = plan_parallel(recipe, env, options)
         if not any(plan.launches_processes for plan, _ in plans):

@@ -47,9 +47,10 @@ _MODEL_FILES = (
 )
 
 
-def ensure_demo_model(model_id: str = DEMO_MODEL_ID) -> Path:
+def ensure_demo_model(model_id: str = DEMO_MODEL_ID, weights: str | None = None) -> Path:
     """The directory of a demo model (weights, processor, tokenizer, chat template); built on first use, and
-    for a ``demo:tiny-*`` model pretrained on first use unless VLM_RECIPES_DEMO_WEIGHTS=untrained."""
+    for a ``demo:tiny-*`` model pretrained on first use unless VLM_RECIPES_DEMO_WEIGHTS (or `weights`) is
+    `untrained`."""
     found = family_of_demo_model(model_id)
     if found is None:
         raise UnsupportedModelError(
@@ -63,7 +64,7 @@ def ensure_demo_model(model_id: str = DEMO_MODEL_ID) -> Path:
         lambda out: family.build_tiny(out, dims, tokenizer_corpus()),
         f"demo model {name}",
     )
-    if not model_id.startswith(PRETRAINED_PREFIX) or demo_weights() == "untrained":
+    if not model_id.startswith(PRETRAINED_PREFIX) or (weights or demo_weights()) == "untrained":
         return untrained
     return build_dir_atomically(
         cache_dir() / VERSION / f"{name}-pretrained",
@@ -126,6 +127,14 @@ def pretrain(untrained: Path, out: Path) -> None:
         metrics["eval_loss"],
         "-" if exact is None else f"{exact:.3f}",
     )
+
+
+def config_source(source: str) -> str:
+    """Where a model's config is read for a plan on the meta device: for a demo model its untrained directory
+    (built in seconds; the same config as the pretrained one), so `--dry-run` never waits for a pretraining."""
+    if source in DEMO_MODEL_IDS:
+        return str(ensure_demo_model(source, weights="untrained"))
+    return source
 
 
 def resolve_model_source(source: str) -> str:
