@@ -250,6 +250,37 @@ def test_the_table_shows_the_grpo_reward_and_marks_the_best_recipe_by_it():
     assert "| 0.805 ± 0.007 \\* |" in format_markdown(comparison, None, answer_rows=0)
 
 
+def test_grpo_recipes_are_ranked_by_reward_only_against_recipes_with_the_same_rewards(tmp_path):
+    """A reward summing other functions (or weights) is another scale: its recipe is not marked against the
+    best of a different sum, and the note under the table says what each reward sums."""
+    runs = [
+        run("better", s, 0.01, method="grpo", reward=1.30 + s / 100, rewards="exact_match") for s in (0, 1)
+    ]
+    runs += [
+        run("worse", s, -0.02, method="grpo", reward=0.80 + s / 100, rewards="exact_match + 0.1 length[64]")
+        for s in (0, 1)
+    ]
+    text = format_comparison(compare_runs(runs), answer_rows=0)
+    assert reward_cells(text) == {"better": "1.305 ± 0.007", "worse": "0.805 ± 0.007"}  # each alone: no mark
+    assert (
+        "reward = better: exact_match; worse: exact_match + 0.1 length[64] "
+        "(different rewards: compared only within the same)" in text
+    )
+    # read from the recipe run.json records: the names, their settings and weights
+    root = sft_then_grpo(tmp_path / "r6" / "t")
+    manifest = json.loads((root / "run.json").read_text())
+    rewards = [
+        {"name": "exact_match", "weight": 1.0, "pattern": None, "target_length": None},
+        {"name": "format", "weight": 0.5, "pattern": "<answer>.*</answer>", "target_length": None},
+        {"name": "length", "weight": 0.1, "pattern": None, "target_length": 64},
+    ]
+    manifest["resolved_recipe"] = {
+        "stages": [{"name": "llm-lora"}, {"name": "llm-grpo", "grpo": {"rewards": rewards}}]
+    }
+    (root / "run.json").write_text(json.dumps(manifest))
+    assert load_run(root).rewards == "exact_match + 0.5 format[<answer>.*</answer>] + 0.1 length[64]"
+
+
 def test_the_end_of_run_table_shows_the_reward_and_no_loss_for_a_grpo_stage(tmp_path):
     run_dir = sft_then_grpo(tmp_path / "r6" / "t")
     assert read_stages(run_dir)[1]["eval_reward"] == 1.375

@@ -101,13 +101,15 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
     difference is larger than both seed spreads together (|mean − best mean| > std + best std); "" when
     within the spread, when it or the best ran once (no spread to compare against), or when every recipe
     has the same mean. Losses are compared between recipes whose last stage has the same method only (a DPO
-    stage's loss is a preference loss); a GRPO stage's policy loss is not judged."""
+    stage's loss is a preference loss); a GRPO stage's policy loss is not judged; rewards between recipes
+    whose rewards sum the same functions with the same weights only."""
     marks = {row.recipe: "" for row in rows}
-    comparable: dict[str, list[RecipeRow]] = defaultdict(list)
+    comparable: dict[str | None, list[RecipeRow]] = defaultdict(list)
     for row in rows:
         method = row.runs[0].last_method if attr in LOSSES else ""
+        kind = row.runs[0].rewards if attr == "reward" else method
         if row.values(attr) and method not in NOT_JUDGED_LOSSES:
-            comparable[method].append(row)
+            comparable[kind].append(row)
     for same in comparable.values():
         stats = {row.recipe: mean_std(row, attr) for row in same}
         pick = max if HIGHER_IS_BETTER[attr] else min
@@ -124,6 +126,16 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
             elif std is not None and best_std is not None and abs(mean - best_mean) > std + best_std:
                 marks[recipe] = "beyond"
     return marks
+
+
+def rewards_note(rows: list[RecipeRow]) -> str:
+    """What each GRPO recipe's reward sums, under the table ("" without one); says when they differ."""
+    formulas = {row.recipe: row.runs[0].rewards for row in rows if row.runs[0].reward is not None}
+    if not formulas:
+        return ""
+    listed = "; ".join(f"{recipe}: {formula or 'not recorded'}" for recipe, formula in formulas.items())
+    differ = len(set(formulas.values())) > 1
+    return f"reward = {listed}" + (" (different rewards: compared only within the same)" if differ else "")
 
 
 def spread_note(rows: list[RecipeRow]) -> str:
@@ -204,7 +216,7 @@ def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: i
         header = [c[0] for c in COLUMNS]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r).replace("*", "\\*") + " |" for r in table_rows(rows)]
-        if note := spread_note(rows):
+        for note in filter(None, (spread_note(rows), rewards_note(rows))):
             lines += ["", note.replace("*", "\\*")]
         lines += ["", "Runs: " + ", ".join(f"`{run.run_dir}`" for row in rows for run in row.runs), ""]
         if answers := format_answers_markdown(group_answers(rows, answer_rows), FIRST_RUNS):
@@ -229,8 +241,7 @@ def format_comparison(comparison: Comparison, answer_rows: int = ROWS_SHOWN) -> 
     parts = [f"warning: {w}" for w in comparison.warnings]
     for signature, rows in comparison.groups.items():
         parts += ["", f"Eval set {signature}", format_table(rows)]
-        if note := spread_note(rows):
-            parts.append(note)
+        parts += filter(None, (spread_note(rows), rewards_note(rows)))
         if answers := format_answers_text(group_answers(rows, answer_rows), FIRST_RUNS):
             parts += ["", answers]
     return "\n".join(parts)

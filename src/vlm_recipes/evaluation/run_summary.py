@@ -38,6 +38,7 @@ class RunSummary:
     preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
+    rewards: str | None = None  # a GRPO last stage: what its reward sums, e.g. "exact_match + 0.1 length[64]"
 
 
 def load_run(run_dir: Path) -> RunSummary:
@@ -77,7 +78,24 @@ def load_run(run_dir: Path) -> RunSummary:
         preference_curve=curves["dpo"],
         reward_curve=curves["grpo"],
         stage_boundaries=boundaries[:-1],
+        rewards=reward_formula(manifest) if methods[-1] == "grpo" else None,
     )
+
+
+def reward_formula(manifest: dict) -> str | None:
+    """The last stage's rewards as its recipe names them, weighted: "exact_match + json_f1 + 0.1 length[64]"
+    (None when run.json does not record the recipe). Two GRPO recipes' rewards compare only when equal."""
+    stages = (manifest.get("resolved_recipe") or {}).get("stages") or []
+    rewards = ((stages[-1] if stages else {}).get("grpo") or {}).get("rewards")
+    if not rewards:
+        return None
+    parts = []
+    for reward in rewards:
+        setting = reward.get("pattern") or reward.get("target_length")
+        term = reward["name"] + (f"[{setting}]" if setting is not None else "")
+        weight = reward.get("weight", 1.0)
+        parts.append(term if weight == 1.0 else f"{weight:g} {term}")
+    return " + ".join(parts)
 
 
 def _curves(
