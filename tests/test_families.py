@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import TINY_MODELS, model_inputs
 from PIL import Image
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
@@ -1023,3 +1024,34 @@ def test_seed_recipe_runs_end_to_end(tiny_family, recipe, precision, tmp_path):
         # the demo's first rows hold a two-image row and, for a family that takes video, a video row
         tasks = {json.loads(line)["task"] for line in (Path(stage["dir"]) / "predictions.jsonl").open()}
         assert tasks == {"pair", "nutrition", "shapes", *(["motion"] if family.takes_video else [])}
+
+
+# One optimizer step of r1 (LoRA, fp32, no dropout, lr 1e-3) over the same 16 demo rows: one batch of 16,
+# or 2 micro-batches of 8 accumulated. The step moves lora_B by 1e-3 (Adam's first step: lr x sign). Without
+# methods/sft.py's average_the_loss_over_the_global_batch, the seven families whose classes say
+# accepts_loss_kwargs = False averaged each micro-batch alone: 2.0e-3 apart (Qwen2.5-VL, Gemma 4, Qwen3.5-MoE
+# measured; some steps' signs flipped). With it, measured on a 2-core AMD EPYC: below 1e-6 on ten families
+# (the summation order); 1.6e-6 (Qwen3.5-MoE) and 1.2e-5 (GLM-4V-MoE), whose router's load-balancing loss is
+# a statistic of each micro-batch; 1.7e-5 on Gemma 4. Bounds: 1e-6, and 5e-5 (3x the floor) for those three,
+# 40x under the effect guarded against.
+ONE_STEP = ["--max-steps", "1", "precision=fp32", "data.max_train_samples=16", "data.eval=null"]
+ONE_STEP += ["training.learning_rate=1e-3", "lora.dropout=0", "quantization.mode=none"]
+ACCUMULATION_BOUND = {"qwen3.5-moe": 5e-5, "glm4v-moe": 5e-5, "gemma4": 5e-5}
+
+
+def test_gradient_accumulation_trains_as_one_batch_does(tiny_family, tmp_path):
+    """The loss is the mean over every labelled token of the global batch, however it is split: 2 micro-
+    batches of 8 accumulated give the weights one batch of 16 gives (as 2 ranks of 8 must: the FSDP and DDP
+    proofs in test_parallel.py)."""
+    family, model_dir = tiny_family
+    bound = ACCUMULATION_BOUND.get(family.name, 1e-6)
+    common = ["--recipe", "r1-llm-only", f"model={model_dir}", "--output-dir", str(tmp_path), *ONE_STEP]
+    assert main([*common, "--run-name", "one", "training.per_device_batch_size=16"]) == 0
+    split = ["training.per_device_batch_size=8", "training.gradient_accumulation_steps=2"]
+    assert main([*common, "--run-name", "accumulated", *split]) == 0
+    adapter = "stage-1-llm-lora/adapter/adapter_model.safetensors"
+    one, accumulated = (load_file(tmp_path / "r1-llm-only" / run / adapter) for run in ("one", "accumulated"))
+    moved = max(t.abs().max().item() for k, t in one.items() if "lora_B" in k)
+    distance = max((one[k] - accumulated[k]).abs().max().item() for k in one)
+    assert moved > 10 * bound, moved
+    assert distance < bound, (distance, moved)

@@ -3,9 +3,11 @@ video loader and the batch speed-ups, and the last layer at loss positions only 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import unwrap_peft_model
 from trl import SFTConfig, SFTTrainer
 
 from vlm_recipes.data.collate import VideoCollator
@@ -25,6 +27,8 @@ from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.install import compute_loss_positions_only, wrap_collator
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
 from vlm_recipes.speedups.packing import is_packed
+
+log = logging.getLogger(__name__)
 
 
 def build_sft_config(
@@ -100,7 +104,36 @@ def build_trainer(
         processing_class=built.processor,
         callbacks=callbacks,
     )
+    average_the_loss_over_the_global_batch(trainer, decisions)
     return prepare_trainer(trainer, built, stage, decisions, "after SFTTrainer was built")
+
+
+def average_the_loss_over_the_global_batch(trainer: SFTTrainer, decisions: list[Decision] | None) -> None:
+    """The loss as one process computes it over the whole global batch: the sum over every labelled token
+    of every micro-batch and rank, divided by their count (`num_items_in_batch`, which the Trainer counts).
+
+    Every family's forward hands its keyword arguments, `num_items_in_batch` among them, to its loss
+    function, but seven classes say `accepts_loss_kwargs = False` (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and its
+    MoE, Gemma 4, GLM-4V and its MoE: transformers' workaround for Gemma 3's gradient accumulation, #37208,
+    copied on). Told so, the Trainer averages each micro-batch over its own tokens, then averages the
+    micro-batches and the ranks: a row in a short micro-batch weighs more, and gradient accumulation or a
+    second rank trains differently from one process over the same rows (measured: Qwen2.5-VL's LoRA after 3
+    steps on 2 ranks 3.9e-3 from one process's, twice as far as training moved it).
+    `test_families::test_gradient_accumulation_trains_as_one_batch_does` proves it on every family."""
+    if trainer.model_accepts_loss_kwargs:
+        return
+    trainer.model_accepts_loss_kwargs = True
+    name = type(unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))).__name__
+    decision = Decision(
+        "loss-average",
+        "over every labelled token of the global batch (num_items_in_batch passed to the loss)",
+        f"{name} says accepts_loss_kwargs = False, yet its forward hands num_items_in_batch to its loss: "
+        "without it each micro-batch and rank is averaged on its own, and gradient accumulation or 2 ranks "
+        "would not train as one process over the same rows",
+    )
+    log.info("  %s", decision)
+    if decisions is not None:
+        decisions.append(decision)
 
 
 def build_sft_stage_trainer(built, stage, args, data, decisions=None, callbacks=None):
