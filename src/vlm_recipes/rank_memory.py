@@ -105,7 +105,7 @@ def rank_memory(
     parameters += adapter_params * trained
     if mode != "fsdp":
         return RankMemory(mode, ranks, parameters, trainable, 2 * trainable)
-    # FSDP2's units (methods.trainer.wrap_language_layers_only): each decoder layer, the rest in the root
+    # FSDP2's units (methods.sharding.wrap_language_layers_only): each decoder layer, the rest in the root
     layers = {id(layer) for layer in family.decoder_layer.decoder_layers(model)}
     prefixes = [name for name, module in model.named_modules() if id(module) in layers]
     in_layer = tuple(prefix + "." for prefix in prefixes)

@@ -5,9 +5,7 @@ guard after the trainer is built, and TrainingMethod, what a method module decla
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +14,14 @@ import torch
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import RowFormat
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods.resilience import restore_trainable
+from vlm_recipes.methods.sharding import (
+    carry_buffers_through_the_sharded_load,
+    fsdp_decisions,
+    fsdp_on_cpu_ranks,
+)
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
@@ -120,101 +122,14 @@ class RecipeTrainerMixin:
 
     def create_accelerator_and_postprocess(self):
         self.sharding_decisions = fsdp_decisions(self.model)
+        if buffers := carry_buffers_through_the_sharded_load(self.model):
+            self.sharding_decisions.append(buffers)
         with fsdp_on_cpu_ranks(self.sharding_decisions):
             super().create_accelerator_and_postprocess()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
-
-
-def sharding() -> bool:
-    """Launched for FSDP (`accelerate launch` with an FSDP config sets this in every rank's environment)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def fsdp_decisions(model) -> list[Decision]:
-    """What an FSDP stage shards, decided before Trainer builds its accelerator (nothing when not sharding)."""
-    if not sharding():
-        return []
-    decisions = [wrap_language_layers_only(model)]
-    quantized = sum(type(p).__name__ == "Params4bit" for p in model.parameters())
-    if quantized:
-        decisions.append(
-            Decision(
-                "fsdp-4bit",
-                f"{quantized} 4-bit weights replicated on every rank, the rest sharded",
-                "accelerate keeps uint8-stored Params4bit out of fully_shard (sharding would break their "
-                "quant_state); a float bnb_4bit_quant_storage would let them shard",
-            )
-        )
-    return decisions
-
-
-def wrap_language_layers_only(model) -> Decision:
-    """FSDP units: the language model's decoder layers; the vision tower and projector stay in the root unit.
-
-    A unit's weights are gathered by a collective each time it runs, so every rank must run the same units
-    the same number of times. The tower runs once per image batch and once more per video batch, and not at
-    all on a batch of text rows: ranks whose batches differ in kind would gather different units and stall
-    or fail (gloo: "Received data size doesn't match expected size"). In the root unit the tower's weights
-    are gathered once per step on every rank, whatever the batch holds. Costs the tower's size in unsharded
-    memory during the forward (a few hundred MB for the towers here). A config naming its own classes wins.
-    The layer class is the family's (Family.decoder_layer): Qwen2VLDecoderLayer, Gemma3DecoderLayer, ..."""
-    family = family_for_model_type(model.config.model_type)
-    layer = type(family.decoder_layer.decoder_layers(model)[0]).__name__
-    named = os.environ.setdefault("FSDP_TRANSFORMER_CLS_TO_WRAP", layer)
-    if named != layer:
-        return Decision("fsdp-units", f"each {named}", "the accelerate config names them")
-    decision = Decision(
-        "fsdp-units",
-        f"each {layer}; the vision tower and projector in the root unit",
-        "gathered once a step on every rank, so batches with and without images or videos run the same "
-        "collectives",
-    )
-    log.info("  %s", decision)
-    return decision
-
-
-@contextmanager
-def fsdp_on_cpu_ranks(decisions: list[Decision]) -> Iterator[None]:
-    """On CPU ranks launched for FSDP (`accelerate launch` with launch/configs/fsdp.yaml sets
-    ACCELERATE_USE_FSDP), let accelerate's state take the FSDP plugin as it does on GPUs.
-
-    Our own because accelerate (1.15) switches to FSDP only from MULTI_GPU and its kin: on CPU ranks its
-    AcceleratorState keeps MULTI_CPU, drops the plugin, and Trainer wraps the model in DDP, silently
-    unsharded. FSDP2's `fully_shard` itself runs on CPU over gloo, so the only change is the state's
-    distributed type; everything after it (wrapping by _no_split_modules, full state dict for final/) is
-    accelerate's and Trainer's own FSDP2 path."""
-    if not sharding() or torch.cuda.is_available():
-        yield
-        return
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    original = AcceleratorState.__init__
-
-    def take_the_plugin(state, *args, fsdp_plugin=None, **kwargs):
-        original(state, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and state.distributed_type == DistributedType.MULTI_CPU:
-            # as accelerate does at the end of its own switch: every later AcceleratorState() re-reads it
-            state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            if state.mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(state.mixed_precision)
-            state.fsdp_plugin = fsdp_plugin
-            decision = Decision(
-                "fsdp-on-cpu",
-                f"FSDP{fsdp_plugin.fsdp_version} over gloo on {state.num_processes} CPU processes",
-                "accelerate leaves CPU ranks unsharded (DDP); the runner hands its state the FSDP plugin",
-            )
-            log.info("  %s", decision)
-            decisions.append(decision)
-
-    AcceleratorState.__init__ = take_the_plugin
-    try:
-        yield
-    finally:
-        AcceleratorState.__init__ = original
 
 
 def announce_method_settings(
