@@ -42,6 +42,7 @@ class KillAfterStep(TrainerCallback):
 
 def install() -> None:
     run_stage, make_trainer, save_file = stage_run.run_stage, stage_run.make_trainer, resilience.save_file
+    save_shards = resilience.save_trainable_shards
 
     def run_stage_then_maybe_kill(ctx, *args, **kwargs):
         current_stage[0] = ctx.index
@@ -60,9 +61,14 @@ def install() -> None:
             step = Path(filename).parent.name.removeprefix("checkpoint-")
             kill_at(f"stage{current_stage[0]}:checkpoint{step}")
 
+    def save_shards_then_maybe_kill(model, shards):  # FSDP2: every rank writes its own shards
+        save_shards(model, shards)
+        kill_at(f"stage{current_stage[0]}:checkpoint{shards.parent.name.removeprefix('checkpoint-')}")
+
     stage_run.run_stage = run_stage_then_maybe_kill
     stage_run.make_trainer = make_trainer_with_kill
     resilience.save_file = save_then_maybe_kill
+    resilience.save_trainable_shards = save_shards_then_maybe_kill
 
 
 if __name__ == "__main__":

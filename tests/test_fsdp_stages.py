@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import run_train
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
@@ -125,7 +126,7 @@ def test_r3_two_stage_as_fsdp_on_two_cpu_ranks_end_to_end(uninterrupted):
 # seeded sampler skips the batches already trained, the trainable tensors come back whole and are
 # re-sharded, and AdamW's moments come back through accelerate's full optimizer state dict. Floor 0, so
 # the bound is equality; training moved the weights 5.0e-5 (stage 1, lr 2e-5) and 1.3e-3 (stage 2), and a
-# resume without the optimizer state (optimizer.bin deleted) lands 4.6e-5 and 2.6e-4 away.
+# resume without the optimizer state (its file deleted) lands 4.6e-5 and 2.6e-4 away.
 def test_a_rank_killed_in_each_fsdp_stage_resumes_to_where_the_uninterrupted_run_ends(
     tmp_path, uninterrupted
 ):
@@ -138,7 +139,13 @@ def test_a_rank_killed_in_each_fsdp_stage_resumes_to_where_the_uninterrupted_run
     assert killed.returncode != 0 and "fault injection: SIGKILL at stage1:step3" in killed.stderr
     assert read_json(run_dir / "run.json")["status"] == "failed"
     checkpoint = run_dir / STAGES[0] / "checkpoints" / "checkpoint-2"
-    assert (checkpoint / "COMPLETE").is_file() and (checkpoint / "optimizer.bin").is_file()
+    assert (checkpoint / "COMPLETE").is_file()
+    for shards in ("trainable", "optimizer_0", "pytorch_model_fsdp_0"):  # each rank wrote its own shards
+        assert sorted(f.name for f in (checkpoint / shards).glob("*.distcp")) == [
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
+    assert not [*checkpoint.glob("*.bin"), *checkpoint.glob("*.safetensors")], "nothing gathered whole"
 
     resume = ["--resume", str(run_dir), "--nproc-per-node", "2"]
     killed = run_fsdp_r3(tmp_path, *resume, fault="stage2:step3@rank0")
@@ -163,6 +170,33 @@ def test_a_rank_killed_in_each_fsdp_stage_resumes_to_where_the_uninterrupted_run
         source = reference  # stage 2 starts from stage 1's final/
 
 
+# Measured on a 2-core AMD EPYC: uninterrupted on 4 ranks x 2 rows against 2 x 4, 3.7e-9 (summation order);
+# killed on 4 and resumed on 2, the same 3.7e-9; resumed without global_batch.json (2 x 2 rows, a global
+# batch of 4 from step 3 on) 1.8e-5, training having moved the weights 5.0e-5. Bound: 10x the floor.
+def test_a_stage_killed_on_four_ranks_resumes_on_two_with_the_same_global_batch(tmp_path, uninterrupted):
+    """r3's first stage as r2 on 4 ranks of 2 rows (global batch 8, as the uninterrupted run's 2 x 4), a
+    rank killed after step 3, resumed on 2 ranks: each reads its part of the 4 ranks' shards, and the
+    runner accumulates 2 micro-batches a step so the global batch stays 8. It ends where the uninterrupted
+    run's first stage ends."""
+    flags = [*FSDP_R3, "training.per_device_batch_size=2"]
+    flags[flags.index("--recipe") + 1], flags[flags.index("--nproc-per-node") + 1] = "r2-vision-only", "4"
+    killed = run_fsdp_r3(tmp_path, *flags, "--run-name", "run", fault="stage1:step3@rank1")
+    assert killed.returncode != 0 and "fault injection: SIGKILL at stage1:step3" in killed.stderr
+    run_dir = tmp_path / "r2-vision-only" / "run"
+    resumed = run_fsdp_r3(tmp_path, "--resume", str(run_dir), "--nproc-per-node", "2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    decisions = {d["guard"]: d["choice"] for d in read_json(run_dir / STAGES[0] / "report.json")["decisions"]}
+    assert decisions["resume-ranks"] == "gradient accumulation 1 -> 2 on 2 processes"
+    assert "global batch 8 = 2 per device × 2 accumulation × 2 process(es)" in decisions["batch"]
+
+    source = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
+    reference, final = saved(uninterrupted / STAGES[0]), saved(run_dir / STAGES[0])
+    distance = max((final[k] - reference[k]).abs().max().item() for k in reference)
+    moved = max((reference[k] - source[k]).abs().max().item() for k in source)
+    print(f"4 ranks killed, resumed on 2, against 2 ranks uninterrupted: {distance:.2e}, moved {moved:.2e}")
+    assert moved > 1e-5 and distance < 4e-8, (distance, moved)
+
+
 def test_dry_run_states_per_rank_memory_as_the_sharded_run_held_it(uninterrupted, tmp_path, capsys):
     """`--dry-run` of the same command states each sharded stage's memory per rank; the run's own step-2
     checkpoint holds, whole, what the ranks held in halves: the trainable tensors (gradients are their
@@ -181,9 +215,9 @@ def test_dry_run_states_per_rank_memory_as_the_sharded_run_held_it(uninterrupted
     plans = plan_recipe(recipe, options, Environment("cpu", 0, bf16_supported=False))
     for stage, plan in zip(STAGES, plans, strict=True):
         memory, checkpoint = plan["memory"], uninterrupted / stage / "checkpoints" / "checkpoint-2"
-        trainable = load_file(checkpoint / "trainable.safetensors")
+        trainable = whole(checkpoint / "trainable", tmp_path / "trainable.pt")
         assert 2 * memory.gradients == sum(t.numel() * t.element_size() for t in trainable.values()), stage
-        state = torch.load(checkpoint / "optimizer.bin", weights_only=True)["state"]
+        state = whole(checkpoint / "optimizer_0", tmp_path / "optimizer.pt")["optimizer"]["state"]
         moments = sum(
             t.numel() * t.element_size() for s in state.values() for k, t in s.items() if k != "step"
         )
@@ -199,6 +233,12 @@ def test_dry_run_states_per_rank_memory_as_the_sharded_run_held_it(uninterrupted
         == sum(p.numel() for n, p in model.named_parameters() if n in quantized) / 2
     )
     assert plans[0]["memory"].replicated == 0
+
+
+def whole(shards: Path, into: Path) -> dict:
+    """A sharded checkpoint directory (torch.distributed.checkpoint) read whole, in this one process."""
+    dcp_to_torch_save(shards, into)
+    return torch.load(into, weights_only=True)
 
 
 def test_the_printed_resume_command_asks_for_the_same_processes():

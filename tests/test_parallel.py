@@ -458,7 +458,7 @@ def test_shipped_accelerate_configs_are_valid(name):
     expected = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[name]
     assert config.distributed_type.value == expected
     if name == "fsdp":
-        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # final/ is a plain model dir
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"  # a file per rank
     assert Path(CONFIGS_DIR / f"{name}.yaml").read_text().startswith("#")
 
 

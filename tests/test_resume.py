@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,12 @@ from conftest import TRAIN, run_train
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.files import read_json
+from vlm_recipes.decisions import Environment
+from vlm_recipes.errors import GuardError
+from vlm_recipes.files import read_json, write_json
+from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.stages.checks import keep_the_global_batch
+from vlm_recipes.stages.context import StageContext
 
 pytestmark = pytest.mark.e2e
 
@@ -166,3 +173,37 @@ def test_nan_stops_the_stage_and_the_last_checkpoint_still_loads(tmp_path):
     assert complete, "the checkpoint before the divergence is kept"
     model = AutoModelForImageTextToText.from_pretrained(complete[-1].parent)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("processes", "accumulation"),
+    [(4, None), (2, 2), (1, 4), (3, "one of [1, 2, 4]"), (8, "one of [1, 2, 4]")],
+    ids=["same-ranks", "half", "one", "three", "more"],
+)
+def test_a_resume_on_other_ranks_keeps_the_global_batch_or_names_the_ranks_that_can(
+    tmp_path, processes, accumulation
+):
+    """A checkpoint written by 4 processes of 2 rows (global batch 8) resumes on 2 with 2 micro-batches
+    accumulated a step, on 1 with 4; 3 or 8 processes of 2 rows cannot make 8, and the error says which
+    --nproc-per-node can. (On 4 ranks killed and 2 resumed, end to end: test_fsdp_stages.)"""
+    recipe = load_recipe("r2-vision-only", ["training.per_device_batch_size=2"])
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    ctx = StageContext(
+        recipe, recipe.stages[0], 1, tmp_path, "unused", Environment("cpu", 0, False), SimpleNamespace()
+    )
+    ctx.state.num_processes = processes
+    assert keep_the_global_batch(ctx, checkpoint) is None  # written before global_batch.json existed
+    write_json(checkpoint / "global_batch.json", {"processes": 4, "per_device": 2, "accumulation": 1})
+    if isinstance(accumulation, str):
+        with pytest.raises(
+            GuardError, match=rf"written by 4 processes, global batch 8 .*{re.escape(accumulation)}"
+        ):
+            keep_the_global_batch(ctx, checkpoint)
+        return
+    decision = keep_the_global_batch(ctx, checkpoint)
+    if accumulation is None:
+        assert decision is None and ctx.stage.training.gradient_accumulation_steps == 1
+        return
+    assert decision.choice == f"gradient accumulation 1 -> {accumulation} on {processes} processes"
+    assert ctx.stage.training.gradient_accumulation_steps == accumulation

@@ -13,14 +13,19 @@ import signal
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import TrainerCallback
+
+from vlm_recipes.files import write_json
 
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINABLE_FILE = "trainable.safetensors"
+GLOBAL_BATCH_FILE = "global_batch.json"  # the processes, rows per device and accumulation that wrote it
+TRAINABLE_SHARDS = "trainable"  # FSDP2: a torch.distributed.checkpoint directory, a file per rank
 
 
 def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -49,6 +54,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
     """Put a checkpoint's trainable tensors back into the model, in place (optimizer state stays attached)."""
+    if (checkpoint / TRAINABLE_SHARDS).is_dir():
+        return restore_trainable_shards(model, checkpoint / TRAINABLE_SHARDS)
     path = checkpoint / TRAINABLE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{checkpoint} has no {TRAINABLE_FILE}: it was not written by vlm-recipes")
@@ -69,6 +76,31 @@ def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
     return len(saved)
 
 
+def save_trainable_shards(model: torch.nn.Module, shards: Path) -> None:
+    """FSDP2: every rank writes its own shards of the trainable tensors (torch.distributed.checkpoint, a
+    collective), so no rank ever holds them whole; `restore_trainable_shards` reads them back on any
+    number of ranks."""
+    dcp.save(trainable_views(model), checkpoint_id=shards)
+
+
+def restore_trainable_shards(model: torch.nn.Module, shards: Path) -> int:
+    """Each rank reads the parts of the saved shards its own shards cover, in place (re-sharded by
+    torch.distributed.checkpoint when the ranks are not the ones that wrote them)."""
+    views = trainable_views(model)
+    try:
+        dcp.load(views, checkpoint_id=shards)
+    except dcp.api.CheckpointException as error:
+        raise ValueError(
+            f"{shards} does not hold this stage's trainable tensors (the recipe changed): {error}"
+        ) from error
+    return len(views)
+
+
+def trainable_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable tensor by module name, sharing the parameter's storage (a shard, under FSDP2)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
 class CheckpointCallback(TrainerCallback):
     """After Trainer has written a checkpoint: add the trainable tensors under their module names, then
     mark it complete. Resuming reads that file, not Trainer's copy of the model: transformers 5.23 saves
@@ -83,14 +115,19 @@ class CheckpointCallback(TrainerCallback):
             # global_step == max_steps still trains one more step (17 of 16). Left without COMPLETE, a
             # stage killed after its last step resumes from the checkpoint before and ends identical.
             return
-        if not state.is_world_process_zero and not is_sharded(model):
-            return
-        tensors = trainable_state(model)  # FSDP2: every rank takes part in gathering the shards
-        if not state.is_world_process_zero:
-            return
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        save_file(tensors, str(checkpoint / TRAINABLE_FILE))
-        (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
+        if is_sharded(model):
+            save_trainable_shards(model, checkpoint / TRAINABLE_SHARDS)  # every rank writes its own
+        elif state.is_world_process_zero:
+            save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
+        if state.is_world_process_zero:
+            batch = {
+                "processes": args.world_size,
+                "per_device": args.per_device_train_batch_size,
+                "accumulation": args.gradient_accumulation_steps,
+            }
+            write_json(checkpoint / GLOBAL_BATCH_FILE, batch)
+            (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
 
 
 class NonFiniteCallback(TrainerCallback):

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError, StageInterrupted, TrainingDiverged
-from vlm_recipes.methods.resilience import InterruptCallback, NonFiniteCallback, complete_checkpoints
+from vlm_recipes.files import read_json
+from vlm_recipes.methods.resilience import (
+    GLOBAL_BATCH_FILE,
+    InterruptCallback,
+    NonFiniteCallback,
+    complete_checkpoints,
+)
 from vlm_recipes.ranks import gather_from_ranks
 from vlm_recipes.stages.context import StageContext
 
@@ -25,6 +32,40 @@ def prepare_resume(stage_dir: Path) -> Path | None:
         log.warning("  %s was interrupted while being written: ignored and removed", partial)
         shutil.rmtree(partial, ignore_errors=True)
     return complete[-1] if complete else None
+
+
+def keep_the_global_batch(ctx: StageContext, checkpoint: Path) -> Decision | None:
+    """A stage resumed on another number of ranks than wrote its checkpoint trains on with the same global
+    batch: the same rows a step, the same optimizer steps. The shards re-shard to any number of ranks
+    (torch.distributed.checkpoint), and Trainer skips the batches already trained by counting steps, so
+    only the gradient accumulation changes: 4 processes x 2 rows become 2 x 2 rows x 2 accumulated."""
+    record = checkpoint / GLOBAL_BATCH_FILE
+    if not record.is_file():  # written before this file existed: the ranks are taken to be the same
+        return None
+    wrote = read_json(record)
+    training, processes = ctx.stage.training, ctx.state.num_processes
+    if wrote["processes"] == processes:
+        return None
+    global_batch = wrote["per_device"] * wrote["accumulation"] * wrote["processes"]
+    per_step = training.per_device_batch_size * processes
+    if wrote["per_device"] != training.per_device_batch_size or global_batch % per_step:
+        fitting = [
+            n for n in range(1, global_batch + 1) if global_batch % (n * training.per_device_batch_size) == 0
+        ]
+        raise GuardError(
+            f"{checkpoint} was written by {wrote['processes']} processes, global batch {global_batch} = "
+            f"{wrote['per_device']} per device x {wrote['accumulation']} accumulation x {wrote['processes']}; "
+            f"{processes} processes with {training.per_device_batch_size} per device cannot make it. Resume "
+            f"with --nproc-per-node one of {fitting}"
+        )
+    accumulation = global_batch // per_step
+    ctx.stage = replace(ctx.stage, training=replace(training, gradient_accumulation_steps=accumulation))
+    decision = Decision(
+        "resume-ranks",
+        f"gradient accumulation {wrote['accumulation']} -> {accumulation} on {processes} processes",
+        f"{checkpoint.name} was written by {wrote['processes']}: the global batch stays {global_batch}",
+    )
+    return decision
 
 
 def check_same_start(model: torch.nn.Module, ctx: StageContext) -> Decision:

@@ -53,7 +53,7 @@ from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.runs.layout import FINAL_DIR, mark_done
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.speedups.install import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
-from vlm_recipes.stages.checks import check_same_start, check_stopped_early
+from vlm_recipes.stages.checks import check_same_start, check_stopped_early, keep_the_global_batch
 from vlm_recipes.stages.context import StageContext
 from vlm_recipes.stages.metrics import collect_metrics, evaluate_stage, peak_memory, reset_peak_memory
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
@@ -66,6 +66,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     started = time.time()
     ctx.stage_dir.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(ctx.stage.training.seed)
+    if resume_from is not None and (ranks := keep_the_global_batch(ctx, resume_from)):
+        ctx.decisions.append(ranks)
 
     data, processor, precision = check_data(ctx)  # every data check runs before the model loads
     built = load_guarded_model(ctx, processor, precision)
