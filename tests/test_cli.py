@@ -32,7 +32,16 @@ def test_unknown_or_missing_command_lists_the_commands(argv, capsys):
 
 def test_help_lists_the_commands(capsys):
     assert vlm_recipes(["--help"]) == 0
-    assert set(COMMANDS) == {"train", "data", "compare", "predict", "inspect", "bench", "demo-learns"}
+    assert set(COMMANDS) == {
+        "train",
+        "data",
+        "compare",
+        "predict",
+        "inspect",
+        "bench",
+        "bench-grpo",
+        "demo-learns",
+    }
     assert "benchmark against a plain TRL script" in capsys.readouterr().out  # the package ships it
 
 

@@ -28,6 +28,10 @@ COMMANDS = {
         "vlm_recipes.evaluation.bench",
         "benchmark against a plain TRL script, in the scenarios a user runs",
     ),
+    "bench-grpo": (
+        "vlm_recipes.evaluation.bench_grpo",
+        "benchmark a GRPO stage against plain TRL's GRPOTrainer (the feature cache's speed-up)",
+    ),
     "demo-learns": (
         "vlm_recipes.cli.demo_learns",
         "does the demo teach? each demo model's eval at a recipe's start and after it, per seed",

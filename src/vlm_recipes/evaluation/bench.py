@@ -139,6 +139,16 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
     }
 
 
+def threads_env(threads: int) -> dict:
+    """This process's environment, every run's torch held to `threads` threads."""
+    fixed = {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {**os.environ, **fixed}
+
+
 def cache_env(env: dict, caches: Path) -> dict:
     """Every cache a run fills (datasets' Arrow files; ours: token counts and the speed-ups') in `caches`."""
     return {
@@ -338,12 +348,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         "flops": flops,
         "last_layer_flops": last_layer_flops,
         "peak_tflops": args.peak_tflops or peak_tflops(environment.device),
-        "env": {
-            **os.environ,
-            "OMP_NUM_THREADS": str(args.threads),
-            "MKL_NUM_THREADS": str(args.threads),
-            "TOKENIZERS_PARALLELISM": "false",
-        },
+        "env": threads_env(args.threads),
     }
     about = describe_run(args, scenarios, environment, precision, model_info, setup)
     print(

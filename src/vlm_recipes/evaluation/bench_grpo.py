@@ -1,0 +1,204 @@
+"""The GRPO benchmark: a GRPO stage through vlm-recipes against plain TRL's GRPOTrainer
+(`evaluation/baseline_trl_grpo.py`, the script one writes by hand), on the same model, prompts, seed and
+settings (`evaluation/bench_recipes/bench-llm-grpo.yaml`).
+
+    vlm-recipes bench-grpo                                   # 1 repeat -> benchmark-grpo.json
+    vlm-recipes bench-grpo --repeats 3 --out benchmarks/results/grpo-cpu-2-cores.json
+
+The scenario: GRPO on visual questions with short checkable answers (a colour, a shape, yes or no, a count),
+a group of 8 completions of at most 16 tokens per prompt, one group a step, the images 448x448 (256 visual
+tokens each, what a photo gets under the recipes' max_pixels). TRL repeats each prompt, image and all, once per
+completion, so its tower encodes every image 8 times to sample and 8 more for the log-probabilities; with
+`training.vision_feature_cache` (frozen tower) vlm-recipes encodes it once and reads it back.
+
+Ways: plain TRL, vlm-recipes without the feature cache (the runner's own cost), vlm-recipes with it. Every run
+is a fresh process; wall time and peak RSS are the whole process's (`os.wait4`), samples/s is completions
+trained / the training loop's runtime. Within a repeat the ways alternate in order; medians over repeats are
+compared as ours / TRL. The reward is each way's mean over its steps (the check that both trained alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from vlm_recipes.evaluation.bench import cache_env, git_sha, processor_name, run_process, threads_env
+
+HERE = Path(__file__).resolve().parent
+BASELINE_SCRIPT = HERE / "baseline_trl_grpo.py"
+RECIPE = HERE / "bench_recipes" / "bench-llm-grpo.yaml"
+BASELINE, CACHE_OFF, CACHE_ON = "plain TRL", "vlm-recipes, feature cache off", "vlm-recipes, feature cache on"
+WAYS = [BASELINE, CACHE_OFF, CACHE_ON]
+IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens
+MEASURED = ("samples_per_s", "wall_s", "peak_rss_gb", "train_runtime_s", "mean_reward", "step_time_median_s")
+
+
+def ensure_bench_prompts() -> Path:
+    """The demo's one-image prompt rows, each image scaled to 448x448 (built once, cached)."""
+    from vlm_recipes.demo.data import VERSION, ensure_prompt_dataset
+    from vlm_recipes.files import build_dir_atomically, cache_dir
+
+    def build(out: Path) -> None:
+        from PIL import Image
+
+        source = ensure_prompt_dataset()
+        (out / "images").mkdir()
+        with open(out / "train.jsonl", "w", encoding="utf-8") as f:
+            for line in (source / "train.jsonl").read_text(encoding="utf-8").splitlines():
+                row = json.loads(line)
+                if len(row["images"]) != 1:
+                    continue
+                image = Image.open(source / row["images"][0]).convert("RGB")
+                name = f"images/{row['id']}.png"
+                image.resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC).save(out / name)
+                f.write(json.dumps({**row, "images": [name]}) + "\n")
+
+    directory = cache_dir() / VERSION / f"bench-prompts-{IMAGE_SIDE}"
+    return build_dir_atomically(directory, ("train.jsonl",), build, "GRPO bench prompts")
+
+
+def run_way(way: str, setup: dict, caches: Path) -> dict:
+    """One fresh process of one way; what it measured, with samples/s and the mean reward."""
+    if way == BASELINE:
+        with tempfile.NamedTemporaryFile(suffix=".json") as result:
+            command = [
+                sys.executable,
+                str(BASELINE_SCRIPT),
+                f"--model={setup['model']}",
+                f"--data={setup['data']}",
+                f"--rows={setup['rows']}",
+                f"--max-completion-length={setup['max_completion_length']}",
+                f"--out={result.name}",
+                *(["--bf16"] if setup["precision"] == "bf16" else []),
+            ]
+            wall, rss = run_process(command, cache_env(setup["env"], caches))
+            measured = json.loads(Path(result.name).read_text())
+        steps, runtime, curve = measured["steps"], measured["train_runtime_s"], measured["reward_curve"]
+        step_time = measured.get("step_time_median_s")
+    else:
+        out, run_name = caches / "runs", f"grpo-{time.time_ns()}"
+        command = [
+            *(sys.executable, "-m", "vlm_recipes", "--recipe", str(RECIPE)),
+            *("--output-dir", str(out), "--run-name", run_name),
+            f"model={setup['model']}",
+            f"data.train={setup['data']}",
+            f"data.max_train_samples={setup['rows']}",
+            f"precision={setup['precision']}",
+            f"grpo.max_completion_length={setup['max_completion_length']}",
+            f"training.vision_feature_cache={str(way == CACHE_ON).lower()}",
+        ]
+        wall, rss = run_process(command, cache_env(setup["env"], caches))
+        metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
+        steps, runtime = metrics["steps"], metrics["train_runtime_s"]
+        curve = {point["step"]: point["reward"] for point in metrics["reward_curve"]}
+        step_time = metrics.get("step_time_median_s")
+    return {
+        "wall_s": wall,
+        "peak_rss_gb": rss,
+        "train_runtime_s": runtime,
+        "samples_per_s": steps * setup["num_generations"] / runtime,
+        "mean_reward": statistics.fmean(curve.values()) if curve else None,
+        "reward_curve": curve,
+        "step_time_median_s": step_time,
+    }
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Medians per way, and each of ours over TRL's."""
+    medians = {
+        way: {key: statistics.median(r[key] for r in way_runs if r[key] is not None) for key in MEASURED}
+        for way, way_runs in runs.items()
+    }
+    base = medians[BASELINE]
+    versus = {
+        way: {k: medians[way][k] / base[k] for k in ("samples_per_s", "wall_s", "peak_rss_gb")}
+        for way in (CACHE_OFF, CACHE_ON)
+    }
+    return {"medians": medians, "versus_trl": versus}
+
+
+def render(report: dict) -> str:
+    """The markdown table docs/performance.md shows."""
+    about, medians, versus = report["about"], report["summary"]["medians"], report["summary"]["versus_trl"]
+    lines = [
+        f"{about['machine']}, {about['threads']} threads, {about['precision']}; {about['model']}; "
+        f"{about['rows']} prompts x {about['num_generations']} completions of at most "
+        f"{about['max_completion_length']} tokens, images {IMAGE_SIDE}x{IMAGE_SIDE}; "
+        f"median of {about['repeats']}; git {about['git_sha']}",
+        "",
+        "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for way in WAYS:
+        m, v = medians[way], versus.get(way, {})
+        ratio = f"{v['samples_per_s']:.2f}x" if v else "1"
+        memory = f"{v['peak_rss_gb']:.2f}x" if v else "1"
+        lines.append(
+            f"| {way} | {m['samples_per_s']:.2f} | {ratio} | {m['wall_s']:.0f} | {m['peak_rss_gb']:.2f} | "
+            f"{memory} | {m['mean_reward']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=16, help="prompts, one group a step")
+    parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per way (medians)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
+    parser.add_argument("--model", default="demo:bench-qwen2-vl", help="model id or directory")
+    parser.add_argument("--out", type=Path, default=Path("benchmark-grpo.json"))
+    args = parser.parse_args(argv)
+
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.recipes.load import load_recipe
+
+    grpo = load_recipe(str(RECIPE)).stages[0].grpo
+    model = Path(resolve_model_source(args.model))
+    setup = {
+        "model": model,
+        "data": ensure_bench_prompts() / "train.jsonl",
+        "rows": args.rows,
+        "num_generations": grpo.num_generations,
+        "max_completion_length": args.max_completion_length,
+        "precision": args.precision,
+        "env": threads_env(args.threads),
+    }
+    about = {
+        "git_sha": git_sha(),
+        "command": f"{prog} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{Environment.detect().describe()}, {processor_name()}",
+        "threads": args.threads,
+        "model": model.name,
+        **{k: setup[k] for k in ("rows", "num_generations", "max_completion_length", "precision")},
+        "repeats": args.repeats,
+    }
+    print(f"{about['machine']}; {model.name}; git {about['git_sha']}", flush=True)
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for way in WAYS if repeat % 2 == 0 else reversed(WAYS):
+                result = run_way(way, setup, Path(tmp) / f"{repeat}-{WAYS.index(way)}")  # empty caches
+                runs[way].append(result)
+                print(
+                    f"  {way}, run {repeat + 1}: {result['wall_s']:.0f} s, {result['samples_per_s']:.2f} "
+                    f"samples/s, {result['peak_rss_gb']:.2f} GB, mean reward {result['mean_reward']:.3f}",
+                    flush=True,
+                )
+    report = {"about": about, "summary": summarize(runs), "runs": runs}
+    args.out.write_text(json.dumps(report, indent=2))
+    print("\n" + render(report) + f"\n\nwritten {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
