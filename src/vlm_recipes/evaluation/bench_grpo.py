@@ -38,8 +38,9 @@ IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens
 MEASURED = ("samples_per_s", "wall_s", "peak_rss_gb", "train_runtime_s", "mean_reward", "step_time_median_s")
 
 
-def ensure_bench_prompts() -> Path:
-    """The demo's one-image prompt rows, each image scaled to 448x448 (built once, cached)."""
+def ensure_bench_prompts(side: int = IMAGE_SIDE) -> Path:
+    """The demo's one-image prompt rows, each image scaled to side x side (0: as the demo drew it; built once,
+    cached)."""
     from vlm_recipes.demo.data import VERSION, ensure_prompt_dataset
     from vlm_recipes.files import build_dir_atomically, cache_dir
 
@@ -55,10 +56,10 @@ def ensure_bench_prompts() -> Path:
                     continue
                 image = Image.open(source / row["images"][0]).convert("RGB")
                 name = f"images/{row['id']}.png"
-                image.resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC).save(out / name)
+                (image.resize((side, side), Image.Resampling.BICUBIC) if side else image).save(out / name)
                 f.write(json.dumps({**row, "images": [name]}) + "\n")
 
-    directory = cache_dir() / VERSION / f"bench-prompts-{IMAGE_SIDE}"
+    directory = cache_dir() / VERSION / f"bench-prompts-{side or 'demo'}"
     return build_dir_atomically(directory, ("train.jsonl",), build, "GRPO bench prompts")
 
 
@@ -73,6 +74,7 @@ def run_way(way: str, setup: dict, caches: Path) -> dict:
                 f"--data={setup['data']}",
                 f"--rows={setup['rows']}",
                 f"--max-completion-length={setup['max_completion_length']}",
+                f"--seed={setup['seed']}",
                 f"--out={result.name}",
                 *(["--bf16"] if setup["precision"] == "bf16" else []),
             ]
@@ -90,6 +92,7 @@ def run_way(way: str, setup: dict, caches: Path) -> dict:
             f"data.max_train_samples={setup['rows']}",
             f"precision={setup['precision']}",
             f"grpo.max_completion_length={setup['max_completion_length']}",
+            f"training.seed={setup['seed']}",
             f"training.vision_feature_cache={str(way == CACHE_ON).lower()}",
         ]
         wall, rss = run_process(command, cache_env(setup["env"], caches))
@@ -125,11 +128,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 def render(report: dict) -> str:
     """The markdown table docs/performance.md shows."""
     about, medians, versus = report["about"], report["summary"]["medians"], report["summary"]["versus_trl"]
+    images = (
+        f"{about['image_side']}x{about['image_side']}" if about["image_side"] else "as the demo drew them"
+    )
     lines = [
         f"{about['machine']}, {about['threads']} threads, {about['precision']}; {about['model']}; "
         f"{about['rows']} prompts x {about['num_generations']} completions of at most "
-        f"{about['max_completion_length']} tokens, images {IMAGE_SIDE}x{IMAGE_SIDE}; "
-        f"median of {about['repeats']}; git {about['git_sha']}",
+        f"{about['max_completion_length']} tokens, images {images}; seed {about['seed']}, median of "
+        f"{about['repeats']}; git {about['git_sha']}",
         "",
         "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",
         "|---|---|---|---|---|---|---|",
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
     )
     parser.add_argument("--rows", type=int, default=16, help="prompts, one group a step")
     parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument("--image-side", type=int, default=IMAGE_SIDE, help="px; 0: the demo's own sizes")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per way (medians)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
@@ -166,7 +174,9 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
     model = Path(resolve_model_source(args.model))
     setup = {
         "model": model,
-        "data": ensure_bench_prompts() / "train.jsonl",
+        "data": ensure_bench_prompts(args.image_side) / "train.jsonl",
+        "seed": args.seed,
+        "image_side": args.image_side,
         "rows": args.rows,
         "num_generations": grpo.num_generations,
         "max_completion_length": args.max_completion_length,
@@ -179,7 +189,8 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
         "machine": f"{Environment.detect().describe()}, {processor_name()}",
         "threads": args.threads,
         "model": model.name,
-        **{k: setup[k] for k in ("rows", "num_generations", "max_completion_length", "precision")},
+        **{k: setup[k] for k in ("rows", "num_generations", "max_completion_length", "image_side", "seed")},
+        "precision": args.precision,
         "repeats": args.repeats,
     }
     print(f"{about['machine']}; {model.name}; git {about['git_sha']}", flush=True)
