@@ -4,6 +4,7 @@ uninterrupted result, and bad prompt rows, prompts and reward functions as clear
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import random
@@ -360,3 +361,27 @@ def test_a_step_of_partial_prompt_groups_is_refused_at_load(tmp_path, capsys):
     assert (
         "stages[0].training.per_device_batch_size" in err and "not a multiple of grpo.num_generations" in err
     )
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None,
+    reason="vLLM can sample here: the refusal does not apply",
+)
+def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, capsys, private_demo_cache):
+    """grpo.use_vllm, vllm_mode and vllm_gpu_memory_utilization reach TRL's GRPOConfig as written; where vLLM
+    cannot sample (no GPU, or vllm not installed) the stage stops before its model loads, exit 2, naming the
+    key and the fix. vLLM's sampling itself is not tested: it needs a GPU, and none has been lent."""
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.grpo import build_grpo_config
+    from vlm_recipes.recipes.load import load_recipe
+
+    settings = ", use_vllm: true, vllm_mode: server, vllm_gpu_memory_utilization: 0.5"
+    recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
+    stage = load_recipe(str(recipe)).stages[0]
+    config = build_grpo_config(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
+    assert (config.use_vllm, config.vllm_mode, config.vllm_gpu_memory_utilization) == (True, "server", 0.5)
+
+    err = _exits_2(recipe, tmp_path, capsys)
+    assert "stage grpo: grpo.use_vllm" in err
+    assert "Set grpo.use_vllm: false" in err or "set grpo.use_vllm: false" in err
+    assert not list((tmp_path / "runs").rglob("report.json")), "stopped before the model loaded"

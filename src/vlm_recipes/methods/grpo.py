@@ -16,6 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.trainer import (
     RecipeTrainerMixin,
@@ -61,6 +62,34 @@ def build_grpo_config(
         epsilon=g.epsilon,
         scale_rewards=g.scale_rewards,
         reward_weights=[reward.weight for reward in g.rewards],
+        use_vllm=g.use_vllm,
+        vllm_mode=g.vllm_mode,
+        vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+    )
+
+
+def check_generation_backend(stage: Stage, env: Environment) -> Decision | None:
+    """Before loading: a stage that samples with vLLM (grpo.use_vllm) needs a GPU and vllm importable;
+    TRL would otherwise fail after the model loaded."""
+    g = stage.grpo
+    if stage.method != "grpo" or not g.use_vllm:
+        return None
+    key = f"stage {stage.name}: grpo.use_vllm"
+    if env.device != "cuda":
+        raise GuardError(
+            f"{key} needs a GPU: vLLM does not sample on this machine's CPU. Set grpo.use_vllm: false"
+        )
+    try:
+        import vllm
+    except ImportError as exc:
+        raise GuardError(
+            f"{key}: vllm cannot be imported here ({exc}): pip install vllm (the versions TRL supports: "
+            "pip install 'trl[vllm]'), or set grpo.use_vllm: false"
+        ) from None
+    return Decision(
+        "generation",
+        f"vLLM {vllm.__version__}, {g.vllm_mode}",
+        "grpo.use_vllm: completions sampled by vLLM, the policy's weights moved into it each generation",
     )
 
 

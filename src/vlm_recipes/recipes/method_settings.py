@@ -10,6 +10,7 @@ from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, d
 
 GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 RewardScaling = Literal["group", "batch", "none"]
+VllmMode = Literal["colocate", "server"]
 DpoLoss = Literal[
     "sigmoid",
     "hinge",
@@ -110,4 +111,19 @@ class GrpoSettings:
     scale_rewards: RewardScaling = doc(
         "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
         "group",
+    )
+    use_vllm: bool = doc(
+        "sample the completions with vLLM instead of generate(): a GPU and `pip install vllm`; TRL moves the "
+        "policy's weights (LoRA merged) into vLLM before each generation",
+        False,
+    )
+    vllm_mode: VllmMode = doc(
+        "colocate: vLLM inside the training processes, on their GPUs; server: a separate `trl vllm-serve` "
+        "process on GPUs of its own",
+        "colocate",
+    )
+    vllm_gpu_memory_utilization: float = doc(
+        "colocate: the share of each GPU's memory vLLM may take (the rest trains)",
+        0.3,
+        range=Range(0, 1, low_open=True),
     )

@@ -29,6 +29,7 @@ from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
+from vlm_recipes.methods.grpo import check_generation_backend
 from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
 from vlm_recipes.methods.sft import RecipeTrainer
 from vlm_recipes.model.audit import audit_freeze
@@ -111,6 +112,8 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode)]
     if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
         ctx.decisions.append(backend)
+    if generation := check_generation_backend(stage, ctx.env):
+        ctx.decisions.append(generation)
     refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
