@@ -136,6 +136,7 @@ def render(report: dict) -> str:
         f"{about['rows']} prompts x {about['num_generations']} completions of at most "
         f"{about['max_completion_length']} tokens, images {images}; seed {about['seed']}, median of "
         f"{about['repeats']}; git {about['git_sha']}",
+        f"Regenerate: `{about['command']}`",
         "",
         "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",
         "|---|---|---|---|---|---|---|",

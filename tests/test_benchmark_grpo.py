@@ -1,0 +1,79 @@
+"""The GRPO benchmark's code (`vlm-recipes bench-grpo`): its plain-TRL baseline runs, its prompts are what it
+says, its arithmetic is right, and the table in docs/performance.md is what the script writes from the
+committed results. Speed itself is measured by the benchmark, never by a test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO
+from PIL import Image
+
+from vlm_recipes.evaluation import baseline_trl_grpo, bench_grpo
+
+RESULTS = [REPO / "benchmarks" / "results" / f"grpo-cpu-2-cores{p}.json" for p in ("", "-bf16")]  # fp32, bf16
+
+
+@pytest.mark.e2e
+def test_baseline_grpo_script_trains_one_group_a_step_and_logs_the_reward(tmp_path, private_demo_cache):
+    """The plain-TRL GRPO script stays runnable: a prompt's group of completions a step, the reward logged."""
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    out = tmp_path / "baseline.json"
+    model, data = ensure_demo_model("demo:tiny-qwen2-vl"), bench_grpo.ensure_bench_prompts() / "train.jsonl"
+    args = [f"--model={model}", f"--data={data}", "--rows=2", "--max-completion-length=4", f"--out={out}"]
+    baseline_trl_grpo.main(args)
+    measured = json.loads(out.read_text())
+    assert measured["steps"] == 2 and len(measured["reward_curve"]) == 2
+    assert all(0.0 <= reward <= 1.0 for reward in measured["reward_curve"].values())
+    assert measured["step_time_median_s"] > 0
+
+
+def test_bench_prompts_are_the_demo_prompts_with_one_image_each_at_448(private_demo_cache):
+    from vlm_recipes.demo.data import ensure_prompt_dataset
+
+    directory = bench_grpo.ensure_bench_prompts()
+    rows = [json.loads(line) for line in (directory / "train.jsonl").read_text().splitlines()]
+    demo = [json.loads(line) for line in (ensure_prompt_dataset() / "train.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [r["id"] for r in demo if len(r["images"]) == 1]
+    assert all(len(r["images"]) == 1 for r in rows)
+    for row in rows[:5]:
+        assert Image.open(directory / row["images"][0]).size == (448, 448)
+
+
+def run(samples_per_s: float, rss: float, reward: float) -> dict:
+    return {
+        "samples_per_s": samples_per_s,
+        "wall_s": 16 / samples_per_s + 10,
+        "peak_rss_gb": rss,
+        "train_runtime_s": 16 / samples_per_s,
+        "mean_reward": reward,
+        "step_time_median_s": 1.0,
+    }
+
+
+def test_summary_is_the_median_and_ratios_are_ours_over_trl():
+    runs = {
+        bench_grpo.BASELINE: [run(2.0, 1.8, 0.1), run(2.2, 1.9, 0.1), run(0.5, 1.8, 0.1)],
+        bench_grpo.CACHE_OFF: [run(2.0, 1.7, 0.1)] * 3,
+        bench_grpo.CACHE_ON: [run(3.0, 1.8, 0.1), run(2.8, 1.8, 0.1), run(9.0, 1.8, 0.1)],
+    }
+    summary = bench_grpo.summarize(runs)
+    assert summary["medians"][bench_grpo.BASELINE]["samples_per_s"] == 2.0, "the median (0.5 is an outlier)"
+    versus = summary["versus_trl"][bench_grpo.CACHE_ON]
+    assert versus["samples_per_s"] == pytest.approx(1.5)
+    assert versus["peak_rss_gb"] == pytest.approx(1.8 / 1.8)
+    assert summary["versus_trl"][bench_grpo.CACHE_OFF]["peak_rss_gb"] == pytest.approx(1.7 / 1.8)
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=lambda path: path.stem)
+def test_the_docs_tables_are_generated_from_the_committed_results(results):
+    report = json.loads(results.read_text())
+    assert report["about"]["git_sha"] and "-dirty" not in report["about"]["git_sha"]
+    precision = "bf16" if results.stem.endswith("-bf16") else "fp32"
+    assert report["about"]["repeats"] >= 3 and report["about"]["precision"] == precision
+    assert bench_grpo.render(report) in (REPO / "docs" / "performance.md").read_text(), (
+        f"docs/performance.md's GRPO table differs from {results.relative_to(REPO)}: paste "
+        f"`vlm-recipes bench-grpo`'s table (bench_grpo.render of that file)"
+    )
