@@ -385,3 +385,26 @@ def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, 
     assert "stage grpo: grpo.use_vllm" in err
     assert "Set grpo.use_vllm: false" in err or "set grpo.use_vllm: false" in err
     assert not list((tmp_path / "runs").rglob("report.json")), "stopped before the model loaded"
+
+
+@pytest.mark.parametrize(
+    ("train", "beta", "copy"),
+    [("{llm: full}", 0.04, True), ("{llm: full}", 0.0, False), ("{llm: lora}", 0.04, False)],
+    ids=["full-with-kl", "full-without-kl", "lora-with-kl"],
+)
+def test_the_plan_states_the_reference_copy_where_trl_loads_one(
+    tmp_path, capsys, train, beta, copy, private_demo_cache
+):
+    """With weights trained in full and a KL term, TRL loads the reference as a second, frozen model: the
+    dry run's memory line counts it (the whole model in the compute dtype). With LoRA the reference is the
+    adapter switched off, and without a KL term there is none: no copy."""
+    from vlm_recipes.demo.models import ensure_demo_model
+    from vlm_recipes.rank_memory import human
+
+    recipe = grpo_recipe(tmp_path, grpo=f"{{num_generations: 4, max_completion_length: 4, beta: {beta}}}")
+    recipe.write_text(recipe.read_text().replace("train: {llm: lora}", f"train: {train}"))
+    assert main(["--recipe", str(recipe), "--dry-run", "--output-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
+    whole_fp32 = sum(p.numel() for p in model.parameters()) * 4
+    assert (f"+ reference copy {human(whole_fp32)} (frozen)" in printed) == copy, printed

@@ -1,7 +1,7 @@
 """What one process holds for a stage's training state, from the model's parameter counts (no weights read):
-the parameters, their gradients and AdamW's two moments; under FSDP2 sharded over the ranks, otherwise
-whole in every process. `--dry-run` prints it. Activations are not included (they grow with the batch's
-tokens and images)."""
+the parameters, their gradients, AdamW's two moments and a DPO or GRPO stage's reference copy; under FSDP2
+sharded over the ranks, otherwise whole in every process. `--dry-run` prints it. Activations are not
+included (they grow with the batch's tokens and images)."""
 
 from __future__ import annotations
 
@@ -41,14 +41,16 @@ class RankMemory:
     gradients: float
     optimizer: float
     replicated: float = 0.0  # FSDP2: quantized weights left whole on every rank (in `parameters`)
+    reference: float = 0.0  # a DPO or GRPO (beta > 0) stage training weights in full: TRL's frozen copy
     gathered: float = 0.0  # FSDP2: the root unit and one decoder layer, whole while they run
 
     def __str__(self) -> str:
         """Two lines (as --dry-run prints them): the sizes, then how they are held."""
-        total = self.parameters + self.gradients + self.optimizer
+        total = self.parameters + self.gradients + self.optimizer + self.reference
+        reference = f" + reference copy {human(self.reference)} (frozen)" if self.reference else ""
         sizes = (
             f"parameters {human(self.parameters)} + gradients {human(self.gradients)} + optimizer state "
-            f"{human(self.optimizer)} (AdamW's 2 moments) = {human(total)}"
+            f"{human(self.optimizer)} (AdamW's 2 moments){reference} = {human(total)}"
         )
         if self.mode != "fsdp":
             where = {
@@ -103,8 +105,9 @@ def rank_memory(
     parameters, replicated = held(model.named_parameters())
     trainable = (sum(p.numel() for n, p in model.named_parameters() if trains(n)) + adapter_params) * trained
     parameters += adapter_params * trained
+    reference = sum(p.numel() for p in model.parameters()) * compute if holds_a_reference_copy(stage) else 0.0
     if mode != "fsdp":
-        return RankMemory(mode, ranks, parameters, trainable, 2 * trainable)
+        return RankMemory(mode, ranks, parameters, trainable, 2 * trainable, reference=reference)
     # FSDP2's units (methods.sharding.wrap_language_layers_only): each decoder layer, the rest in the root
     layers = {id(layer) for layer in family.decoder_layer.decoder_layers(model)}
     prefixes = [name for name, module in model.named_modules() if id(module) in layers]
@@ -125,7 +128,16 @@ def rank_memory(
         2 * trainable / ranks,
         replicated=replicated,
         gathered=root + layer,
+        reference=reference / ranks,  # TRL prepares it with the same FSDP plugin: sharded too
     )
+
+
+def holds_a_reference_copy(stage: Stage) -> bool:
+    """TRL's reference model is a second, frozen copy of the model, in the compute dtype, when a DPO stage or a
+    GRPO stage with a KL term (beta > 0) trains weights in full; with LoRA it is the model with its adapter
+    switched off, no copy (methods/dpo.py and methods/grpo.py: reference_decision)."""
+    full = "full" in (stage.train.vision, stage.train.projector, stage.train.llm)
+    return full and (stage.method == "dpo" or (stage.method == "grpo" and stage.grpo.beta > 0))
 
 
 def human(size: float) -> str:
