@@ -47,8 +47,17 @@ def grpo_recipe(
     )
 
 
-def test_r6_sft_then_grpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
-    quick = ["--max-steps", "2", "training.per_device_batch_size=4", "data.max_train_samples=8"]
+@pytest.mark.parametrize("model", ["demo:tiny-qwen2-vl", "demo:tiny-smolvlm"])
+def test_r6_sft_then_grpo_runs_end_to_end(tmp_path, private_demo_cache, capsys, model):
+    """r6's three stages chained (vision full, QLoRA from its final/, GRPO from that), on the recipe's own
+    Qwen2-VL and on another family (SmolVLM: Idefics3's image splitting, a Llama language model)."""
+    quick = [
+        f"model={model}",
+        "--max-steps",
+        "2",
+        "training.per_device_batch_size=4",
+        "data.max_train_samples=8",
+    ]
     quick += ["data.max_eval_samples=4", "training.logging_steps=1", "precision=fp32"]
     quick += ["stages.llm-grpo.grpo.num_generations=4", "stages.llm-grpo.grpo.max_completion_length=8"]
     code = main(["--recipe", "r6-sft-then-grpo", "--output-dir", str(tmp_path), "--run-name", "t", *quick])
