@@ -36,15 +36,9 @@ def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable tensor (LoRA adapters and fully trained weights) by module name, whole: an FSDP2
-    shard (DTensor) is gathered, a collective every rank must call."""
-    return {
-        n: whole_tensor(p.detach()).cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad
-    }
-
-
-def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """Every trainable tensor (LoRA adapters and fully trained weights) by module name, whole, on the CPU:
+    the checkpoint file of a model that is not sharded (an FSDP2 model's go through save_trainable_shards)."""
+    return {name: tensor.cpu().contiguous() for name, tensor in trainable_views(model).items()}
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
