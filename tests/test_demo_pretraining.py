@@ -14,7 +14,7 @@ from vlm_recipes.cli.demo_learns import AT_START, run
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import models
-from vlm_recipes.demo.data import VERSION, ensure_demo_dataset
+from vlm_recipes.demo.data import VERSION, ensure_pretraining_dataset
 from vlm_recipes.demo.models import WEIGHTS_ENV, ensure_demo_model
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.evaluation.evaluate import evaluate_generation
@@ -26,12 +26,9 @@ from vlm_recipes.stages import run as stage_run
 
 
 def colour_rows():
-    """The demo eval split's colour questions (one shape: "What colour is the shape?")."""
-    ds, _ = load_split(str(ensure_demo_dataset() / "eval-images.jsonl"), "eval", None)
-    keep = [
-        i for i, row in enumerate(ds) if row["messages"][0]["content"][-1]["text"].startswith("What colour")
-    ]
-    return ds.select(keep)
+    """The pretraining's held-out colour questions (one shape: "What colour is the shape?")."""
+    ds, _ = load_split(str(ensure_pretraining_dataset() / "eval.jsonl"), "eval", None)
+    return ds.select([i for i, row in enumerate(ds) if row["task"] == "colour"])
 
 
 def colour_exact_match(model_dir) -> float:

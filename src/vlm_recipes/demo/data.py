@@ -20,11 +20,13 @@ from typing import Any
 
 from vlm_recipes.demo.samples import (
     COLOURS,
+    SHAPES,
     describe_sample,
     motion_sample,
     nutrition_sample,
     pair_sample,
     pretraining_sample,
+    shape_question_sample,
     shapes_sample,
     write_clip,
 )
@@ -33,7 +35,7 @@ from vlm_recipes.files import build_dir_atomically, cache_dir
 log = logging.getLogger(__name__)
 
 DEMO_DATA_PREFIX = "demo:"
-VERSION = "demo-v3"
+VERSION = "demo-v4"
 _DATA_DIRNAME = "data"
 _SPLITS = {"train": 192, "eval": 48}
 _SPLIT_SEEDS = {"train": 1234, "eval": 5678}
@@ -126,7 +128,7 @@ def _generate_split(split: str) -> list[tuple[dict[str, Any], list, list]]:
             clip, question, answer = motion_sample(rng)
             clips = [clip]
         else:
-            img, question, answer = (shapes_sample if task == "shapes" else nutrition_sample)(rng)
+            img, question, answer = (shape_question_sample if task == "shapes" else nutrition_sample)(rng)
             images = [img]
         content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in clips]
         row = {
@@ -200,7 +202,7 @@ def _build_dataset(out: Path) -> None:
     lines = [f"- {s}: {v['rows']} rows, tasks {v['tasks']}" for s, v in info["splits"].items()]
     (out / "README.md").write_text(
         "# vlm-recipes demo dataset (synthetic, generated offline)\n\n"
-        "Tasks: `shapes` (colour / count / position of simple shapes), `nutrition` "
+        "Tasks: `shapes` (one shape: its kind, or which of two colours or two kinds it is), `nutrition` "
         "(extract a rendered nutrition label as JSON), `pair` (two images: same colour?) and `motion` "
         "(a 2 s clip: which way does the dot move?).\n"
         "Rows are TRL conversational vision format; image and video paths are relative to this directory. "
@@ -213,11 +215,10 @@ def _build_dataset(out: Path) -> None:
 
 _PREFERENCE_PREFIX = "preference-"
 _PREFERENCE_SEEDS = {"train": 2468, "eval": 1357}
-_OTHER_SIDE = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 
 
 def _wrong_answer(rng: random.Random, task: str, answer: str) -> str:
-    """A plausible wrong answer: another colour, another count, the other side, one nutrition value off."""
+    """A plausible wrong answer: another kind or colour, the other yes/no, one nutrition value off."""
     if task == "nutrition":
         facts = json.loads(answer)
         key = rng.choice(list(facts))
@@ -226,12 +227,10 @@ def _wrong_answer(rng: random.Random, task: str, answer: str) -> str:
         )
         facts[key] = abs(facts[key]) if facts[key] else 1
         return json.dumps(facts, separators=(",", ":"))
-    if answer in _OTHER_SIDE:
-        return _OTHER_SIDE[answer]
     if task == "pair":
         return "no" if answer == "yes" else "yes"
-    if answer.isdigit():
-        return rng.choice([str(n) for n in range(1, 5) if str(n) != answer])
+    if answer in SHAPES:
+        return rng.choice([kind for kind in SHAPES if kind != answer])
     return rng.choice([c for c in COLOURS if c != answer])
 
 

@@ -97,6 +97,31 @@ def one_shape_sample(rng: random.Random, question: str | None = None) -> tuple[I
     return img, ONE_SHAPE_QUESTIONS[question], answer
 
 
+SHAPE_QUESTIONS = ("shape", "colour_choice", "shape_choice")
+
+
+def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+    """The demo's `shapes` rows: one shape asked its kind, or to choose between two colours or two kinds, one of
+    them its own. What a pretrained demo model sees (colours surely, kinds less), in forms its pretraining
+    never asked: "Is the shape red or blue?" it answers yes or no before fine-tuning, a colour after it. The
+    counts and places of shapes_sample are beyond the demo's 32-wide towers (docs/families.md), so a fine-tune
+    on them could teach their form only."""
+    img, _, name = one_shape_sample(rng, "name")  # "a red circle"
+    _, colour, kind = name.split()
+    question = rng.choice(SHAPE_QUESTIONS)
+    if question == "shape":
+        return img, ONE_SHAPE_QUESTIONS["shape"], kind
+    if question == "colour_choice":
+        first, second = colour, rng.choice([c for c in COLOURS if c != colour])
+        template, answer = "Is the shape {} or {}?", colour
+    else:
+        first, second = kind, rng.choice([k for k in SHAPES if k != kind])
+        template, answer = "Is it a {} or a {}?", kind
+    if rng.random() < 0.5:
+        first, second = second, first
+    return img, template.format(first, second), answer
+
+
 def scene_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     """1-4 shapes in the cells of a 2x2 grid, counted and each named with its place: the words of the demo
     tasks' answers (digits, colours, kinds, top/bottom/left/right) in one sentence."""
