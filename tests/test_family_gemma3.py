@@ -118,3 +118,23 @@ def run(tmp_path, recipe: str, *overrides: str) -> int:
 def test_padding_free_is_refused_at_the_data_check_with_the_reason(tmp_path, capsys):
     code = run(tmp_path, "r1-llm-only", "training.padding_free=true")
     assert_padding_free_refused_before_loading(code, capsys.readouterr().err, "gemma3")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_the_tiny_gemma_tokenizers_cut_pieces_as_gemmas_sentencepiece_does(family, private_demo_cache):
+    """Gemma's SentencePiece splits digits and never makes a piece across words: `50` is `5`, `0`, and a word
+    is one piece with its "▁" in front. The tiny tokenizers were once trained on whole texts, learned pieces
+    like `0,"fat_g":1`, and Gemma's demo models then learned the demo far worse than every other family."""
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    tokenizer = AutoProcessor.from_pretrained(ensure_demo_model(TINY_MODELS[family])).tokenizer
+    text = '{"calories":50,"fat_g":14} Is it a square or a triangle?'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        '{"', "calories", '":', "5", "0", ',"', "fat", "_", "g", '":', "1", "4", "}",
+        "▁Is", "▁it", "▁a", "▁square", "▁or", "▁a", "▁triangle", "?",
+    ]  # fmt: skip
+    assert tokenizer.decode(ids) == text
+    pieces = [piece for piece in tokenizer.get_vocab() if not piece.startswith("<")]
+    assert not [piece for piece in pieces if any(c.isdigit() for c in piece) and len(piece) > 1]
+    assert not [piece for piece in pieces if "▁" in piece[1:]]

@@ -12,20 +12,27 @@ from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config
 # 256000 and 262144 there), appended after the BPE vocab here.
 GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>")
 GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+# The pieces Gemma's SentencePiece model is trained on: a word with the "▁" before it, each digit alone
+# (split_digits), a run of punctuation; never one piece across words or digits. The BPE is trained on these
+# pieces; GemmaTokenizer then encodes whole texts, as Gemma's tokenizer does, with merges that never cross
+# them. Trained on whole texts instead, the BPE learned pieces like `0,"fat_g":1`: Gemma's demo models then
+# learned the demo's JSON and answers far worse than every other family (r1 taught them no exact match).
+SENTENCEPIECE_PIECES = r"▁?\p{L}+|\p{N}|▁?[^\p{L}\p{N}▁]+|▁"
 
 
 def gemma_tokenizer(corpus: list[str]):
     """A GemmaTokenizer (the class Gemma3Processor is given) around a BPE trained on `corpus` the way
-    Gemma's is built: spaces replaced by "▁", byte fallback (<0x00>..<0xFF>) for anything unseen."""
+    Gemma's is built: spaces replaced by "▁", digits split, byte fallback (<0x00>..<0xFF>) for anything
+    unseen."""
     import json
 
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import GemmaTokenizer
 
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     bpe.normalizer = normalizers.Replace(" ", "▁")
-    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(SENTENCEPIECE_PIECES), behavior="isolated")
     trainer = trainers.BpeTrainer(
         vocab_size=1024, special_tokens=[*GEMMA_SPECIAL_TOKENS, *bytes_], show_progress=False
     )

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from vlm_recipes.families.tiny import save_tiny_model
+from vlm_recipes.families.tiny.gemma3 import SENTENCEPIECE_PIECES
 
 # Gemma 4's special tokens, in the order the real tokenizer numbers them: pad, eos, bos, unk, mask; the tool
 # declarations, calls and responses and the string escape (<|tool_response> is 50 there, a stop token of
@@ -44,15 +45,16 @@ VIDEO_TOKEN = "<|video|>"
 
 def gemma4_tokenizer(corpus: list[str]):
     """A GemmaTokenizer (the class Gemma4Processor is given) around a BPE trained on `corpus` the way
-    Gemma's is built: spaces replaced by "▁", byte fallback (<0x00>..<0xFF>) for anything unseen."""
-    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    Gemma's is built: spaces replaced by "▁", digits split, byte fallback (<0x00>..<0xFF>) for anything
+    unseen (gemma3.py: SENTENCEPIECE_PIECES)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import GemmaTokenizer
 
     control = tuple(GEMMA4_CONTROL_TOKENS.values())
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     bpe.normalizer = normalizers.Replace(" ", "▁")
-    bpe.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(SENTENCEPIECE_PIECES), behavior="isolated")
     trainer = trainers.BpeTrainer(
         vocab_size=1024, special_tokens=[*GEMMA4_SPECIAL_TOKENS, *control, *bytes_], show_progress=False
     )
