@@ -41,7 +41,8 @@ def draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, i
 
 
 def shapes_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
-    """One shapes image plus a question whose answer can only be read off the pixels."""
+    """One shapes image asked its colour, count or a place, whose answer can only be read off the pixels: the
+    benchmark's rows (demo:bench). The demo's fine-tuning rows ask shape_question_sample's questions."""
     w, h = rng.randint(56, 112), rng.randint(56, 112)
     img = Image.new("RGB", (w, h), (255, 255, 255))
     draw = ImageDraw.Draw(img)
