@@ -41,6 +41,26 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--every-family",
+        action="store_true",
+        help="also run the tests marked every_family (each family's demo model pretrained: ~25 min on 2 cores)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The every_family tests pretrain 13 demo models, beyond CI's budget: run on request, skipped saying how."""
+    if config.getoption("--every-family"):
+        return
+    skip = pytest.mark.skip(
+        reason="pretrains every family's demo model (~25 min on 2 cores): pytest --every-family -m every_family"
+    )
+    for item in items:
+        if "every_family" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_demo_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("vlm-recipes-cache")

@@ -147,14 +147,18 @@ def test_cache_cap_evicts_the_least_recently_used_entries(tmp_path, caplog):
     assert len([r for r in caplog.records if "evicted" in r.message]) == 1, "logged once"
 
 
-def test_a_read_makes_an_entry_recently_used(qwen_collator, rows, tmp_path):
+def test_a_read_makes_an_entry_recently_used(qwen_collator, rows, tmp_path, tmp_path_factory):
     root = tmp_path / "preprocessed"
     earlier = PreprocessedSampleCollator(qwen_collator, root)  # an earlier run, without a cap
     earlier(rows[:3])
     written = sorted(earlier.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
     for age, path in zip([30, 20, 10], written, strict=True):  # last used 30, 20 and 10 s ago
         os.utime(path, (path.stat().st_mtime - age,) * 2)
-    budget = CacheBudget(tmp_path, max_bytes=int(on_disk(tmp_path) * 3.5 / 3))  # room for 3.5 entries
+    probe = tmp_path_factory.mktemp("fourth-entry")  # the fourth entry's size, written elsewhere
+    PreprocessedSampleCollator(qwen_collator, probe / "preprocessed")(rows[3:4])
+    smallest = min(p.stat().st_size for p in written)
+    # the fourth entry passes the cap, and evicting any one of the three brings the cache back under it
+    budget = CacheBudget(tmp_path, max_bytes=on_disk(tmp_path) + on_disk(probe) - smallest // 2)
     cached = PreprocessedSampleCollator(qwen_collator, root, budget)
     cached(rows[:1])  # the oldest entry, read: now the most recently used
     cached(rows[3:4])  # a fourth entry passes the cap

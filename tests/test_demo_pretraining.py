@@ -15,7 +15,7 @@ from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import models
 from vlm_recipes.demo.data import VERSION, ensure_pretraining_dataset
-from vlm_recipes.demo.models import WEIGHTS_ENV, ensure_demo_model
+from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, WEIGHTS_ENV, ensure_demo_model
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.evaluation.evaluate import evaluate_generation
 from vlm_recipes.evaluation.teaching import teaching
@@ -157,6 +157,19 @@ def test_a_seed_recipe_teaches_the_pretrained_demo_model(
     if recipe != "r2-vision-only":  # LoRA on the language model: the demo answers' form is learned at once
         assert taught.loss_fall > 10 * taught.loss_spread and taught.loss_fall > 1.0, (start, trained)
         assert taught.exact_teaches and taught.exact_rise >= 0.1, (start, trained)
+
+
+@pytest.mark.e2e
+@pytest.mark.every_family
+@pytest.mark.parametrize("model", [m for m in DEMO_MODEL_IDS if m.startswith(PRETRAINED_PREFIX)])
+def test_r1_teaches_every_familys_pretrained_demo_model(model, tmp_path, monkeypatch, private_demo_cache):
+    """The teaching test on all 13 families (run with --every-family: their pretraining is ~25 min on 2 cores,
+    beyond CI's budget; `vlm-recipes demo-learns` prints the same per family, docs/families.md its table)."""
+    monkeypatch.setenv(WEIGHTS_ENV, "pretrained")
+    start, trained = start_and_seeds("r1-llm-only", model, tmp_path)
+    taught = teaching(start, trained)
+    print(f"r1 on {model}: {start} -> {trained}: {taught}")
+    assert taught.loss_teaches and taught.exact_teaches, (start, trained)
 
 
 @pytest.mark.e2e

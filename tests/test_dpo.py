@@ -345,9 +345,12 @@ def test_a_killed_dpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog
 
 # One optimizer step of a DPO stage (LoRA, fp32, no dropout, lr 1e-3) over the same 16 demo pairs: one batch of
 # 16, or 2 micro-batches of 8 accumulated. Each pair's sigmoid loss is averaged over the batch, so equal
-# micro-batches weigh every pair alike. Measured on a 2-core AMD EPYC: 1.1e-6 apart (summation order), the
-# step having moved lora_B by 1.0e-3. Bound: 10x that. (Adam's step is blind to a uniform scale of the
-# gradient: this proves the pairs' weighting, as the SFT test in test_families.py proves the tokens'.)
+# micro-batches weigh every pair alike. Adam's first step is lr x g / (|g| + eps): about lr for every element
+# whose gradient is well above eps, and noise amplified for the few near it. Measured on a 2-core AMD EPYC
+# (demo-v4 pairs): 2 x 8 ends 1.9e-5 from one batch at 1 element of 32,768 (4 x 4: 2.5e-5, also 1 element);
+# leaving out half the pairs (a weighting bug) moves 4,855 elements by up to 2.0e-3. Bounds: 2e-4 and 0.1 %
+# of the elements beyond 1e-5, each 10x from both. (Adam's step is blind to a uniform scale of the gradient:
+# this proves the pairs' weighting, as the SFT test in test_families.py proves the tokens'.)
 def test_gradient_accumulation_trains_a_dpo_stage_as_one_batch_does(tmp_path, demo_model_dir):
     stage = (
         "  - name: dpo\n    method: dpo\n    train: {llm: lora}\n    lora: {dropout: 0.0}\n    precision: fp32\n"
@@ -363,6 +366,8 @@ def test_gradient_accumulation_trains_a_dpo_stage_as_one_batch_does(tmp_path, de
     runs = tmp_path / "dpo-accumulation"
     one, accumulated = (load_file(runs / run / adapter) for run in ("one", "accumulated"))
     moved = max(t.abs().max().item() for k, t in one.items() if "lora_B" in k)
-    distance = max((one[k] - accumulated[k]).abs().max().item() for k in one)
-    print(f"DPO, 2 x 8 accumulated against one batch of 16: {distance:.2e}, moved {moved:.2e}")
-    assert moved > 1e-4 and distance < 1.1e-5, (distance, moved)
+    apart = [(one[k] - accumulated[k]).abs() for k in one]
+    distance = max(t.max().item() for t in apart)
+    beyond = sum(int((t > 1e-5).sum()) for t in apart) / sum(t.numel() for t in apart)
+    print(f"DPO, 2 x 8 accumulated against one batch of 16: {distance:.2e} ({beyond:.3%}), moved {moved:.2e}")
+    assert moved > 1e-4 and distance < 2e-4 and beyond < 1e-3, (distance, beyond, moved)
