@@ -45,16 +45,17 @@ def pytest_addoption(parser):
     parser.addoption(
         "--every-family",
         action="store_true",
-        help="also run the tests marked every_family (each family's demo model pretrained: ~25 min on 2 cores)",
+        help="also run the every_family tests (each family's demo model pretrained: ~25 min, 2 cores)",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    """The every_family tests pretrain 13 demo models, beyond CI's budget: run on request, skipped saying how."""
+    """The every_family tests pretrain 13 demo models, beyond CI's budget: run on request, else skipped
+    saying how."""
     if config.getoption("--every-family"):
         return
     skip = pytest.mark.skip(
-        reason="pretrains every family's demo model (~25 min on 2 cores): pytest --every-family -m every_family"
+        reason="pretrains every family's demo model (~25 min, 2 cores): pytest --every-family -m every_family"
     )
     for item in items:
         if "every_family" in item.keywords:

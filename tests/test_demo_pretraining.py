@@ -135,12 +135,12 @@ def start_and_seeds(recipe: str, model: str, runs: Path) -> tuple[dict, list[dic
 def test_a_seed_recipe_teaches_the_pretrained_demo_model(
     recipe, model, tmp_path, monkeypatch, private_demo_cache
 ):
-    """Training teaches: after the recipe (one epoch of demo:train, two seeds) the eval loss is lower, and for the
-    recipes that train the language model exact match is higher, than at the stage's start (the same run at
-    learning rate ~0) by more than the seeds' spread. Measured (AMD EPYC, fp32, printed with -s): r1 on
-    Qwen2-VL eval loss 5.51 -> 2.06 / 2.08, exact match 0.083 -> 0.375 / 0.354; on Qwen3.5 4.00 -> 1.35 / 1.36,
-    0.042 -> 0.312 / 0.375; r3 5.51 -> 2.05 / 2.09, 0.083 -> 0.312 / 0.312; r2 5.53 -> 4.67 / 4.63, 0.083 ->
-    0.104 / 0.104.
+    """Training teaches: after the recipe (one epoch of demo:train, two seeds) the eval loss is lower, and
+    for the recipes that train the language model exact match is higher, than at the stage's start (the same
+    run at learning rate ~0) by more than the seeds' spread. Measured (AMD EPYC, fp32, printed with -s):
+    r1 on Qwen2-VL eval loss 5.51 -> 2.06 / 2.08, exact match 0.083 -> 0.375 / 0.354; on Qwen3.5 4.00 ->
+    1.35 / 1.36, 0.042 -> 0.312 / 0.375; r3 5.51 -> 2.05 / 2.09, 0.083 -> 0.312 / 0.312; r2 5.53 -> 4.67 /
+    4.63, 0.083 -> 0.104 / 0.104.
     r2 trains the tower under a frozen language model, which keeps answering the either-or questions in its
     pretraining's yes/no: its loss falls, its exact match does not rise. Every family: scripts/demo_learns.py
     (docs/families.md)."""

@@ -102,8 +102,8 @@ SHAPE_QUESTIONS = ("shape", "colour_choice", "shape_choice")
 
 
 def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
-    """The demo's `shapes` rows: one shape asked its kind, or to choose between two colours or two kinds, one of
-    them its own. What a pretrained demo model sees (colours surely, kinds less), in forms its pretraining
+    """The demo's `shapes` rows: one shape asked its kind, or to choose between two colours or two kinds, one
+    of them its own. What a pretrained demo model sees (colours surely, kinds less), in forms its pretraining
     never asked: "Is the shape red or blue?" it answers yes or no before fine-tuning, a colour after it. The
     counts and places of shapes_sample are beyond the demo's 32-wide towers (docs/families.md), so a fine-tune
     on them could teach their form only."""
