@@ -163,20 +163,7 @@ def test_a_seed_recipe_teaches_the_pretrained_demo_model(
 @pytest.mark.every_family
 @pytest.mark.parametrize(
     "model",
-    [
-        pytest.param(
-            model,
-            marks=pytest.mark.xfail(
-                reason="in fp32 its seeds end far apart: exact match 0.048 -> 0.167 / 0.333, a rise (0.119) "
-                "under the spread (0.167); bf16: 0.048 -> 0.286 / 0.405 (docs/families.md)",
-                strict=False,
-            ),
-        )
-        if model == "demo:tiny-gemma4"
-        else model
-        for model in DEMO_MODEL_IDS
-        if model.startswith(PRETRAINED_PREFIX)
-    ],
+    [model for model in DEMO_MODEL_IDS if model.startswith(PRETRAINED_PREFIX)],
 )
 def test_r1_teaches_every_familys_pretrained_demo_model(model, tmp_path, monkeypatch, private_demo_cache):
     """The teaching test on all 13 families (run with --every-family: their pretraining is ~25 min on 2 cores,

@@ -347,9 +347,10 @@ def test_a_killed_dpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog
 # 16, or 2 micro-batches of 8 accumulated. Each pair's sigmoid loss is averaged over the batch, so equal
 # micro-batches weigh every pair alike. Adam's first step is lr x g / (|g| + eps): about lr for every element
 # whose gradient is well above eps, and noise amplified for the few near it. Measured on a 2-core AMD EPYC
-# (demo-v4 pairs): 2 x 8 ends 1.9e-5 from one batch at 1 element of 32,768 (4 x 4: 2.5e-5, also 1 element);
-# leaving out half the pairs (a weighting bug) moves 4,855 elements by up to 2.0e-3. Bounds: 2e-4 and 0.1 %
-# of the elements beyond 1e-5, each 10x from both. (Adam's step is blind to a uniform scale of the gradient:
+# on demo-v4's pairs: 2 x 8 ends 1.9e-5 from one batch at 1 element of 32,768 (4 x 4: 2.5e-5, also 1 element);
+# leaving out half the pairs (a weighting bug) moves 4,855 elements by up to 2.0e-3. On demo-v5's: 2.9e-7, no
+# element beyond 1e-5. Bounds: 2e-4 and 0.1 % of the elements beyond 1e-5, each 10x from both (demo-v4's
+# floor and the effect). (Adam's step is blind to a uniform scale of the gradient:
 # this proves the pairs' weighting, as the SFT test in test_families.py proves the tokens'.)
 def test_gradient_accumulation_trains_a_dpo_stage_as_one_batch_does(tmp_path, demo_model_dir):
     stage = (

@@ -193,9 +193,8 @@ def nutrition_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
     return img, NUTRITION_QUESTION, json.dumps(facts, separators=(",", ":"))
 
 
-def pair_sample(rng: random.Random) -> tuple[list[Image.Image], str, str]:
-    """Two images of one shape each; the answer is whether their colours are the same."""
-    same = rng.random() < 0.5
+def pair_sample(rng: random.Random, same: bool) -> tuple[list[Image.Image], str, str]:
+    """Two images of one shape each, of the same colour or not (`same`); the answer is whether they are."""
     first = rng.choice(list(COLOURS))
     second = first if same else rng.choice([c for c in COLOURS if c != first])
     images = []
