@@ -157,10 +157,39 @@ def test_answers_side_by_side_match_rows_by_id_prompt_and_reference(tmp_path):
     text, markdown = format_answers_text(rows), format_answers_markdown(rows)
     assert "  sft        two lines\n" in text and text.endswith("  dpo        (empty)")
     assert "| sft | \\*x\\*&#124;y |" in markdown  # a model's output is text, not markup
-    rows = side_by_side([("", write_run(tmp_path / "other", {"dpo": last, "sft": first}))], 1)
-    assert rows[0].answers == [("dpo", None), ("sft", "blue")]  # stage 1's `a` has another reference
+    rows = side_by_side([("", write_run(tmp_path / "other", {"dpo": last, "sft": first}))], 3)
+    assert [r.id for r in rows] == ["b", "c", "a"]  # `a` last: one answer, nothing to differ from
+    assert rows[2].answers == [("dpo", None), ("sft", "blue")]  # stage 1's `a` has another reference
     text = format_answers_text(rows)
     assert "(not evaluated on this row)" in text and "a (shapes): What colour?" in text
+
+
+def test_the_rows_shown_first_are_those_training_changed(tmp_path):
+    """Rows some stage got right and another wrong, then rows answered differently, then the rest; one row
+    of each task before a second of any, in eval order within each."""
+
+    def scored(row_id: str, task: str, output: str, reference: str) -> dict:
+        return record(row_id, output, reference) | {"task": task, "exact_match": float(output == reference)}
+
+    before = [
+        scored("p1", "pair", "yes", "no"),  # same answer after: nothing changed
+        scored("s1", "shapes", "yes", "red"),  # wrong, then a different wrong: changed
+        scored("s2", "shapes", "yes", "red"),  # wrong, then right
+        scored("s3", "shapes", "yes", "blue"),  # wrong, then right
+        scored("p2", "pair", "yes", "no"),  # wrong, then right
+    ]
+    after = [
+        scored("p1", "pair", "yes", "no"),
+        scored("s1", "shapes", "blue", "red"),
+        scored("s2", "shapes", "red", "red"),
+        scored("s3", "shapes", "blue", "blue"),
+        scored("p2", "pair", "no", "no"),
+    ]
+    run_dir = write_run(tmp_path, {"tower": before, "llm": after})
+    assert [r.id for r in side_by_side([("", run_dir)], 5)] == ["s2", "p2", "s3", "s1", "p1"]
+    assert [r.id for r in side_by_side([("", run_dir)], 2)] == ["s2", "p2"]
+    lone = write_run(tmp_path / "lone", {"llm": after[1:]})  # one answer a row: one of each task first
+    assert [r.id for r in side_by_side([("", lone)], 2)] == ["s1", "p2"]
 
 
 def test_an_eval_loss_panel_with_only_preference_losses_says_so():

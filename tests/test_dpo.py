@@ -76,7 +76,7 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
         for p in stages
     ]
     rows = side_by_side([("", run)])
-    assert [r.id for r in rows] == list(by_stage[2])[:3]
+    assert len({r.id for r in rows}) == 3 and all(r.id in by_stage[2] for r in rows)
     for row in rows:
         assert row.reference == by_stage[2][row.id]["reference"] and row.reference in printed
         assert row.answers == [

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
         type=int,
         default=ROWS_SHOWN,
         metavar="N",
-        help=f"eval rows whose reference and answers (every stage's) are shown side by side (default: {ROWS_SHOWN}, 0: none)",
+        help=f"eval rows whose reference and answers (every stage's) are shown side by side, those with "
+        f"right and wrong answers first (default: {ROWS_SHOWN}, 0: none)",
     )
     args = parser.parse_args(argv)
 

@@ -20,6 +20,7 @@ ROWS_SHOWN = 3  # eval rows shown side by side by default
 TEXT_WIDTH = 100  # an answer's characters on screen (the markdown shows up to MARKDOWN_WIDTH)
 MARKDOWN_WIDTH = 400
 WHEN = "each stage answers at its end: stage N's answer is the model's before stage N+1"
+PICKED = "rows with right and wrong answers first, then rows whose answers differ"
 
 
 @dataclass
@@ -46,18 +47,21 @@ def stage_predictions(run_dir: Path) -> list[tuple[str, dict[str, dict]]]:
 
 
 def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[RowAnswers]:
-    """The first `rows` eval rows the first run's last stage answered, each with the answer of every stage of
+    """`rows` of the eval rows the first run's last stage answered, each with the answer of every stage of
     every run (`runs`: (label, run directory); a label prefixes the stage's name). A stage evaluated on other
-    rows (a DPO stage's preference split) answered a row if it holds the same id, prompt and reference."""
+    rows (a DPO stage's preference split) answered a row if it holds the same id, prompt and reference.
+
+    The rows that show what training changed come first (PICKED): those one answer got right and another
+    wrong, then those answered differently; within each, one row of every task before a second of any, in
+    eval order. A lone stage's answers differ from nothing: its rows are one of every task, in order."""
     if rows <= 0 or not runs:
         return []
     per_run = [(label, stage_predictions(run_dir)) for label, run_dir in runs]
     last_stage = per_run[0][1][-1][1] if per_run[0][1] else {}
-    picked = [
-        RowAnswers(str(r["id"]), r.get("task"), r.get("prompt") or "", r.get("reference") or "")
-        for r in list(last_stage.values())[:rows]
-    ]
-    for row in picked:
+    candidates = []
+    for r in last_stage.values():
+        row = RowAnswers(str(r["id"]), r.get("task"), r.get("prompt") or "", r.get("reference") or "")
+        rights = set()
         for label, stages in per_run:
             for name, records in stages:
                 record = records.get(row.id)
@@ -68,7 +72,16 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
                 row.answers.append(
                     (f"{label} / {name}" if label else name, record["output"] if same else None)
                 )
-    return picked
+                if same and record.get("exact_match") is not None:
+                    rights.add(record["exact_match"] == 1.0)
+        outputs = {" ".join(answer.split()) for _, answer in row.answers if answer is not None}
+        candidates.append((0 if len(rights) == 2 else 1 if len(outputs) > 1 else 2, row))
+    seen: dict[tuple[int, str | None], int] = {}  # (tier, task): rows of that task already ranked in the tier
+    ranked = []
+    for position, (tier, row) in enumerate(candidates):
+        nth = seen[tier, row.task] = seen.get((tier, row.task), -1) + 1
+        ranked.append(((tier, nth, position), row))
+    return [row for _, row in sorted(ranked, key=lambda pair: pair[0])[:rows]]
 
 
 def _one_line(text: str, width: int) -> str:
@@ -85,7 +98,7 @@ def format_answers_text(rows: list[RowAnswers], whose: str = "", width: int = TE
     if not rows:
         return ""
     who_width = max(len("reference"), *(len(who) for row in rows for who, _ in row.answers))
-    lines = [f"Answers{whose} on {len(rows)} eval row(s) ({WHEN}):"]
+    lines = [f"Answers{whose} on {len(rows)} eval row(s) ({WHEN}; {PICKED}):"]
     for row in rows:
         lines += ["", f"{row.id}{f' ({row.task})' if row.task else ''}: {_one_line(row.prompt, width)}"]
         lines.append(f"  {'reference'.ljust(who_width)}  {_one_line(row.reference, width)}")
@@ -105,7 +118,7 @@ def format_answers_markdown(rows: list[RowAnswers], whose: str = "") -> str:
     """One small table per row: the reference, then each answer."""
     if not rows:
         return ""
-    lines = [f"Answers{whose} on {len(rows)} eval row(s); {WHEN}.", ""]
+    lines = [f"Answers{whose} on {len(rows)} eval row(s); {WHEN}; {PICKED}.", ""]
     for row in rows:
         task = f" ({row.task})" if row.task else ""
         lines += [f"**{html.escape(row.id)}**{task}: {_cell(row.prompt)}", "", "| | answer |", "|---|---|"]
