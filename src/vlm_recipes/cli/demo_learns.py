@@ -51,16 +51,31 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
     parser.add_argument("--recipe", default="r1-llm-only")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/demo-learns"))
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="every run's precision (fp32: the path every CPU takes, as the opt-in test runs it)",
+    )
     args = parser.parse_args(argv)
     seeds = args.seeds.split(",")
+    precision = [] if args.precision == "auto" else [f"precision={args.precision}"]  # auto: the recipe's own
     rows = []
     for model in args.models.split(","):
         pretrained = ensure_demo_model(model)
         summary = read_json(pretrained / "pretraining.json")
         tag = model.removeprefix("demo:")
-        start = run(args.recipe, model, args.output_dir, f"{tag}-start", f"training.learning_rate={AT_START}")
+        start = run(
+            args.recipe,
+            model,
+            args.output_dir,
+            f"{tag}-start",
+            f"training.learning_rate={AT_START}",
+            *precision,
+        )
         trained = [
-            run(args.recipe, model, args.output_dir, f"{tag}-seed{s}", f"training.seed={s}") for s in seeds
+            run(args.recipe, model, args.output_dir, f"{tag}-seed{s}", f"training.seed={s}", *precision)
+            for s in seeds
         ]
         rows.append((tag, summary, start, trained, teaching(start, trained)))
 
@@ -68,6 +83,7 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
     print(
         f"\nMachine: {processor_name()}, {bf16}; git {git_sha()}; python {platform.python_version()}.\n"
         f"Command: python scripts/demo_learns.py --recipe {args.recipe} --seeds {args.seeds}"
+        + (f" --precision {args.precision}" if args.precision != "auto" else "")
         + (f" --models {args.models}" if args.models != ",".join(models) else "")
         + "\n"
     )
