@@ -6,8 +6,8 @@ width, but the recipes' rates (LoRA 2e-4, a vision tower 2e-5) are tuned on mode
 layer sums 24x fewer inputs, so the same step moves its output ~24x less. muP (Yang et al., "Tensor Programs
 V", 2022) makes one rate fit every width by scaling Adam's rate with 1 / width; the demo models are not muP
 models, so this is the same idea applied once, as a constant. Measured on the pretrained tiny Qwen2-VL, 24
-steps of r1 (1 epoch of demo:train, bf16): at 2e-4 the eval loss goes 5.51 -> 4.44 and exact match stays
-0.083; at 2e-4 x 24 they go to 2.06 and 0.333. A real model id, or a demo model asked for untrained (the test
+steps of r1 (1 epoch of demo:train, bf16, demo-v5): at 2e-4 the eval loss goes 5.86 -> 5.03 and exact match
+stays 0.062; at 2e-4 x 24 they go to 2.06 and 0.312. A real model id, or a demo model asked for untrained (the test
 suite), trains at the recipe's rates, unchanged.
 """
 
