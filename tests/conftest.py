@@ -143,6 +143,17 @@ def training_chat_template(processor) -> str | None:
         raise
 
 
+def distance_and_share_beyond(one: dict, other: dict, threshold: float) -> tuple[float, float]:
+    """Two sets of trained weights (name -> tensor): their largest element distance, and the share of the
+    elements further apart than `threshold`. Adam's first steps move an element by about lr x g / (|g| +
+    eps): the few elements whose gradient is near eps carry summation-order noise far beyond the rest, so the
+    proofs bound both."""
+    apart = [(one[k] - other[k]).abs() for k in one]
+    distance = max(t.max().item() for t in apart)
+    share = sum(int((t > threshold).sum()) for t in apart) / sum(t.numel() for t in apart)
+    return distance, share
+
+
 def model_inputs(processor, rows, **kwargs):
     """A padded batch of model inputs for dataset rows (their images attached to the image parts)."""
     from vlm_recipes.evaluation.evaluate import attach_images

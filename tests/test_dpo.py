@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS, run_train, write_recipe
+from conftest import TINY_MODELS, distance_and_share_beyond, run_train, write_recipe
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
@@ -367,8 +367,6 @@ def test_gradient_accumulation_trains_a_dpo_stage_as_one_batch_does(tmp_path, de
     runs = tmp_path / "dpo-accumulation"
     one, accumulated = (load_file(runs / run / adapter) for run in ("one", "accumulated"))
     moved = max(t.abs().max().item() for k, t in one.items() if "lora_B" in k)
-    apart = [(one[k] - accumulated[k]).abs() for k in one]
-    distance = max(t.max().item() for t in apart)
-    beyond = sum(int((t > 1e-5).sum()) for t in apart) / sum(t.numel() for t in apart)
+    distance, beyond = distance_and_share_beyond(one, accumulated, 1e-5)
     print(f"DPO, 2 x 8 accumulated against one batch of 16: {distance:.2e} ({beyond:.3%}), moved {moved:.2e}")
     assert moved > 1e-4 and distance < 2e-4 and beyond < 1e-3, (distance, beyond, moved)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, run_train, single_image_demo_file
+from conftest import TRAIN, distance_and_share_beyond, run_train, single_image_demo_file
 from safetensors.torch import load_file
 
 from vlm_recipes.decisions import Environment
@@ -80,8 +80,12 @@ def test_two_stage_ddp_with_two_cpu_processes(tmp_path, private_demo_cache):
 # against 2 DDP ranks, summation order only, the same on a second run: Qwen2-VL's full vision stage 2.6e-6,
 # its QLoRA adapters 1.1e-7, its LoRA adapters on the fp32 language model 4.9e-8; Gemma 3's full vision stage
 # (SigLIP tower, language model under model.language_model) 3.8e-7, InternVL's (InternViT tiles, Qwen3)
-# 6.0e-8. FSDP equal to DDP bit for bit, Gemma 3 3.1e-8 from it. Bounds: 10x the floor; training moves the
-# weights by ~2e-3 (lr 1e-3, 3 steps).
+# 6.0e-8 (demo-v4's rows). FSDP equal to DDP bit for bit, Gemma 3 3.1e-8 from it. Adam's steps amplify the
+# noise of the few elements whose gradient is near eps (the largest distances, test_families.py): on
+# demo-v5's rows InternVL's full vision stage ends 1.4e-4 apart at 1 element of its patch embedding (3 of
+# 262,688 beyond 1e-6), Qwen2-VL's LoRA 8.3e-7 (none beyond 1e-6). Bounds: fewer than 0.1 % of the elements
+# beyond 10x the floor, and none beyond 5e-4; training moves the weights by ~2e-3 (lr 1e-3, 3 steps), a
+# wrong loss average by 3.9e-3, a rank left with its own buffers by 5.0e-2.
 FSDP_PROOF = [
     "--max-steps",
     "3",
@@ -168,10 +172,10 @@ def test_fsdp_on_two_cpu_ranks_ends_where_one_process_does(
         start = load_file(ensure_demo_model(model) / "model.safetensors")
         moved = max((trained["one"][k] - start[k]).abs().max().item() for k in start)
     assert trained["one"].keys() == trained["fsdp"].keys()
-    distance = max((trained["one"][k] - trained["fsdp"][k]).abs().max().item() for k in trained["one"])
-    print(f"FSDP vs one process: {distance:.2e}, moved {moved:.2e}")
+    distance, beyond = distance_and_share_beyond(trained["one"], trained["fsdp"], bound)
+    print(f"FSDP vs one process: {distance:.2e} ({beyond:.3%} beyond {bound:g}), moved {moved:.2e}")
     assert moved > 30 * bound, moved
-    assert distance < bound, (distance, moved)
+    assert distance < 5e-4 and beyond < 1e-3, (distance, beyond, moved)
 
 
 # Rows without images beside rows with images, the tower training (issue 32; other projects' users saw ranks

@@ -128,10 +128,13 @@ def test_compare_script_latest(sweep, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "r2-vision-only" in printed
     assert (tmp_path / "cmp" / "comparison.png").is_file()
-    # each recipe's answers beside the reference, for the first 3 eval rows (the seed-1 runs: the latest)
+    # each recipe's answers beside the reference, on 3 eval rows (the seed-1 runs: the latest)
     assert "Answers of each recipe's first run on 3 eval row(s)" in printed
     first = (sweep / "r1-llm-only" / "s-seed1" / "stage-1-llm-lora" / "predictions.jsonl").read_text()
-    for record in map(json.loads, first.splitlines()[:3]):
+    records = {r["id"]: r for r in map(json.loads, first.splitlines())}
+    shown = re.findall(r"\n(eval-\d+) \(", printed)
+    assert len(set(shown)) == 3 and set(shown) <= set(records), shown
+    for record in (records[row_id] for row_id in shown):
         assert f"{record['id']} ({record['task']}): {record['prompt']}" in printed
         assert re.search(rf"\n  reference +{re.escape(record['reference'])}\n", printed)
     assert (
