@@ -1055,5 +1055,8 @@ def test_gradient_accumulation_trains_as_one_batch_does(tiny_family, tmp_path):
     one, accumulated = (load_file(tmp_path / "r1-llm-only" / run / adapter) for run in ("one", "accumulated"))
     moved = max(t.abs().max().item() for k, t in one.items() if "lora_B" in k)
     distance, beyond = distance_and_share_beyond(one, accumulated, bound)
+    print(
+        f"{family.name}: 2 x 8 against 16: {distance:.2e} ({beyond:.3%} beyond {bound:g}), moved {moved:.2e}"
+    )
     assert moved > 10 * bound, moved
     assert distance < 2e-4 and beyond < 1e-3, (distance, beyond, moved)

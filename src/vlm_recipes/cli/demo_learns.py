@@ -65,18 +65,16 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
         pretrained = ensure_demo_model(model)
         summary = read_json(pretrained / "pretraining.json")
         tag = model.removeprefix("demo:")
-        start = run(
-            args.recipe,
-            model,
-            args.output_dir,
-            f"{tag}-start",
-            f"training.learning_rate={AT_START}",
-            *precision,
-        )
-        trained = [
-            run(args.recipe, model, args.output_dir, f"{tag}-seed{s}", f"training.seed={s}", *precision)
-            for s in seeds
-        ]
+        # the start (learning rate ~0) and each seed: the same recipe, the same precision
+        runs = {
+            "start": f"training.learning_rate={AT_START}",
+            **{f"seed{s}": f"training.seed={s}" for s in seeds},
+        }
+        metrics = {
+            name: run(args.recipe, model, args.output_dir, f"{tag}-{name}", override, *precision)
+            for name, override in runs.items()
+        }
+        start, trained = metrics.pop("start"), list(metrics.values())
         rows.append((tag, summary, start, trained, teaching(start, trained)))
 
     bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
