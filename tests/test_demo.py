@@ -105,6 +105,25 @@ def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
         assert without_video == [r for r in rows if r["task"] != "motion"]
 
 
+def test_the_teaching_eval_set_is_demo_evals_kind_of_rows_three_times_over(demo_cache: Path, data_dir: Path):
+    """demo:teaching-eval, what `demo-learns` scores on: demo:eval's task mix three times over, rows of their
+    own (no image of demo:eval's), pair answers alternating; without video, its rows less the clips."""
+    path = Path(demo_data.resolve_data_source("demo:teaching-eval"))
+    assert path == demo_cache / demo_data.VERSION / "teaching-data" / "eval.jsonl"
+    rows, evals = _rows(path), _rows(data_dir / "eval.jsonl")
+    assert len(rows) == 3 * len(evals) == 144
+    assert [r["id"] for r in rows] == [f"teaching-{i:05d}" for i in range(144)]
+    assert Counter(r["task"] for r in rows) == {
+        t: 3 * n for t, n in Counter(r["task"] for r in evals).items()
+    }
+    pairs = [_answer(r) for r in rows if r["task"] == "pair"]
+    assert pairs == ["yes", "no"] * (len(pairs) // 2)
+    images = {(path.parent / image).read_bytes() for r in rows for image in r["images"]}
+    assert not images & {(data_dir / image).read_bytes() for r in evals for image in r["images"]}
+    without_video = demo_data.resolve_data_source("demo:teaching-eval", with_videos=False)
+    assert _rows(Path(without_video)) == [r for r in rows if r["task"] != "motion"]
+
+
 def test_pair_and_motion_answers_match_pixels(data_dir: Path) -> None:
     """The two-image answer is the shapes' colours compared; the clip's, where the dot's centre went from
     the first decoded frame to the last."""

@@ -7,7 +7,8 @@ docs/families.md shows.
     python scripts/demo_learns.py --models demo:tiny-qwen2-vl --recipe r2-vision-only
 
 A stage teaches when its eval loss falls, and its exact match rises, by more than the spread between the
-seeds (max - min); the table says which, and the command exits 1 when a model's stage did not teach on either
+seeds (max - min), on demo:teaching-eval (144 rows drawn as demo:eval's 48: on those, one row decided the
+weakest towers' verdicts, demo/data.py); the table says which, and the command exits 1 when a model's stage did not teach on either
 metric: the per-family check behind the suite's two-family teaching tests (13 pretrainings are ~20 min on 2
 cores, beyond CI's budget). The runs are kept under --output-dir.
 """
@@ -25,6 +26,7 @@ from vlm_recipes.evaluation.bench import git_sha, processor_name
 from vlm_recipes.evaluation.teaching import teaching
 from vlm_recipes.files import read_json
 
+TEACHING_EVAL = "demo:teaching-eval"  # 144 rows drawn as demo:eval's (demo/data.py says why)
 AT_START = "1e-12"  # a learning rate that leaves the weights as they were (0 is refused)
 
 
@@ -57,9 +59,17 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
         choices=["auto", "bf16", "fp32"],
         help="every run's precision (fp32: the path every CPU takes, as the opt-in test runs it)",
     )
+    parser.add_argument(
+        "--eval",
+        default=TEACHING_EVAL,
+        help="the rows every run is scored on (default: demo:eval's kind of rows, three times as many)",
+    )
     args = parser.parse_args(argv)
     seeds = args.seeds.split(",")
-    precision = [] if args.precision == "auto" else [f"precision={args.precision}"]  # auto: the recipe's own
+    # every run: the same precision (auto: the recipe's own) and the same eval rows
+    overrides = [f"data.eval={args.eval}"] + (
+        [] if args.precision == "auto" else [f"precision={args.precision}"]
+    )
     rows = []
     for model in args.models.split(","):
         pretrained = ensure_demo_model(model)
@@ -71,7 +81,7 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
             **{f"seed{s}": f"training.seed={s}" for s in seeds},
         }
         metrics = {
-            name: run(args.recipe, model, args.output_dir, f"{tag}-{name}", override, *precision)
+            name: run(args.recipe, model, args.output_dir, f"{tag}-{name}", override, *overrides)
             for name, override in runs.items()
         }
         start, trained = metrics.pop("start"), list(metrics.values())
@@ -83,6 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
         f"Command: python scripts/demo_learns.py --recipe {args.recipe} --seeds {args.seeds}"
         + (f" --precision {args.precision}" if args.precision != "auto" else "")
         + (f" --models {args.models}" if args.models != ",".join(models) else "")
+        + (f" --eval {args.eval}" if args.eval != TEACHING_EVAL else "")
         + "\n"
     )
     print(

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from vlm_recipes.demo.english import ENGLISH_WORDS
 from vlm_recipes.demo.samples import (
     COLOURS,
     SHAPES,
@@ -50,12 +51,30 @@ _DATA_FILES = (
     "README.md",
 )
 _VIDEO_TASKS = ("motion",)
+# demo:teaching-eval: rows drawn as demo:eval's, three times as many, for the per-family teaching verdict
+# (cli/demo_learns.py). On demo:eval's 42 scored rows (48 with the clips) exact match moves in steps of
+# 0.024, and its 6 pair rows, answered yes or no by a model that cannot compare two images, move one seed's
+# score by up to 0.14: the weakest towers' verdicts were decided by one row. Held out of the tokenizer
+# corpus, so adding it changed no model.
+_TEACHING_DIRNAME = "teaching-data"
+_TEACHING_ROWS, _TEACHING_SEED = 144, 9012
+_TEACHING_SOURCE = "teaching-eval"
 
 
 def ensure_demo_dataset() -> Path:
     """Return the directory holding ``train.jsonl``, ``eval.jsonl`` and ``images/``; builds it if missing."""
     return build_dir_atomically(
         cache_dir() / VERSION / _DATA_DIRNAME, _DATA_FILES, _build_dataset, "demo dataset"
+    )
+
+
+def ensure_teaching_dataset() -> Path:
+    """``eval.jsonl`` (and ``eval-images.jsonl``): demo:teaching-eval, see _TEACHING_ROWS."""
+    return build_dir_atomically(
+        cache_dir() / VERSION / _TEACHING_DIRNAME,
+        ("eval.jsonl", "eval-images.jsonl", "dataset_info.json"),
+        _build_teaching_dataset,
+        "demo teaching eval set",
     )
 
 
@@ -98,23 +117,33 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
         return str(ensure_prompt_dataset() / f"{split[len(_PROMPT_PREFIX) :]}.jsonl")
     if split.startswith(_PRETRAINING_PREFIX) and split[len(_PRETRAINING_PREFIX) :] in _PRETRAINING_SPLITS:
         return str(ensure_pretraining_dataset() / f"{split[len(_PRETRAINING_PREFIX) :]}.jsonl")
-    if split not in _SPLITS:
+    if split == _TEACHING_SOURCE:
+        directory, split = ensure_teaching_dataset(), "eval"
+    elif split in _SPLITS:
+        directory = ensure_demo_dataset()
+    else:
         prefixes = ("", _PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)
         valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in prefixes for s in _SPLITS)
-        raise ValueError(f"Unknown demo data source {source!r}; valid demo sources are: {valid}")
+        raise ValueError(
+            f"Unknown demo data source {source!r}; valid demo sources are: {valid}, "
+            f"{DEMO_DATA_PREFIX}{_TEACHING_SOURCE}, {DEMO_DATA_PREFIX}bench"
+        )
     if not with_videos:
         log.info("%s: its %s rows left out (this model takes no video)", source, "/".join(_VIDEO_TASKS))
-        return str(ensure_demo_dataset() / f"{split}-images.jsonl")
-    return str(ensure_demo_dataset() / f"{split}.jsonl")
+        return str(directory / f"{split}-images.jsonl")
+    return str(directory / f"{split}.jsonl")
 
 
 # --------------------------------------------------------------------------- synthetic dataset
 
 
-def _generate_split(split: str) -> list[tuple[dict[str, Any], list, list]]:
-    """Rows (JSONL dicts) with their images and clips for one split; same seed, same bytes."""
-    rng = random.Random(_SPLIT_SEEDS[split])
-    n = _SPLITS[split]
+def _generate_split(
+    split: str, n: int | None = None, seed: int | None = None
+) -> list[tuple[dict[str, Any], list, list]]:
+    """Rows (JSONL dicts) with their images and clips for one split (ids `<split>-00000`...); same seed, same
+    bytes. `n` and `seed`: a split outside _SPLITS (demo:teaching-eval's)."""
+    rng = random.Random(_SPLIT_SEEDS[split] if seed is None else seed)
+    n = _SPLITS[split] if n is None else n
     tasks = ["nutrition"] * (n // 4) + ["pair"] * (n // 8) + ["motion"] * (n // 8)
     tasks += ["shapes"] * (n - len(tasks))
     rng.shuffle(tasks)
@@ -186,24 +215,36 @@ def _build_bench_dataset(out: Path) -> None:
     (out / "dataset_info.json").write_text(json.dumps({"rows": 256, "seed": 4321}) + "\n")
 
 
+def _write_split(out: Path, split: str, samples: list) -> dict[str, Any]:
+    """`<split>.jsonl`, `<split>-images.jsonl` (no video rows) and the media; returns the split's counts."""
+    with (
+        open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as every,
+        open(out / f"{split}-images.jsonl", "w", encoding="utf-8", newline="\n") as without_video,
+    ):
+        for row, images, clips in samples:
+            _write_media(out, row, images, clips)
+            line = json.dumps(row, ensure_ascii=False) + "\n"
+            every.write(line)
+            if row["task"] not in _VIDEO_TASKS:
+                without_video.write(line)
+    counts = Counter(row["task"] for row, _, _ in samples)
+    return {"rows": len(samples), "tasks": dict(sorted(counts.items()))}
+
+
+def _build_teaching_dataset(out: Path) -> None:
+    (out / "images").mkdir()
+    (out / "videos").mkdir()
+    samples = _generate_split("teaching", _TEACHING_ROWS, _TEACHING_SEED)
+    info = {"version": VERSION, "seed": _TEACHING_SEED, "eval": _write_split(out, "eval", samples)}
+    (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
 def _build_dataset(out: Path) -> None:
     (out / "images").mkdir()
     (out / "videos").mkdir()
     info: dict[str, Any] = {"version": VERSION, "seeds": _SPLIT_SEEDS, "splits": {}}
     for split in _SPLITS:
-        samples = _generate_split(split)
-        with (
-            open(out / f"{split}.jsonl", "w", encoding="utf-8", newline="\n") as every,
-            open(out / f"{split}-images.jsonl", "w", encoding="utf-8", newline="\n") as without_video,
-        ):
-            for row, images, clips in samples:
-                _write_media(out, row, images, clips)
-                line = json.dumps(row, ensure_ascii=False) + "\n"
-                every.write(line)
-                if row["task"] not in _VIDEO_TASKS:
-                    without_video.write(line)
-        counts = Counter(row["task"] for row, _, _ in samples)
-        info["splits"][split] = {"rows": len(samples), "tasks": dict(sorted(counts.items()))}
+        info["splits"][split] = _write_split(out, split, _generate_split(split))
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     lines = [f"- {s}: {v['rows']} rows, tasks {v['tasks']}" for s, v in info["splits"].items()]
     (out / "README.md").write_text(
@@ -343,32 +384,16 @@ def _build_pretraining_dataset(out: Path) -> None:
 
 # --------------------------------------------------------------------------- tokenizer corpus
 
-_ENGLISH = (
-    "the a an of and to in is it that this what which how many where there are was be on at for with "
-    "from by as or not no yes one two three four five six seven eight nine ten left right top bottom "
-    "middle shape shapes circle square triangle colour color red green blue yellow purple orange black "
-    "white image picture question answer please describe extract nutrition facts label calories fat "
-    "carbs protein sugar sodium json value number count total serving size per you are a helpful "
-    "assistant system user can see show tell me about small large big word text line first last "
-    "people time year day way thing world life hand part child eye woman place work week case point "
-    "government company group problem fact house water money month night story lot study book job "
-    "name mother father country school family state student room area program other "
-    "know think take come make want look use find give feel become leave call keep begin seem help "
-    "talk turn start might should would could every never always often before after because while "
-    "through between under again still also just only even really very most some more less much "
-    "good new old great little long high different important public early young social able bad "
-    "report result reason research example information service development history market education "
-    "computer training model learning vision language dataset evaluation accuracy caption "
-    "video clip frame seconds dot move moves moving way up down same different "
-    "object person animal car tree dog cat street desk chair window door light background "
-    "written printed receipt document chart graph table row column cell heading title amount price"
-)
-
 
 def tokenizer_corpus() -> list[str]:
     """Texts the BPE is trained on: everything the demo chat template and dataset ever produce."""
     # Qwen's pre-tokenizer splits digits one by one, so numbers need no merges of their own.
-    texts = [_ENGLISH, _ENGLISH.title(), "You are a helpful assistant.", "system\nuser\nassistant\n"]
+    texts = [
+        ENGLISH_WORDS,
+        ENGLISH_WORDS.title(),
+        "You are a helpful assistant.",
+        "system\nuser\nassistant\n",
+    ]
     for split in _SPLITS:
         for row, _, _ in _generate_split(split):
             texts += [part["text"] for msg in row["messages"] for part in msg["content"] if "text" in part]

@@ -26,6 +26,7 @@ STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 DEMO_DATA = (
     "demo:train",
     "demo:eval",
+    "demo:teaching-eval",
     "demo:bench",
     "demo:preference-train",
     "demo:preference-eval",
@@ -262,7 +263,8 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
                     f"{at}.data.{key}",
                     f"unknown demo data `{source}`: use demo:train or demo:eval "
                     "(demo:preference-train or demo:preference-eval for method: dpo, "
-                    "demo:prompt-train or demo:prompt-eval for method: grpo)",
+                    "demo:prompt-train or demo:prompt-eval for method: grpo; demo:teaching-eval: demo:eval's "
+                    "kind of rows, three times as many)",
                 )
             )
     return problems
