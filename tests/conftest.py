@@ -45,7 +45,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--every-family",
         action="store_true",
-        help="also run the every_family tests (each family's demo model pretrained: ~20 min, 2 cores)",
+        help="also run the every_family tests (each family's demo model pretrained: 20-30 min, 2 cores)",
     )
 
 
@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--every-family"):
         return
     skip = pytest.mark.skip(
-        reason="pretrains every family's demo model (~20 min, 2 cores): pytest --every-family -m every_family"
+        reason="pretrains every family's demo model (20-30 min, 2 cores): pytest --every-family -m every_family"
     )
     for item in items:
         if "every_family" in item.keywords:

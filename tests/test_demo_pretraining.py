@@ -167,24 +167,10 @@ def test_a_seed_recipe_teaches_the_pretrained_demo_model(
 @pytest.mark.every_family
 @pytest.mark.parametrize(
     "model",
-    [
-        pytest.param(
-            model,
-            marks=pytest.mark.xfail(
-                reason="its pretrained tower sees colours poorly (0.33 of its pretraining's colour questions); "
-                "in fp32 at demo-v5 exact match 0.071 -> 0.143 / 0.214, a rise (0.071) not above the spread "
-                "(0.071); bf16: 0.071 -> 0.143 / 0.190 (docs/families.md)",
-                strict=False,
-            ),
-        )
-        if model == "demo:tiny-mistral3"
-        else model
-        for model in DEMO_MODEL_IDS
-        if model.startswith(PRETRAINED_PREFIX)
-    ],
+    [model for model in DEMO_MODEL_IDS if model.startswith(PRETRAINED_PREFIX)],
 )
 def test_r1_teaches_every_familys_pretrained_demo_model(model, tmp_path, monkeypatch, private_demo_cache):
-    """The teaching test on all 13 families (run with --every-family: their pretraining is ~20 min on 2 cores,
+    """The teaching test on all 13 families (run with --every-family: their pretraining is 20-30 min on 2 cores,
     beyond CI's budget; `vlm-recipes demo-learns --precision fp32` prints the same per family, docs/families.md
     its table), scored as demo-learns scores: on demo:teaching-eval's 144 rows, where the weakest towers' rise
     stands clear of the seeds' spread (on demo:eval's 48, one row decided it)."""

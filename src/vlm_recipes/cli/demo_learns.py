@@ -10,7 +10,7 @@ A stage teaches when its eval loss falls, and its exact match rises, by more tha
 seeds (max - min), on demo:teaching-eval (144 rows drawn as demo:eval's 48: on those, one row decided the
 weakest towers' verdicts, demo/data.py); the table says which, and the command exits 1 when a model's stage
 did not teach on either metric: the per-family check behind the suite's two-family teaching tests (13
-pretrainings are ~20 min on 2 cores, beyond CI's budget). The runs are kept under --output-dir.
+pretrainings are 20-30 min on 2 cores, beyond CI's budget). The runs are kept under --output-dir.
 """
 
 from __future__ import annotations
