@@ -100,7 +100,8 @@ def ensure_preference_dataset() -> Path:
 
 
 def resolve_data_source(source: str, with_videos: bool = True) -> str:
-    """Map ``demo:train`` / ``demo:eval`` / ``demo:bench`` to the demo JSONL files; anything else unchanged.
+    """Map ``demo:train`` / ``demo:eval`` / ``demo:teaching-eval`` / ``demo:bench`` (and the preference, prompt
+    and pretraining splits) to the demo JSONL files; anything else unchanged.
     Without videos (a family that takes none): the split without its video rows.
 
     Raises:
