@@ -100,9 +100,9 @@ def ensure_preference_dataset() -> Path:
 
 
 def resolve_data_source(source: str, with_videos: bool = True) -> str:
-    """Map ``demo:train`` / ``demo:eval`` / ``demo:teaching-eval`` / ``demo:bench`` (and the preference, prompt
-    and pretraining splits) to the demo JSONL files; anything else unchanged.
-    Without videos (a family that takes none): the split without its video rows.
+    """Map a ``demo:`` source (train, eval, teaching-eval, bench, the preference-, prompt- and pretraining-
+    splits) to its JSONL file; anything else unchanged. Without videos (a family that takes none): the split
+    without its video rows.
 
     Raises:
         ValueError: for a ``demo:`` source naming a split that does not exist.
@@ -112,19 +112,17 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
     split = source[len(DEMO_DATA_PREFIX) :]
     if split == "bench":
         return str(ensure_bench_dataset() / "bench.jsonl")
-    if split.startswith(_PREFERENCE_PREFIX) and split[len(_PREFERENCE_PREFIX) :] in _SPLITS:
-        return str(ensure_preference_dataset() / f"{split[len(_PREFERENCE_PREFIX) :]}.jsonl")
-    if split.startswith(_PROMPT_PREFIX) and split[len(_PROMPT_PREFIX) :] in _SPLITS:
-        return str(ensure_prompt_dataset() / f"{split[len(_PROMPT_PREFIX) :]}.jsonl")
-    if split.startswith(_PRETRAINING_PREFIX) and split[len(_PRETRAINING_PREFIX) :] in _PRETRAINING_SPLITS:
-        return str(ensure_pretraining_dataset() / f"{split[len(_PRETRAINING_PREFIX) :]}.jsonl")
+    built_by = (ensure_preference_dataset, ensure_prompt_dataset, ensure_pretraining_dataset)
+    prefixes = (_PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)
+    for prefix, ensure_dataset in zip(prefixes, built_by, strict=True):
+        if split.startswith(prefix) and split.removeprefix(prefix) in _SPLITS:
+            return str(ensure_dataset() / f"{split.removeprefix(prefix)}.jsonl")
     if split == _TEACHING_SOURCE:
         directory, split = ensure_teaching_dataset(), "eval"
     elif split in _SPLITS:
         directory = ensure_demo_dataset()
     else:
-        prefixes = ("", _PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)
-        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in prefixes for s in _SPLITS)
+        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in ("", *prefixes) for s in _SPLITS)
         raise ValueError(
             f"Unknown demo data source {source!r}; valid demo sources are: {valid}, "
             f"{DEMO_DATA_PREFIX}{_TEACHING_SOURCE}, {DEMO_DATA_PREFIX}bench"
