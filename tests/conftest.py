@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -49,9 +51,31 @@ def pytest_addoption(parser):
     )
 
 
+# The files that take minutes on 2 cores (--durations on an AVX2 AMD EPYC, 2026-11-26), longest first. xdist
+# hands each worker a whole file (--dist loadfile) in collection order (--no-loadscope-reorder): the long files
+# start first and the short ones fill in at the end, so the two workers end together. In xdist's own order
+# (most tests first) the last file, test_fsdp_stages.py, ran 4 minutes alone while the other worker idled.
+LONGEST_FILES_FIRST = (
+    "test_parallel.py",  # ~9 min: FSDP and DDP on two CPU ranks, each rank a process
+    "test_family_features.py",  # ~8 min: 12 families' DDP run, killed and resumed
+    "test_families.py",  # ~7 min: every family's seed recipes in bf16 and fp32
+    "test_demo_pretraining.py",  # ~5 min: the Qwen2-VL demo model's pretraining, then the teaching tests
+    "test_fsdp_stages.py",
+    "test_resume.py",
+    "test_grpo.py",
+    "test_dpo.py",
+    "test_speedups.py",
+    "test_data_formats.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The every_family tests pretrain 13 demo models, beyond CI's budget: run on request, else skipped
-    saying how."""
+    """Long files first (LONGEST_FILES_FIRST; the rest in their own order). The every_family tests pretrain
+    13 demo models, beyond CI's budget: run on request, else skipped saying how."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(
+        key=lambda item: rank.get(item.path.name, len(rank))
+    )  # stable: a file's tests keep their order
     if config.getoption("--every-family"):
         return
     skip = pytest.mark.skip(
@@ -108,6 +132,25 @@ def tiny_family(request, private_demo_cache):
 
     family, _ = family_of_demo_model(TINY_MODELS[request.param])
     return family, ensure_demo_model(TINY_MODELS[request.param])
+
+
+@pytest.fixture()
+def user_module(tmp_path, monkeypatch):
+    """Write a module into a fresh working directory (a user's reward functions); its imports are forgotten
+    afterwards, so a later test writing a module of the same name imports its own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # build_rewards puts the working directory on it
+    written = []
+
+    def write(name: str, source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        importlib.invalidate_caches()
+        written.append(name)
+        return name
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture()

@@ -319,16 +319,16 @@ def test_a_bad_reward_is_refused_at_load(tmp_path, capsys, rewards, message):
     ],
 )
 def test_a_reward_failing_in_training_stops_the_stage_with_its_name(
-    tmp_path, monkeypatch, capsys, module, body, message, private_demo_cache
+    tmp_path, user_module, capsys, module, body, message, private_demo_cache
 ):
     """Fine on the row checked before training, wrong from the second step: the stage stops with exit 2, the
     error names the function, and the stage is not marked done."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / f"{module}.py").write_text(
+    user_module(
+        module,
         "def bad(completions, trainer_state, **kwargs):\n"
         "    if trainer_state.global_step < 1:\n"
         "        return [0.0] * len(completions)\n"
-        f"    {body}\n"
+        f"    {body}\n",
     )
     recipe = _grpo_recipe(tmp_path, "demo:prompt-train", f", rewards: [{{name: '{module}:bad'}}]")
     code = main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs"), "--max-steps", "2"])

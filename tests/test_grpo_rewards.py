@@ -3,10 +3,6 @@ every way a reward can be wrong as a RewardError (exit 2) naming it. Pure Python
 
 from __future__ import annotations
 
-import importlib
-import sys
-import textwrap
-
 import pytest
 from transformers import TrainerState
 from trl.trainer.utils import is_async_callable
@@ -48,24 +44,6 @@ def trl_call(function, completions, completion_ids=None, **columns):
 def as_messages(text: str) -> list[dict]:
     """A completion of a conversational prompt, as TRL builds it."""
     return [{"role": "assistant", "content": text}]
-
-
-@pytest.fixture()
-def user_module(tmp_path, monkeypatch):
-    """Write a module into a fresh working directory; its imports are forgotten afterwards."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # build_rewards puts the working directory on it
-    written = []
-
-    def write(name: str, source: str) -> str:
-        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
-        importlib.invalidate_caches()
-        written.append(name)
-        return name
-
-    yield write
-    for name in written:
-        sys.modules.pop(name, None)
 
 
 # ---------------------------------------------------------------------------------------------

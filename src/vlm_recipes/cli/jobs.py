@@ -127,10 +127,13 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
 def check_rewards_of(recipes) -> None:
     """Every GRPO stage's rewards can be built (a built-in's keys; a user's module:function imports and takes
     TRL's keyword arguments), before anything trains; every bad one is reported, under its key path."""
+    recipes = {recipe.name: recipe for recipe in recipes}
+    if not any(stage.method == "grpo" for recipe in recipes.values() for stage in recipe.stages):
+        return  # and the methods' imports (TRL, PEFT: ~6 s) are left to the processes that train
     from vlm_recipes.methods.rewards import reward_problems
     from vlm_recipes.recipes.validate import Problem, RecipeError
 
-    for recipe in {recipe.name: recipe for recipe in recipes}.values():
+    for recipe in recipes.values():
         problems = []
         for i, stage in enumerate(recipe.stages):
             if stage.method == "grpo":
