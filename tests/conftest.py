@@ -73,9 +73,8 @@ def pytest_collection_modifyitems(config, items):
     """Long files first (LONGEST_FILES_FIRST; the rest in their own order). The every_family tests pretrain
     13 demo models, beyond CI's budget: run on request, else skipped saying how."""
     rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(
-        key=lambda item: rank.get(item.path.name, len(rank))
-    )  # stable: a file's tests keep their order
+    # a stable sort: each file's tests keep their order, and the files not listed theirs
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if config.getoption("--every-family"):
         return
     skip = pytest.mark.skip(
