@@ -57,7 +57,7 @@ def pytest_addoption(parser):
 # (most tests first) the last file, test_fsdp_stages.py, ran 4 minutes alone while the other worker idled.
 LONGEST_FILES_FIRST = (
     "test_parallel.py",  # ~9 min: FSDP and DDP on two CPU ranks, each rank a process
-    "test_family_features.py",  # ~8 min: 12 families' DDP run, killed and resumed
+    "test_family_features.py",  # ~8 min: 12 families' DDP run, then resumed
     "test_families.py",  # ~7 min: every family's seed recipes in bf16 and fp32
     "test_demo_pretraining.py",  # ~5 min: the Qwen2-VL demo model's pretraining, then the teaching tests
     "test_fsdp_stages.py",

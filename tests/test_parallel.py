@@ -487,8 +487,9 @@ def test_shipped_accelerate_configs_are_valid(name):
     assert Path(CONFIGS_DIR / f"{name}.yaml").read_text().startswith("#")
 
 
-# Stages using the devices differently (stage 1 launched as 2 DDP processes, stage 2 in the launching
-# process): tests/test_family_features.py, on every family but Qwen2-VL.
+# Stages using the devices differently (stage 1 launched as 2 DDP processes, stage 2 in one process, the
+# launching one or a resuming one after --until-stage 1): tests/test_family_features.py, on every family but
+# Qwen2-VL.
 
 
 def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_dir, tmp_path):

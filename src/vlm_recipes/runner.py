@@ -72,7 +72,8 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
     else:  # other nodes continue the run node 0 creates (the output dir is on a shared filesystem)
         wait_for(run_dir / "run.json", seconds=600)
     groups: list[tuple[int, ParallelPlan, Decision]] = []  # (last stage index, plan, decision)
-    for index, (plan, decision) in enumerate(plans, start=1):
+    until = options.until_stage or len(plans)  # --until-stage: the later stages' groups are not started
+    for index, (plan, decision) in enumerate(plans[:until], start=1):
         if groups and groups[-1][1] == plan:
             groups[-1] = (index, plan, decision)
         else:
