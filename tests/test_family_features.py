@@ -43,7 +43,7 @@ TINY = [
 class SharedRun:
     model: str
     run_dir: Path
-    first: subprocess.CompletedProcess  # the user's command, --until-stage 1
+    first: subprocess.CompletedProcess  # the user's command (--until-stage 1 but on ONE_COMMAND)
     done_before: dict[str, str]  # stage directory -> its DONE marker when that command ended
     resumed: int | None  # the resuming command's exit code (None: one command ran both stages)
 
