@@ -14,8 +14,9 @@ import pytest
 from conftest import REPO
 
 from vlm_recipes.evaluation import baseline_trl, bench, bench_tables
+from vlm_recipes.evaluation.flops import STEP_PARTS
 
-RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario
+RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario (an older script's)
 RESULTS_BF16 = REPO / "benchmarks" / "results" / "cpu-2-cores-bf16.json"  # bf16, every scenario
 
 
@@ -47,7 +48,15 @@ def synthetic_report(stages, scenarios) -> dict:
 
     args = argparse.Namespace(threads=2, batch_size=4, repeats=1)
     flops = {stage: {"vision": 3e9, "projector": 1e9, "llm": 6e9} for stage in stages}
-    setup = {"rows": 8, "flops": flops, "last_layer_flops": dict.fromkeys(stages, 1e6), "peak_tflops": None}
+    shares = dict(zip(STEP_PARTS, (0.4, 0.05, 0.45, 0.1), strict=True))
+    setup = {
+        "rows": 8,
+        "flops": flops,
+        "last_layer_flops": dict.fromkeys(stages, 1e6),
+        "peak_tflops": 0.5,
+        "peak_source": "measured",
+        "flop_shares": {stage: {"bench-qwen2-vl": shares, "Qwen2-VL-2B": shares} for stage in stages},
+    }
     model = {"name": "bench-qwen2-vl", "parameters": 16_700_000, "family": "qwen2-vl"}
     about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
     ways_of = {
@@ -82,6 +91,12 @@ def test_committed_results_have_the_keys_the_script_writes(results):
         "the scenarios its command asked for (all of them by default)"
     )
     written = synthetic_report(stages, scenarios)
+    if results == RESULTS:  # written before the script recorded the spread, the peak's source and the shares
+        del written["about"]["peak_source"], written["about"]["flop_shares"]
+        for scenario in (s for stage in written["stages"].values() for s in stage.values()):
+            for summary in scenario["summary"].values():
+                for key in [k for k in summary if k.endswith(("_min", "_max"))]:
+                    del summary[key]
     for tree in (committed, written):
         for scenario in (s for stage in tree["stages"].values() for s in stage.values()):
             # each run as its process reported it: what the summaries read must be there
@@ -175,6 +190,50 @@ def test_last_layer_flops_per_position_are_its_output_projection_mlp_and_lm_head
     mlp, lm_head = 3 * text.hidden_size * text.intermediate_size, text.vocab_size * text.hidden_size
     frozen_llm = {"vision": "full", "projector": "full", "llm": "frozen"}
     assert last_layer_flops_per_position(model, family, frozen_llm) == 4 * (o_proj + mlp + lm_head)
+
+
+def test_the_wide_bench_model_has_qwen2_vl_2bs_shapes_and_flop_shares():
+    """`demo:bench-qwen2-vl-wide`, built offline as the bench builds it, against Qwen2-VL-2B built from its
+    published config.json on the meta device: every weight the two share by name has the same shape except
+    the vocabulary's rows (cut with the depths, 1/7); each part's share of a training step's FLOPs on the
+    bench data is within 10 points of the real model's, in r1's modes and in r2's."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.models import ensure_demo_model
+    from vlm_recipes.evaluation.bench_model import model_about, reference_model, token_counts
+    from vlm_recipes.model.build import detect_family
+
+    model_dir = ensure_demo_model("demo:bench-qwen2-vl-wide")
+    family, config = detect_family(str(model_dir))
+    with torch.device("meta"):
+        wide_model = AutoModelForImageTextToText.from_config(config)
+    real_model = reference_model()
+    wide, real = dict(wide_model.named_parameters()), dict(real_model.named_parameters())
+    text, real_text = config.get_text_config(), real_model.config.get_text_config()
+    assert (text.num_hidden_layers, config.vision_config.depth) == (4, 5)
+    assert text.vocab_size == -(-real_text.vocab_size * 4 // 28 // 64) * 64
+    vocab_rows = {"model.language_model.embed_tokens.weight", "lm_head.weight"}
+    differ = {
+        name: (tuple(p.shape), tuple(real[name].shape))
+        for name, p in wide.items()
+        if name not in vocab_rows and p.shape != real[name].shape
+    }
+    assert not differ, f"shapes unlike Qwen2-VL-2B's: {differ}"
+    heads = wide_model.get_output_embeddings().weight, real_model.get_output_embeddings().weight
+    assert [tuple(head.shape) for head in heads] == [(text.vocab_size, 1536), (151936, 1536)]
+    assert set(wide) <= set(real), "no weight the real model lacks"
+    assert config.tie_word_embeddings and config.vision_config.embed_dim == 1280
+
+    counts = token_counts(model_dir, ensure_bench_dataset() / "bench.jsonl", 128)
+    r1 = {"vision": "frozen", "projector": "frozen", "llm": "lora"}
+    r2 = {"vision": "full", "projector": "full", "llm": "frozen"}
+    _, _, _, shares = model_about(model_dir, {"llm-lora": r1, "vision-full": r2}, counts)
+    for stage, (ours, theirs) in ((s, tuple(by_model.values())) for s, by_model in shares.items()):
+        gaps = {part: abs(ours[part] - theirs[part]) for part in ours}
+        assert max(gaps.values()) < 0.10, f"{stage}: shares {ours} against Qwen2-VL-2B's {theirs}"
+        assert theirs["LM head"] > 0.04 and theirs["vision tower"] > 0.3, "the real step, as measured"
 
 
 @pytest.mark.e2e

@@ -226,45 +226,6 @@ def processor_name() -> str:
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def model_about(model: Path, stages: list[str], rows: list[tuple[int, int]]) -> tuple[dict, dict, dict]:
-    """The model's size, each stage's mean FLOPs per sample by role, and each stage's FLOPs at a position
-    that training.loss_positions_only skips when unlabelled (on the meta device: shapes only)."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from vlm_recipes.evaluation.flops import flops_per_sample_by_role, last_layer_flops_per_position
-    from vlm_recipes.model.build import detect_family
-    from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.roles import ROLES
-
-    family, config = detect_family(str(model))
-    with torch.device("meta"):
-        bare = AutoModelForImageTextToText.from_config(config)
-    flops, last_layer = {}, {}
-    for stage in stages:
-        train = load_recipe(str(BENCH_RECIPES / RECIPES[stage])).stages[0].train
-        modes = {r: getattr(train, r) for r in ROLES}
-        flops[stage] = flops_per_sample_by_role(bare, family, modes, rows)
-        last_layer[stage] = last_layer_flops_per_position(bare, family, modes)
-    parameters = sum(p.numel() for p in bare.parameters())
-    return {"name": model.name, "parameters": parameters, "family": family.name}, flops, last_layer
-
-
-def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
-    """Text and image tokens of every sample trained on, padding excluded (both ways see the same)."""
-    from transformers import AutoProcessor
-
-    from vlm_recipes.data.lengths import sample_token_counts
-    from vlm_recipes.data.rows import load_split, undecoded
-    from vlm_recipes.model.build import detect_family
-
-    family, _ = detect_family(str(model))
-    processor = AutoProcessor.from_pretrained(model)
-    family.apply_pixel_bounds(processor.image_processor, 3136, 200704)  # the bench recipes' pixel bounds
-    ds, _ = load_split(str(data), "train", rows)
-    return sample_token_counts(undecoded(ds), processor, family)
-
-
 def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:
     """What the results file says of the run: code, libraries, machine, command, model, data, scenarios."""
     from vlm_recipes.evaluation.flops import FORMULA
@@ -290,6 +251,8 @@ def describe_run(args, scenarios: list[str], environment, precision: str, model:
         "flops_per_sample_by_role": setup["flops"],
         "last_layer_flops_per_position": setup["last_layer_flops"],
         "peak_tflops": setup["peak_tflops"],
+        "peak_source": setup["peak_source"],
+        "flop_shares": setup["flop_shares"],
     }
 
 
@@ -323,8 +286,10 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.data import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
-    from vlm_recipes.evaluation.flops import peak_tflops
+    from vlm_recipes.evaluation.bench_model import device_peak, model_about, render_shares, token_counts
     from vlm_recipes.model.guards import decide_precision
+    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.roles import ROLES
 
     environment = Environment.detect()
     precision = args.precision or decide_precision("auto", environment, quantized=False).choice
@@ -338,7 +303,10 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     if "second-seed" in scenarios and "first-epoch" not in scenarios:
         parser.error("--scenarios: second-seed reads the caches first-epoch's run leaves; name both")
     counts = token_counts(model, data, args.rows)
-    model_info, flops, last_layer_flops = model_about(model, stages, counts)
+    trains = {stage: load_recipe(str(BENCH_RECIPES / RECIPES[stage])).stages[0].train for stage in stages}
+    modes = {stage: {role: getattr(train, role) for role in ROLES} for stage, train in trains.items()}
+    model_info, flops, last_layer_flops, shares = model_about(model, modes, counts)
+    peak, peak_source = device_peak(environment.device, precision, args.threads, args.peak_tflops)
     setup = {
         "model": model,
         "data": data,
@@ -347,7 +315,9 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         "precision": precision,
         "flops": flops,
         "last_layer_flops": last_layer_flops,
-        "peak_tflops": args.peak_tflops or peak_tflops(environment.device),
+        "peak_tflops": peak,
+        "peak_source": peak_source,
+        "flop_shares": shares,
         "env": threads_env(args.threads),
     }
     about = describe_run(args, scenarios, environment, precision, model_info, setup)
@@ -355,6 +325,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         f"{about['machine']['description']}, {about['machine']['processor']}, {args.threads} threads\n"
         f"{model_info['name']}: {model_info['parameters'] / 1e6:.1f}M parameters; {setup['rows']} rows per "
         f"epoch, batch {args.batch_size}, {precision}, {args.repeats} repeat(s); git {about['git_sha']}\n"
+        f"peak for MFU: {peak or 0:.3g} TFLOP/s ({peak_source})\n\n{render_shares(shares)}\n"
     )
     runs = {
         s: {c: {w: [] for w in WAYS_OF.get(c, [BASELINE, SPEEDUPS_ON])} for c in scenarios} for s in stages

@@ -37,11 +37,14 @@ TABLES_DOC = (
 
 
 def readme_markers(report: dict) -> tuple[str, str]:
-    """Where a results file's tables go in docs/performance.md: one block per precision (fp32's unnamed)."""
-    precision = report["about"]["precision"]
-    if precision == "fp32":
+    """Where a results file's tables go in docs/performance.md: one block per precision (fp32's unnamed) and
+    bench model (the first bench model's unnamed)."""
+    precision, model = report["about"]["precision"], report["about"]["model"]["name"]
+    named = ([precision] if precision != "fp32" else []) + ([model] if model != "bench-qwen2-vl" else [])
+    if not named:
         return README_BEGIN, README_END
-    return f"<!-- benchmark table ({precision}): begin -->", f"<!-- benchmark table ({precision}): end -->"
+    label = ", ".join(named)
+    return f"<!-- benchmark table ({label}): begin -->", f"<!-- benchmark table ({label}): end -->"
 
 
 def fraction_computed(feature_cache: dict | None) -> float:
@@ -78,13 +81,29 @@ def with_throughput(run: dict, samples: int, flops_by_role: dict, peak_tflops: f
     }
 
 
+SPREAD = ("samples_per_s", "wall_s", "peak_rss_gb")  # shown as median (min-max)
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Medians over the repeats of every measured value (None where no run has it)."""
+    """Medians over the repeats of every measured value (None where no run has it), and the least and most
+    of the headline values (`SPREAD`: `KEY_min`, `KEY_max`)."""
     summary = {}
     for key in MEASURED:
         values = [run[key] for run in runs if run.get(key) is not None]
         summary[key] = statistics.median(values) if values else None
+        if key in SPREAD:
+            summary[f"{key}_min"], summary[f"{key}_max"] = (
+                (min(values), max(values)) if values else (None,) * 2
+            )
     return summary
+
+
+def spread(summary: dict, key: str) -> str:
+    """`median (min-max)`, or the median alone from one run (or a results file from before the spread)."""
+    low, high = summary.get(f"{key}_min"), summary.get(f"{key}_max")
+    if low is None or low == high:
+        return fmt(summary[key])
+    return f"{fmt(summary[key])} ({fmt(low)}-{fmt(high)})"
 
 
 def ratio(ours: float | None, baseline: float | None) -> float | None:
@@ -137,7 +156,7 @@ def render_tables(report: dict) -> str:
         f"Measured on {machine['description']}, {machine['processor']}, {machine['threads']} threads; "
         f"{model['name']} ({model['parameters'] / 1e6:.1f}M parameters, random weights), "
         f"{about['rows']} bench rows per epoch, batch {about['batch_size']}, {about['precision']}, "
-        f"median of {about['repeats']} run(s) per way; git {about['git_sha']}; {libraries}.",
+        f"median of {about['repeats']} run(s) per way (min-max beside it); git {about['git_sha']}; {libraries}.",
         f"Regenerate: `{about['command']}`, then `python scripts/benchmark.py --readme FILE`.",
         "",
         "| stage | scenario | way | samples/s | ×TRL | ×off | wall time s | ×TRL | peak RSS GB | ×TRL "
@@ -147,8 +166,8 @@ def render_tables(report: dict) -> str:
     details = [
         "",
         "| stage | scenario | way | time to first step s | step time median s | step time p90 s "
-        "| model TFLOP/s run |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| model TFLOP/s run | MFU |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for stage, scenarios in report["stages"].items():
         for scenario, compared in scenarios.items():
@@ -157,17 +176,40 @@ def render_tables(report: dict) -> str:
                 change = versus.get("eval_loss_change")
                 head = f"| {STAGE_TITLES[stage]} | {SCENARIOS[scenario][3]} | {way} "
                 lines.append(
-                    head + f"| {fmt(summary['samples_per_s'])} | {fmt(versus.get('samples_per_s'))} "
+                    head + f"| {spread(summary, 'samples_per_s')} | {fmt(versus.get('samples_per_s'))} "
                     f"| {fmt(versus.get('samples_per_s_vs_speedups_off'))} "
-                    f"| {fmt(summary['wall_s'])} | {fmt(versus.get('wall_s'))} "
-                    f"| {fmt(summary['peak_rss_gb'])} | {fmt(versus.get('peak_rss_gb'))} "
+                    f"| {spread(summary, 'wall_s')} | {fmt(versus.get('wall_s'))} "
+                    f"| {spread(summary, 'peak_rss_gb')} | {fmt(versus.get('peak_rss_gb'))} "
                     f"| {fmt(summary['eval_loss'], 5)} | {'-' if change is None else f'{change:+.2%}'} |"
                 )
                 details.append(
                     head + f"| {fmt(summary['time_to_first_step_s'])} | {fmt(summary['step_time_median_s'])} "
-                    f"| {fmt(summary['step_time_p90_s'])} | {fmt(summary['model_tflops_per_s'])} |"
+                    f"| {fmt(summary['step_time_p90_s'])} | {fmt(summary['model_tflops_per_s'])} "
+                    f"| {'-' if summary['mfu'] is None else format(summary['mfu'], '.1%')} |"
                 )
-    return "\n".join(lines + details)
+    return "\n".join(lines + details + peak_and_shares(about))
+
+
+def peak_and_shares(about: dict) -> list[str]:
+    """What MFU is a fraction of, and each stage's FLOP shares, the bench model's beside the real one's
+    (results files from before either have neither)."""
+    from vlm_recipes.evaluation.flops import STEP_PARTS
+
+    lines = []
+    if about.get("peak_tflops"):
+        peak, source = about["peak_tflops"], about.get("peak_source", "given")
+        lines += ["", f"MFU: model TFLOP/s run over a peak of {peak:.3g} TFLOP/s ({source})."]
+    if shares := about.get("flop_shares"):
+        lines += [
+            "",
+            f"| stage | model | {' | '.join(STEP_PARTS)} |",
+            "|---|---|" + "---:|" * len(STEP_PARTS),
+        ]
+        for stage, by_model in shares.items():
+            for name, of_part in by_model.items():
+                row = " | ".join(f"{of_part[part]:.1%}" for part in STEP_PARTS)
+                lines.append(f"| {STAGE_TITLES[stage]} | {name} | {row} |")
+    return lines
 
 
 def update_readme(report: dict, readme: Path = TABLES_DOC) -> None:

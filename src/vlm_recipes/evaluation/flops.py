@@ -135,6 +135,23 @@ def flops_per_sample_by_role(
     return {role: flops / max(len(token_counts), 1) for role, flops in total.items()}
 
 
+STEP_PARTS = ("vision tower", "projector", "decoder layers", "LM head")
+
+
+def flop_shares(
+    model: nn.Module, family: Family, modes: dict[str, str], token_counts: Iterable[tuple[int, int]]
+) -> dict[str, float]:
+    """Each part's share of a training step's FLOPs (`STEP_PARTS`, summing to 1): the tower, the projector,
+    the language model's decoder layers (attention included), and its LM head, which a plain forward runs
+    at every position. A bench model is shaped like a real one when these shares are the real one's."""
+    counts = list(token_counts)
+    by_role = flops_per_sample_by_role(model, family, modes, counts)
+    mean_length = sum(text + image for text, image in counts) / max(len(counts), 1)
+    head = flop_coefficients(modes)["llm"] * model.get_output_embeddings().weight.numel() * mean_length
+    parts = (by_role["vision"], by_role["projector"], by_role["llm"] - head, head)
+    return {part: flops / sum(parts) for part, flops in zip(STEP_PARTS, parts, strict=True)}
+
+
 def attention_width(text_config) -> int:
     """The summed width (heads x head_dim) of the language model's attention layers, each from its own
     config: Gemma 4's global layers have a head_dim of their own (and transformers refuses the global value
@@ -190,6 +207,30 @@ def active_expert_share(model: nn.Module) -> float:
     # Gemma 4's config names experts per token `top_k_experts`, and holds None where it has no experts
     per_token = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None) or 1
     return per_token / (routed_experts(text) or 1)
+
+
+def measured_matmul_peak_tflops(
+    dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 1.0
+) -> float:
+    """This CPU's matmul peak in `dtype` on `threads` threads, as training would get it: the best of several
+    timed size x size products after a warm-up (MFU's denominator where no published peak applies: a CPU's
+    depends on its vector units, AMX or AVX512-BF16 or neither, and on the threads)."""
+    import time
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / (time.perf_counter() - started))
+        return best / 1e12
+    finally:
+        torch.set_num_threads(before)
 
 
 def peak_tflops(device: str) -> float | None:

@@ -159,6 +159,18 @@ _QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
     "max_pixels": 28 * 28 * 256,
 }
 
+# Qwen2-VL-2B's widths with its depths and vocabulary cut in proportion (1/7: 28 -> 4 decoder layers,
+# 151,936 -> 21,760 vocabulary rows, 32 -> 5 tower blocks), so that each role keeps its share of a training
+# step's FLOPs (tests/test_benchmark.py bounds them within 10 points of the real model's, `vlm-recipes bench`
+# prints both) in ~1/7 of its time. Keeping the real vocabulary would need all 28 layers: with 4, the LM
+# head alone would be 5/9 of the language model and every speed-up that skips it would look better than it is.
+_BENCH_WIDE = {
+    **{k: v for k, v in _QWEN2_VL_2B_SHAPED.items() if k not in ("layers", "vision_depth", "vocab")},
+    "layers": 4,
+    "vision_depth": 5,
+    "vocab": 21760,  # 151,936 x 4/28, rounded up to a multiple of 64; the local tokenizer's rows come first
+}
+
 
 # Qwen2-VL and Qwen2.5-VL name their modules alike (Qwen3-VL adds DeepStack mergers to the projector)
 QWEN_VL_ROLES = {
@@ -175,6 +187,7 @@ QWEN2_VL = Qwen2VLFamily(
     demo_models={
         "demo:tiny-qwen2-vl": _TINY,
         "demo:bench-qwen2-vl": _BENCH,  # ~16M parameters, for scripts/benchmark.py
+        "demo:bench-qwen2-vl-wide": _BENCH_WIDE,  # Qwen2-VL-2B's widths, 1/7 of its depth (CPU bench)
         "demo:qwen2-vl-2b-shaped": _QWEN2_VL_2B_SHAPED,  # Qwen2-VL-2B's dimensions, random weights (GPU bench)
     },
 )

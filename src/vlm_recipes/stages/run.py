@@ -30,6 +30,7 @@ from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
 from vlm_recipes.methods.grpo import check_generation_backend
+from vlm_recipes.methods.host_memory import host_memory_release, release_freed_host_memory
 from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
 from vlm_recipes.methods.sft import RecipeTrainer
 from vlm_recipes.model.audit import audit_freeze
@@ -282,6 +283,11 @@ def make_trainer(
         "interrupt": InterruptCallback(),
         "timer": StepTimer(),
     }
+    release, decision = host_memory_release(ctx.env)
+    log.info("  %s", decision)
+    ctx.decisions.append(decision)
+    if release is not None:
+        callbacks["host_memory"] = release
     trainer = method.build_trainer(built, ctx.stage, args, data, ctx.decisions, list(callbacks.values()))
     return trainer, callbacks
 
@@ -347,6 +353,7 @@ def finish(
     gathered = gather_sharded_state(trainer) if sharded else None
     if not ctx.is_main:
         return
+    release_freed_host_memory()  # evaluation's freed blocks, before the merge loads the base again
     log.info("%s: saving final model", ctx.title)
     save_stage_outputs(ctx, built, trainer.accelerator.unwrap_model(trainer.model), gathered)
     try:
