@@ -17,7 +17,13 @@ from vlm_recipes.evaluation import baseline_trl, bench, bench_tables
 from vlm_recipes.evaluation.flops import STEP_PARTS
 
 RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario (an older script's)
-RESULTS_BF16 = REPO / "benchmarks" / "results" / "cpu-2-cores-bf16.json"  # bf16, every scenario
+RESULTS_BF16 = (
+    REPO / "benchmarks" / "results" / "cpu-2-cores-bf16.json"
+)  # bf16, first epoch (an older script's)
+RESULTS_WIDE = (
+    REPO / "benchmarks" / "results" / "cpu-2-cores-bf16-wide.json"
+)  # the wide model, bf16, first epoch
+ALL_RESULTS = [RESULTS, RESULTS_BF16, RESULTS_WIDE]
 
 
 def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=None):
@@ -40,7 +46,7 @@ def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=Non
     return bench_tables.with_throughput(measured, samples, flops, None)
 
 
-def synthetic_report(stages, scenarios) -> dict:
+def synthetic_report(stages, scenarios, model_name: str = "bench-qwen2-vl") -> dict:
     """The report main() writes, from made-up runs through the script's own functions."""
     import argparse
 
@@ -55,9 +61,9 @@ def synthetic_report(stages, scenarios) -> dict:
         "last_layer_flops": dict.fromkeys(stages, 1e6),
         "peak_tflops": 0.5,
         "peak_source": "measured",
-        "flop_shares": {stage: {"bench-qwen2-vl": shares, "Qwen2-VL-2B": shares} for stage in stages},
+        "flop_shares": {stage: {model_name: shares, "Qwen2-VL-2B": shares} for stage in stages},
     }
-    model = {"name": "bench-qwen2-vl", "parameters": 16_700_000, "family": "qwen2-vl"}
+    model = {"name": model_name, "parameters": 16_700_000, "family": "qwen2-vl"}
     about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
     ways_of = {
         c: bench_tables.WAYS_OF.get(c, [bench_tables.BASELINE, bench_tables.SPEEDUPS_ON]) for c in scenarios
@@ -81,7 +87,7 @@ def key_tree(value):
     return None
 
 
-@pytest.mark.parametrize("results", [RESULTS, RESULTS_BF16], ids=lambda path: path.stem)
+@pytest.mark.parametrize("results", ALL_RESULTS, ids=lambda path: path.stem)
 def test_committed_results_have_the_keys_the_script_writes(results):
     committed = json.loads(results.read_text())
     stages, scenarios = list(committed["stages"]), list(committed["about"]["scenarios"])
@@ -90,8 +96,8 @@ def test_committed_results_have_the_keys_the_script_writes(results):
     assert scenarios == (asked.group(1).split(",") if asked else list(bench_tables.SCENARIOS)), (
         "the scenarios its command asked for (all of them by default)"
     )
-    written = synthetic_report(stages, scenarios)
-    if results == RESULTS:  # written before the script recorded the spread, the peak's source and the shares
+    written = synthetic_report(stages, scenarios, committed["about"]["model"]["name"])
+    if results in (RESULTS, RESULTS_BF16):  # written before the script recorded the spread, peak and shares
         del written["about"]["peak_source"], written["about"]["flop_shares"]
         for scenario in (s for stage in written["stages"].values() for s in stage.values()):
             for summary in scenario["summary"].values():
@@ -109,7 +115,7 @@ def test_committed_results_have_the_keys_the_script_writes(results):
     assert committed["about"]["git_sha"] and "-dirty" not in committed["about"]["git_sha"]
 
 
-@pytest.mark.parametrize("results", [RESULTS, RESULTS_BF16], ids=lambda path: path.stem)
+@pytest.mark.parametrize("results", ALL_RESULTS, ids=lambda path: path.stem)
 def test_readme_tables_are_generated_from_the_committed_results(results):
     readme, report = (REPO / "docs" / "performance.md").read_text(), json.loads(results.read_text())
     first, last = bench_tables.readme_markers(report)
@@ -120,10 +126,18 @@ def test_readme_tables_are_generated_from_the_committed_results(results):
     )
 
 
-def test_committed_bf16_results_were_measured_in_bf16_on_a_cpu_with_native_bf16():
-    about = json.loads(RESULTS_BF16.read_text())["about"]
+@pytest.mark.parametrize("results", [RESULTS_BF16, RESULTS_WIDE], ids=lambda path: path.stem)
+def test_committed_bf16_results_were_measured_in_bf16_on_a_cpu_with_native_bf16(results):
+    about = json.loads(results.read_text())["about"]
     assert about["precision"] == "bf16" and "native bf16 yes" in about["machine"]["description"]
     assert about["git_sha"] and "-dirty" not in about["git_sha"]
+
+
+def test_committed_wide_results_name_the_wide_model_its_peak_and_shares_near_qwen2_vl_2bs():
+    about = json.loads(RESULTS_WIDE.read_text())["about"]
+    assert about["model"]["name"] == "bench-qwen2-vl-wide" and about["peak_source"].startswith("measured")
+    for stage, (ours, theirs) in ((s, tuple(m.values())) for s, m in about["flop_shares"].items()):
+        assert max(abs(ours[part] - theirs[part]) for part in STEP_PARTS) < 0.10, stage
 
 
 def test_summary_is_the_median_and_ratios_are_ours_over_trl():

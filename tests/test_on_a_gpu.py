@@ -32,6 +32,7 @@ def assert_trained_on_the_gpu(output_dir: Path, recipe: str) -> None:
         assert decisions["precision"]["choice"] == "bf16", decisions["precision"]
         assert decisions["placement"]["choice"] == "all tensors on cuda:0", decisions["placement"]
         assert decisions["parallelism"]["choice"] == "single device", "one GPU: never DataParallel"
+        assert decisions["host-memory"]["choice"] == "left to the allocator", "tensors live on the GPU"
         if recipe_stage["quantization"]["mode"] == "4bit":
             assert decisions["quantization-backend"]["reason"].endswith("run on cuda")
         assert stage["steps"] == 2 and stage["eval_loss"] is not None and stage["train_loss"] > 0

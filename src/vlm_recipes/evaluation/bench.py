@@ -1,9 +1,15 @@
 """Benchmark vlm-recipes against a plain TRL script, in the scenarios a user runs.
 
-    vlm-recipes bench                          # both stages, every scenario -> benchmark.json
-    vlm-recipes bench --stages llm-lora --scenarios first-epoch --repeats 3
-    vlm-recipes bench --readme benchmarks/results/cpu-2-cores.json   # docs/performance.md's tables
+    vlm-recipes bench --precision bf16 --scenarios first-epoch --repeats 3   # ~50 min on 2 cores
+    vlm-recipes bench --model demo:bench-qwen2-vl --repeats 3   # the small model, every scenario
+    vlm-recipes bench --readme benchmarks/results/cpu-2-cores-bf16-wide.json   # docs/performance.md's tables
     vlm-recipes bench --model demo:qwen2-vl-2b-shaped                # on a GPU: real dimensions
+
+The default model, `demo:bench-qwen2-vl-wide`, has Qwen2-VL-2B's widths with its depth and vocabulary cut
+to 1/7, so that the tower, projector, decoder layers and LM head keep their shares of a training step's
+FLOPs (printed beside Qwen2-VL-2B's, from its published config on the meta device). MFU is model FLOP/s
+over the device's peak: a GPU's published one, or on a CPU the matmul peak measured at the start in the
+training dtype on the training threads.
 
 Scenarios, each a row of the table. No run warms up the caches a measured run reads:
 - first-epoch: one epoch on empty caches (token counts included), seed 0: every seed recipe's first run.
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per way and scenario (medians)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: what a stage picks here")
-    parser.add_argument("--model", default="demo:bench-qwen2-vl", help="model id or directory")
+    parser.add_argument("--model", default="demo:bench-qwen2-vl-wide", help="model id or directory")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     parser.add_argument(
