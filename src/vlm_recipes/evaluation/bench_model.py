@@ -4,7 +4,7 @@ real model it stands for (Qwen2-VL-2B, from its published config.json, on the me
 peak for MFU.
 
 A bench model is only worth its ratios if its step spends its arithmetic where a real model's does: a
-64-wide model spends it on Python and kernel launches, and a model with the real vocabulary but few layers
+16.7M-parameter model spends it on Python and kernel launches, and one with the real vocabulary but few layers
 spends it on the LM head. `demo:bench-qwen2-vl-wide` keeps Qwen2-VL-2B's widths and cuts depth and vocabulary
 in proportion, so each part's share stays within a few points of the real one's.
 """
