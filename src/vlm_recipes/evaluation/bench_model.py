@@ -25,7 +25,7 @@ from vlm_recipes.evaluation.flops import (
     peak_tflops,
 )
 
-REFERENCE_NAME = "Qwen2-VL-2B"
+REFERENCE_NAME, REFERENCE_FAMILY = "Qwen2-VL-2B", "qwen2-vl"
 # Qwen/Qwen2-VL-2B-Instruct's config.json as published (no weights: the meta device needs shapes only)
 REFERENCE_CONFIG = Path(__file__).resolve().parent / "bench_recipes" / "Qwen2-VL-2B-Instruct.config.json"
 BENCH_PIXELS = (3136, 200704)  # the bench recipes' min and max pixels (4 to 256 merged image tokens)
@@ -53,28 +53,31 @@ def model_about(
     family, config = detect_family(str(model))
     with torch.device("meta"):
         bare = AutoModelForImageTextToText.from_config(config)
-    reference = reference_model()
+    # the reference is read through the bench model's family: only a Qwen2-VL bench model has its roles
+    reference = reference_model() if family.name == REFERENCE_FAMILY else None
     flops, last_layer, shares = {}, {}, {}
     for stage, modes in modes_by_stage.items():
         flops[stage] = flops_per_sample_by_role(bare, family, modes, rows)
         last_layer[stage] = last_layer_flops_per_position(bare, family, modes)
-        shares[stage] = {
-            model.name: flop_shares(bare, family, modes, rows),
-            REFERENCE_NAME: flop_shares(reference, family, modes, rows),
-        }
+        shares[stage] = {model.name: flop_shares(bare, family, modes, rows)}
+        if reference is not None:
+            shares[stage][REFERENCE_NAME] = flop_shares(reference, family, modes, rows)
     parameters = sum(p.numel() for p in bare.parameters())
     return {"name": model.name, "parameters": parameters, "family": family.name}, flops, last_layer, shares
 
 
 def render_shares(shares: dict[str, dict[str, dict[str, float]]]) -> str:
-    """Each stage's FLOP shares, the bench model's beside the reference's, and the largest gap in points."""
+    """Each stage's FLOP shares, the bench model's beside the reference's (where it has one), and the
+    largest gap in points."""
     lines = []
     for stage, by_model in shares.items():
-        (bench, ours), (reference, theirs) = by_model.items()
-        gap = max(abs(ours[part] - theirs[part]) for part in STEP_PARTS)
-        lines.append(f"{stage}: share of a training step's FLOPs, {bench} | {reference}")
-        lines += [f"  {part:15} {ours[part]:6.1%} | {theirs[part]:6.1%}" for part in STEP_PARTS]
-        lines.append(f"  largest gap: {gap * 100:.1f} points")
+        names, columns = list(by_model), list(by_model.values())
+        lines.append(f"{stage}: share of a training step's FLOPs, {' | '.join(names)}")
+        for part in STEP_PARTS:
+            lines.append(f"  {part:15} " + " | ".join(f"{of_part[part]:6.1%}" for of_part in columns))
+        if len(columns) == 2:
+            gap = max(abs(columns[0][part] - columns[1][part]) for part in STEP_PARTS)
+            lines.append(f"  largest gap: {gap * 100:.1f} points")
     return "\n".join(lines)
 
 
