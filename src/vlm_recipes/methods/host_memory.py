@@ -9,7 +9,7 @@ to 7-10 GB after 32 steps, with ~2 GB in use: plain TRL's script does the same.
 
 `malloc_trim(0)` returns every free page of the heap to the system (glibc >= 2.8 releases pages inside the
 heap, not only at its top). It frees nothing in use, so what is computed is unchanged. It is not free: the
-next step faults the released pages in again and the kernel zeroes them (there, 10-20 % of the training
+next step faults the released pages in again and the kernel zeroes them (there, up to ~20 % of the training
 loop; releasing only once the process has grown past a bound would cost less). Mapping every large block
 fresh instead (`MALLOC_MMAP_THRESHOLD_`) also stops the growth, but made the steps 1.6x slower.
 
