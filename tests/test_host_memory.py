@@ -1,4 +1,4 @@
-"""Freed host memory goes back to the system after every step on a CPU (methods/host_memory.py)."""
+"""Freed host memory goes back to the system on a CPU once the process has grown (methods/host_memory.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from vlm_recipes.decisions import Environment
-from vlm_recipes.methods.host_memory import HostMemoryRelease, host_memory_release, release_freed_host_memory
+from vlm_recipes.methods.host_memory import (
+    GROWTH_BOUND,
+    HostMemoryRelease,
+    host_memory_release,
+    release_freed_host_memory,
+    resident_bytes,
+)
 
 MB = 2**20
 
@@ -34,13 +40,21 @@ def test_freed_blocks_between_blocks_in_use_go_back_to_the_system():
     del blocks
 
 
-def test_the_release_runs_on_a_cpu_after_every_step_and_evaluation_and_is_off_on_a_gpu():
+def test_the_release_runs_on_a_cpu_once_memory_has_grown_past_the_bound_and_is_off_on_a_gpu():
     cpu = Environment(device="cpu", gpu_count=0, bf16_supported=True)
     callback, decision = host_memory_release(cpu)
     assert isinstance(callback, HostMemoryRelease) and decision.guard == "host-memory"
-    for event in (callback.on_step_end, callback.on_prediction_step, callback.on_evaluate):
+    assert f"{GROWTH_BOUND}x" in decision.choice
+    callback.on_step_end(None, None, None)
+    assert callback.releases == 1, "the first event releases and sets the floor"
+    assert callback.floor == pytest.approx(resident_bytes(), rel=0.1)
+    for released, event in enumerate((callback.on_step_end, callback.on_prediction_step, callback.on_evaluate)):
+        callback.floor = resident_bytes()  # not grown: the pages stay for the next step
         event(None, None, None)
-    assert callback.releases == 3
+        assert callback.releases == 1 + released
+        callback.floor = resident_bytes() / (GROWTH_BOUND + 0.1)  # grown past the bound: released
+        event(None, None, None)
+        assert callback.releases == 2 + released
     gpu = Environment(device="cuda", gpu_count=1, bf16_supported=True, gpu_name="H100")
     callback, decision = host_memory_release(gpu)
     assert callback is None and "GPU memory" in decision.reason
