@@ -3,16 +3,19 @@
 settings (`evaluation/bench_recipes/bench-llm-grpo.yaml`).
 
     vlm-recipes bench-grpo                                   # 1 repeat -> benchmark-grpo.json
-    vlm-recipes bench-grpo --repeats 3 --out benchmarks/results/grpo-cpu-2-cores.json
+    vlm-recipes bench-grpo --repeats 3 --out benchmarks/results/grpo-cpu-2-cores-bf16-wide.json
+    vlm-recipes bench-grpo --model demo:bench-qwen2-vl --max-completion-length 16 --image-side 448  # the small one
 
-The scenario: GRPO on visual questions with short checkable answers (a colour, a shape, yes or no, a count),
-a group of 8 completions of at most 16 tokens per prompt, one group a step, the images 448x448 (256 visual
-tokens each, what a photo gets under the recipes' max_pixels). TRL repeats each prompt, image and all, once per
-completion, so its tower encodes every image 8 times to sample and 8 more for the log-probabilities; with
-`training.vision_feature_cache` (frozen tower) vlm-recipes encodes it once and reads it back.
+The scenario is r6's GRPO stage: visual questions with short checkable answers (a colour, a shape, yes or no, a
+count), a group of 8 completions of at most 128 tokens per prompt, one group a step, the images at the demo's
+own sizes, on the wide bench model (`demo:bench-qwen2-vl-wide`, Qwen2-VL-2B's widths). TRL repeats each prompt,
+image and all, once per completion, so its tower encodes every image 8 times to sample and 8 more for the
+log-probabilities; with `training.vision_feature_cache` (frozen tower) vlm-recipes encodes it once and reads it
+back. `grpo.sample_with_merged_lora` samples with the adapter merged into a copy of the weights, and
+`grpo.gumbel_max_sampling` draws each token without torch.multinomial (speedups/sampling.py).
 
-Ways: plain TRL, vlm-recipes without the feature cache (the runner's own cost), vlm-recipes with it. Every run
-is a fresh process; wall time and peak RSS are the whole process's (`os.wait4`), samples/s is completions
+Ways (`--ways` picks): plain TRL (trl), vlm-recipes without its speed-ups (off: the runner's own cost),
+vlm-recipes with the feature cache (cache), vlm-recipes with every GRPO speed-up (on). Every run is a fresh process; wall time and peak RSS are the whole process's (`os.wait4`), samples/s is completions
 trained / the training loop's runtime. Within a repeat the ways alternate in order; medians over repeats are
 compared as ours / TRL. The reward is each way's mean over its steps (the check that both trained alike).
 """
@@ -33,8 +36,19 @@ HERE = Path(__file__).resolve().parent
 BASELINE_SCRIPT = HERE / "baseline_trl_grpo.py"
 RECIPE = HERE / "bench_recipes" / "bench-llm-grpo.yaml"
 BASELINE, CACHE_OFF, CACHE_ON = "plain TRL", "vlm-recipes, feature cache off", "vlm-recipes, feature cache on"
-WAYS = [BASELINE, CACHE_OFF, CACHE_ON]
-IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens
+SPEEDUPS_ON = "vlm-recipes, speed-ups on"
+WAYS = [BASELINE, CACHE_OFF, CACHE_ON, SPEEDUPS_ON]
+WAY_NAMES = {"trl": BASELINE, "off": CACHE_OFF, "cache": CACHE_ON, "on": SPEEDUPS_ON}  # --ways
+SPEEDUPS = {  # each way's switches
+    CACHE_OFF: [],
+    CACHE_ON: ["training.vision_feature_cache=true"],
+    SPEEDUPS_ON: [
+        "training.vision_feature_cache=true",
+        "grpo.sample_with_merged_lora=true",
+        "grpo.gumbel_max_sampling=true",
+    ],
+}
+IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens (--image-side 448)
 MEASURED = ("samples_per_s", "wall_s", "peak_rss_gb", "train_runtime_s", "mean_reward", "step_time_median_s")
 
 
@@ -93,7 +107,7 @@ def run_way(way: str, setup: dict, caches: Path) -> dict:
             f"precision={setup['precision']}",
             f"grpo.max_completion_length={setup['max_completion_length']}",
             f"training.seed={setup['seed']}",
-            f"training.vision_feature_cache={str(way == CACHE_ON).lower()}",
+            *SPEEDUPS[way],
         ]
         wall, rss = run_process(command, cache_env(setup["env"], caches))
         metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
@@ -120,7 +134,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     base = medians[BASELINE]
     versus = {
         way: {k: medians[way][k] / base[k] for k in ("samples_per_s", "wall_s", "peak_rss_gb")}
-        for way in (CACHE_OFF, CACHE_ON)
+        for way in medians
+        if way != BASELINE
     }
     return {"medians": medians, "versus_trl": versus}
 
@@ -141,7 +156,7 @@ def render(report: dict) -> str:
         "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",
         "|---|---|---|---|---|---|---|",
     ]
-    for way in WAYS:
+    for way in (way for way in WAYS if way in medians):
         m, v = medians[way], versus.get(way, {})
         ratio = f"{v['samples_per_s']:.2f}x" if v else "1"
         memory = f"{v['peak_rss_gb']:.2f}x" if v else "1"
@@ -157,20 +172,30 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, default=16, help="prompts, one group a step")
-    parser.add_argument("--max-completion-length", type=int, default=16)
-    parser.add_argument("--image-side", type=int, default=IMAGE_SIDE, help="px; 0: the demo's own sizes")
+    parser.add_argument("--max-completion-length", type=int, default=128, help="r6's")
+    parser.add_argument("--image-side", type=int, default=0, help="px; 0: the demo's own sizes (r6's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per way (medians)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="fp32")
-    parser.add_argument("--model", default="demo:bench-qwen2-vl", help="model id or directory")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: what a stage picks here")
+    parser.add_argument("--model", default="demo:bench-qwen2-vl-wide", help="model id or directory")
+    parser.add_argument(
+        "--ways",
+        default=",".join(WAY_NAMES),
+        help=f"comma-separated, of {', '.join(WAY_NAMES)} (in that order)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmark-grpo.json"))
     args = parser.parse_args(argv)
 
     from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe
 
+    if unknown := set(args.ways.split(",")) - set(WAY_NAMES):
+        parser.error(f"--ways: unknown {sorted(unknown)}; ways: {', '.join(WAY_NAMES)}")
+    environment = Environment.detect()
+    precision = args.precision or decide_precision("auto", environment, quantized=False).choice
     grpo = load_recipe(str(RECIPE)).stages[0].grpo
     model = Path(resolve_model_source(args.model))
     setup = {
@@ -181,24 +206,25 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
         "rows": args.rows,
         "num_generations": grpo.num_generations,
         "max_completion_length": args.max_completion_length,
-        "precision": args.precision,
+        "precision": precision,
         "env": threads_env(args.threads),
     }
     about = {
         "git_sha": git_sha(),
         "command": f"{prog} " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": f"{Environment.detect().describe()}, {processor_name()}",
+        "machine": f"{environment.describe()}, {processor_name()}",
         "threads": args.threads,
         "model": model.name,
         **{k: setup[k] for k in ("rows", "num_generations", "max_completion_length", "image_side", "seed")},
-        "precision": args.precision,
+        "precision": precision,
         "repeats": args.repeats,
     }
     print(f"{about['machine']}; {model.name}; git {about['git_sha']}", flush=True)
-    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    ways = [WAY_NAMES[name] for name in WAY_NAMES if name in args.ways.split(",")]
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for way in WAYS if repeat % 2 == 0 else reversed(WAYS):
+            for way in ways if repeat % 2 == 0 else reversed(ways):
                 result = run_way(way, setup, Path(tmp) / f"{repeat}-{WAYS.index(way)}")  # empty caches
                 runs[way].append(result)
                 print(

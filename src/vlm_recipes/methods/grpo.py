@@ -7,7 +7,9 @@ the stage's source by TRL, and the plan says so."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 from pathlib import Path
 
 import torch
@@ -28,6 +30,14 @@ from vlm_recipes.methods.trainer import (
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.speedups.sampling import (
+    gumbel_max_refusal,
+    gumbel_max_sampling,
+    lora_merged,
+    merged_sampling_refusal,
+)
+
+log = logging.getLogger(__name__)
 
 
 def grpo_max_prompt_length(stage: Stage) -> int | None:
@@ -97,6 +107,18 @@ class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
     """The GRPO stage's trainer."""
 
     counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
+    sample_with_merged_lora: bool = False  # grpo.sample_with_merged_lora (speedups/sampling.py)
+    gumbel_max_sampling: bool = False  # grpo.gumbel_max_sampling (speedups/sampling.py)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's sampling, with the sampling speed-ups the stage asks for around it."""
+        model = self.accelerator.unwrap_model(self.model)
+        with contextlib.ExitStack() as speedups:
+            if self.sample_with_merged_lora:
+                speedups.enter_context(lora_merged(model))
+            if self.gumbel_max_sampling:
+                speedups.enter_context(gumbel_max_sampling(self, model))
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, num_images=None, **kwargs):
         """LLaVA-OneVision tiles a row's single image ("anyres") but not each of a row's several, and its
@@ -171,7 +193,43 @@ def build_grpo_trainer(
     model = trainer.accelerator.unwrap_model(trainer.model)
     forward = type(model.get_base_model() if hasattr(model, "get_base_model") else model).forward
     trainer.counts_images_per_row = "batch_num_images" in inspect.signature(forward).parameters
+    for decision in sampling_speedups(trainer, model, stage):
+        log.info("  %s", decision)
+        if decisions is not None:
+            decisions.append(decision)
     return prepare_trainer(trainer, built, stage, decisions, "after GRPOTrainer was built")
+
+
+def sampling_speedups(trainer: RecipeGRPOTrainer, model, stage: Stage) -> list[Decision]:
+    """Switch on the sampling speed-ups the stage asks for (speedups/sampling.py); a refusal names why."""
+    chosen = []
+    if stage.grpo.sample_with_merged_lora:
+        sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+        why = "the weights are sharded across ranks" if sharded else merged_sampling_refusal(model)
+        if why:
+            raise GuardError(f"stage {stage.name}: grpo.sample_with_merged_lora is refused: {why}. Remove it")
+        trainer.sample_with_merged_lora = True
+        chosen.append(
+            Decision(
+                "merged-sampling",
+                "completions sampled with the LoRA adapter merged into a copy of the weights",
+                "grpo.sample_with_merged_lora is on: no adapter matmuls per sampled token; the loss still "
+                "reads log-probabilities through the adapter, and the original weights are put back",
+            )
+        )
+    if stage.grpo.gumbel_max_sampling:
+        if why := gumbel_max_refusal(trainer.args):
+            raise GuardError(f"stage {stage.name}: grpo.gumbel_max_sampling is refused: {why}. Remove it")
+        trainer.gumbel_max_sampling = True
+        chosen.append(
+            Decision(
+                "gumbel-max-sampling",
+                "each token drawn as argmax(logits / temperature + Gumbel noise)",
+                "grpo.gumbel_max_sampling is on: the same distribution as torch.multinomial's draw, without "
+                "its cost over the whole vocabulary",
+            )
+        )
+    return chosen
 
 
 def grpo_eval_metrics(eval_metrics: dict) -> dict:

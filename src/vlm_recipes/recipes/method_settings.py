@@ -112,6 +112,17 @@ class GrpoSettings:
         "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
         "group",
     )
+    sample_with_merged_lora: bool = doc(
+        "sample the completions with the LoRA adapter merged into a copy of the weights (as vLLM samples "
+        "them): no adapter matmuls per sampled token; the loss still reads the log-probabilities through "
+        "the adapter. Needs LoRA on a base in full or half precision",
+        False,
+    )
+    gumbel_max_sampling: bool = doc(
+        "draw each sampled token as the argmax of logits / temperature plus Gumbel noise: the same "
+        "distribution as torch.multinomial's draw, for a fraction of its cost",
+        False,
+    )
     use_vllm: bool = doc(
         "sample the completions with vLLM instead of generate(): a GPU and `pip install vllm`; TRL moves the "
         "policy's weights (LoRA merged) into vLLM before each generation",

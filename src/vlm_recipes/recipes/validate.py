@@ -324,6 +324,18 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
     return problems
 
 
+def _merged_sampling_problem(stage) -> str | None:
+    """Why a stage's LoRA adapter cannot be merged for sampling, as far as the recipe says (the model's own
+    layers are checked once it is built: speedups/merged_sampling.py)."""
+    if stage.grpo.use_vllm:
+        return "grpo.use_vllm samples with vLLM, which merges the adapter itself"
+    if "lora" not in (stage.train.vision, stage.train.projector, stage.train.llm):
+        return "no role trains with LoRA: there is no adapter to merge"
+    if stage.quantization.mode != "none":
+        return f"quantization.mode {stage.quantization.mode}: a quantized base cannot take the merged weights"
+    return None
+
+
 def _grpo_problems(stage, at: str) -> list[Problem]:
     """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion."""
     problems = []
@@ -345,6 +357,15 @@ def _grpo_problems(stage, at: str) -> list[Problem]:
                 f"{at}.grpo.max_completion_length",
                 f"{g.max_completion_length} leaves no room for the prompt in data.max_length "
                 f"{stage.data.max_length}: raise data.max_length or set grpo.max_prompt_length",
+            )
+        )
+    if g.sample_with_merged_lora and (why := _merged_sampling_problem(stage)):
+        problems.append(Problem(f"{at}.grpo.sample_with_merged_lora", f"{why}: remove it"))
+    if g.gumbel_max_sampling and g.use_vllm:
+        problems.append(
+            Problem(
+                f"{at}.grpo.gumbel_max_sampling",
+                "grpo.use_vllm samples with vLLM, which draws its tokens: remove it",
             )
         )
     # the rewards themselves (names, keys, a user's module:function) are checked by cli/jobs.py, which may

@@ -1,0 +1,172 @@
+"""The GRPO sampling speed-ups (speedups/sampling.py). grpo.sample_with_merged_lora: sampling with the LoRA
+adapter merged into a copy of the weights computes what the adapter computes, up to rounding, and the
+original weights come back untouched. grpo.gumbel_max_sampling: each draw follows softmax(logits / T), as
+torch.multinomial's does. Where either is not the same, its key is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_grpo import _exits_2, grpo_recipe
+from transformers import AutoModelForImageTextToText
+
+from vlm_recipes.cli.train import main
+from vlm_recipes.files import read_json
+from vlm_recipes.speedups.sampling import (
+    GumbelMaxDraw,
+    gumbel_max_refusal,
+    lora_merged,
+    merged_sampling_refusal,
+)
+
+TEXT_LAYERS = r"model\.language_model\..*\.(q|k|v|o|gate|up|down)_proj"
+
+
+def adapted_tiny_model(dtype: torch.dtype):
+    """The tiny Qwen2-VL with a LoRA adapter on its language model whose B is not zero (a trained adapter:
+    it moves the logits), in `dtype`."""
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"), dtype=dtype)
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TEXT_LAYERS)
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    return model.eval()
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.double()
+
+
+def test_merged_weights_compute_what_the_adapter_computes_within_fp32_rounding(private_demo_cache):
+    """Against the float64 forward through the adapter (the exact arithmetic), the merged fp32 forward is as
+    close as the unmerged fp32 forward is (the noise floor: fp32 rounding itself), and both are far closer
+    than what the adapter changes: a merge that dropped or doubled the adapter, or missed its scale, would
+    be off by the adapter's whole effect."""
+    ids = torch.randint(10, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = adapted_tiny_model(torch.float64)
+    exact = logits(model, ids)
+    with model.disable_adapter():
+        adapter_effect = (exact - logits(model, ids)).abs().max().item()
+    model = model.float()
+    unmerged_error = (logits(model, ids) - exact).abs().max().item()
+    with lora_merged(model):
+        merged_error = (logits(model, ids) - exact).abs().max().item()
+    assert merged_error <= 10 * unmerged_error, (merged_error, unmerged_error)
+    assert adapter_effect > 1000 * max(merged_error, unmerged_error), (adapter_effect, merged_error)
+
+
+def test_the_original_weights_and_adapters_come_back_bit_for_bit_in_bf16(private_demo_cache):
+    """In bf16, W + D - D is not W: the base tensors themselves are put back, never unmerged in place."""
+    model = adapted_tiny_model(torch.bfloat16)
+    ids = torch.randint(10, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    before_logits = logits(model, ids)
+    before = {
+        name: (p.data_ptr(), p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()
+    }
+    with lora_merged(model):
+        merged_logits = logits(model, ids)
+        moved = [name for name, p in model.named_parameters() if not torch.equal(p, before[name][1])]
+        assert moved and all("base_layer" in name for name in moved), "the adapted layers compute merged"
+    assert not torch.equal(merged_logits, before_logits), "the merge ran (bf16 rounds it differently)"
+    for name, p in model.named_parameters():
+        pointer, value, requires_grad = before[name]
+        assert p.data_ptr() == pointer and torch.equal(p, value) and p.requires_grad == requires_grad, name
+    assert torch.equal(logits(model, ids), before_logits), "the adapter is on again"
+
+
+def test_greedy_completions_are_the_same_tokens_merged_or_not(private_demo_cache):
+    model = adapted_tiny_model(torch.float32)
+    ids = torch.randint(10, 200, (3, 12), generator=torch.Generator().manual_seed(2))
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        through_adapter = model.generate(input_ids=ids, **settings)
+        with lora_merged(model):
+            merged = model.generate(input_ids=ids, **settings)
+        with model.disable_adapter():
+            without_adapter = model.generate(input_ids=ids, **settings)
+    assert torch.equal(merged, through_adapter)
+    assert not torch.equal(without_adapter, through_adapter), "the adapter changes the completions"
+
+
+def draw_frequencies(logits: torch.Tensor, temperature: float, draws: int, sign: float = 1.0) -> torch.Tensor:
+    """How often each token wins `draws` Gumbel-max draws (sign -1: the noise's sign wrong)."""
+    torch.manual_seed(0)
+    scores = logits.expand(draws, -1).clone()
+    if sign > 0:
+        winners = GumbelMaxDraw(temperature)(None, scores).argmax(-1)
+    else:
+        exponential = torch.empty(scores.shape, dtype=torch.float64).exponential_()
+        winners = (scores.double() / temperature + exponential.log()).argmax(-1)
+    return torch.bincount(winners, minlength=logits.numel()).double() / draws
+
+
+def test_gumbel_max_draws_follow_softmax_of_logits_over_temperature():
+    """200,000 draws: every token's frequency is within 5 standard errors of softmax(logits / T) (the
+    sampling noise, sqrt(p (1 - p) / n)); a suppressed token (-inf) is never drawn. The wrong temperature, or
+    the noise with the wrong sign, is off by far more than that bound."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5])
+    temperature, draws = 0.7, 200_000
+    expected = torch.softmax(logits.double() / temperature, -1)
+    bound = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-12
+    drawn = draw_frequencies(logits, temperature, draws)
+    assert ((drawn - expected).abs() <= bound).all(), (drawn, expected)
+    assert drawn[5] == 0, "a suppressed token is never drawn"
+    wrong_temperature = torch.softmax(logits.double(), -1)
+    assert ((wrong_temperature - expected).abs() > 10 * bound).any()
+    assert ((draw_frequencies(logits, temperature, draws, sign=-1) - expected).abs() > 10 * bound).any()
+
+
+def test_a_grpo_stage_samples_with_both_speedups_and_says_so(tmp_path, private_demo_cache):
+    settings = "sample_with_merged_lora: true, gumbel_max_sampling: true"
+    recipe = grpo_recipe(
+        tmp_path,
+        grpo=f"{{num_generations: 4, max_completion_length: 4, {settings}}}",
+        training="{max_steps: 1, per_device_batch_size: 4}",
+    )
+    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "fast"]) == 0
+    report = read_json(next((tmp_path / "grpo" / "fast").glob("stage-1-*/report.json")))
+    decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
+    assert "merged" in decisions["merged-sampling"] and "Gumbel" in decisions["gumbel-max-sampling"]
+
+
+def test_gumbel_max_sampling_is_refused_where_trl_filters_the_distribution(tmp_path):
+    from trl import GRPOConfig
+
+    plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert gumbel_max_refusal(plain) is None
+    filtered = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", top_p=0.9)
+    assert "top_p 0.9" in gumbel_max_refusal(filtered)
+
+
+STAGE = "    precision: fp32\n    evaluation: {generate: false}\n"
+
+
+@pytest.mark.parametrize(
+    ("grpo", "stage", "message"),
+    [
+        ("use_vllm: true", STAGE, "vLLM, which merges the adapter itself"),
+        ("use_vllm: false", STAGE + "    quantization: {mode: 4bit}\n", "a quantized base cannot"),
+    ],
+    ids=["vllm", "4-bit"],
+)
+def test_merged_sampling_is_refused_at_load_where_a_merge_is_not_the_same_function(
+    tmp_path, capsys, grpo, stage, message
+):
+    settings = f"{{num_generations: 4, max_completion_length: 4, sample_with_merged_lora: true, {grpo}}}"
+    err = _exits_2(grpo_recipe(tmp_path, grpo=settings, extra=stage), tmp_path, capsys)
+    assert "grpo.sample_with_merged_lora" in err and message in err
+
+
+def test_a_model_without_an_adapter_is_refused_with_the_reason(private_demo_cache):
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
+    assert "no LoRA adapter" in merged_sampling_refusal(model)
