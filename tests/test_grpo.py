@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import TINY_MODELS, run_train, write_recipe
 from PIL import Image, ImageDraw
 from transformers import AutoModelForImageTextToText
@@ -25,6 +26,7 @@ from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo.samples import COLOURS, draw_shape
 from vlm_recipes.errors import DataError
 from vlm_recipes.files import read_json
+from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 
 FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}
 COLOUR_QUESTION = "What colour is the shape?"
@@ -116,14 +118,15 @@ def test_a_grpo_stage_trains_every_family(tmp_path, model, private_demo_cache):
 # --------------------------------------------------------------------------- a stage that learns
 
 
-def colour_rows(directory: Path, n: int, seed: int) -> tuple[Path, Path]:
-    """`n` one-shape images asked "What colour is the shape?": as SFT rows and as GRPO prompt rows."""
+def colour_rows(directory: Path, n: int, seed: int, side: int | None = None) -> tuple[Path, Path]:
+    """`n` one-shape images asked "What colour is the shape?": as SFT rows and as GRPO prompt rows. The
+    images are side x side where `side` is given (the same grid for every image), else of random sizes."""
     rng = random.Random(seed)
     (directory / "images").mkdir(parents=True, exist_ok=True)
     sft, prompts = directory / "colours.jsonl", directory / "colour-prompts.jsonl"
     with open(sft, "w") as sft_file, open(prompts, "w") as prompt_file:
         for i in range(n):
-            w, h = rng.randint(56, 112), rng.randint(56, 112)
+            w, h = (side, side) if side else (rng.randint(56, 112), rng.randint(56, 112))
             image = Image.new("RGB", (w, h), (255, 255, 255))
             size = rng.randint(16, min(w, h) - 8)
             x0, y0 = rng.randint(4, w - 4 - size), rng.randint(4, h - 4 - size)
@@ -139,6 +142,48 @@ def colour_rows(directory: Path, n: int, seed: int) -> tuple[Path, Path]:
             sft_file.write(json.dumps({**common, "messages": [*question, answer]}) + "\n")
             prompt_file.write(json.dumps({**common, "prompt": question, "solution": colour}) + "\n")
     return sft, prompts
+
+
+# A reward that varies within every group even on random weights (whose sampling is near uniform over the
+# vocabulary): about half of a group's completions start with an even token id. So the advantages are not 0,
+# and a GRPO stage's weights move: an equality of weights then means something.
+FIRST_TOKEN_EVEN = """
+def first_token_even(completion_ids, **kwargs):
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
+"""
+
+
+def moving_grpo_recipe(directory: Path, monkeypatch, data: str, training: str) -> Path:
+    """A GRPO stage on random weights whose LoRA moves (the first_token_even reward), its reward module
+    importable from the working directory."""
+    monkeypatch.chdir(directory)
+    (directory / "even_rewards.py").write_text(textwrap.dedent(FIRST_TOKEN_EVEN))
+    return grpo_recipe(
+        directory,
+        data=data,
+        grpo="{num_generations: 4, max_completion_length: 4, rewards: [{name: 'even_rewards:first_token_even'}]}",
+        training=training,
+    )
+
+
+def final_weights(stage_dir: Path) -> dict[str, torch.Tensor]:
+    model = AutoModelForImageTextToText.from_pretrained(stage_dir / "final")
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def assert_moved(trained: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
+    """The stage moved the weights (its adapter merged into final/): the largest change, far above the 0 an
+    equality allows."""
+    moved = max((trained[n] - start[n]).abs().max().item() for n in start)
+    assert moved > 1e-4, f"the weights did not move ({moved}): an equality of weights would prove nothing"
+    return moved
+
+
+def base_weights() -> dict[str, torch.Tensor]:
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 SAYS_RED = """
@@ -201,33 +246,44 @@ def test_the_reward_rises_over_a_grpo_stage_that_learns(tmp_path, monkeypatch, p
 
 
 @pytest.mark.e2e
-def test_a_killed_grpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog, private_demo_cache):
+def test_a_killed_grpo_stage_resumes_to_the_uninterrupted_result(
+    tmp_path, caplog, monkeypatch, private_demo_cache
+):
     """SIGKILL after step 3 of 4 (checkpoint at step 2), then --resume: the final weights equal an
-    uninterrupted run's exactly (sampling included: the RNG state comes back with the checkpoint)."""
-    recipe = grpo_recipe(
+    uninterrupted run's exactly (sampling included: the RNG state comes back with the checkpoint), and
+    the stage moved them. The same resume without the checkpoint's RNG state, or without its optimizer
+    state, ends elsewhere: the equality sees both."""
+    recipe = moving_grpo_recipe(
         tmp_path,
+        monkeypatch,
         data="{train: demo:prompt-train, eval: null, max_train_samples: 8}",
         training="{max_steps: 4, per_device_batch_size: 4, save_steps: 2, learning_rate: 1.0e-3}",
     )
-
-    def final_weights(name: str) -> dict[str, torch.Tensor]:
-        model = AutoModelForImageTextToText.from_pretrained(
-            tmp_path / "grpo" / name / "stage-1-grpo" / "final"
-        )
-        return {n: p.detach() for n, p in model.named_parameters()}
-
+    stage = "stage-1-grpo"
     assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "whole"]) == 0
-    killed = run_train(
-        "--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "killed", fault="stage1:step3"
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    run_dir = tmp_path / "grpo" / "killed"
-    caplog.set_level(logging.INFO)
-    assert main(["--resume", str(run_dir)]) == 0
-    assert f"resuming from {run_dir / 'stage-1-grpo' / 'checkpoints' / 'checkpoint-2'}" in caplog.text
-    whole, again = final_weights("whole"), final_weights("killed")
+    whole = final_weights(tmp_path / "grpo" / "whole" / stage)
+    assert_moved(whole, base_weights())
+    resumed = {}
+    for way in ("as saved", "without its RNG state", "without its optimizer state"):
+        name = f"killed-{len(resumed)}"
+        killed = run_train(
+            "--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", name, fault="stage1:step3"
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        run_dir = tmp_path / "grpo" / name
+        with monkeypatch.context() as broken:
+            if way == "without its RNG state":
+                broken.setattr(transformers.Trainer, "_load_rng_state", lambda self, checkpoint: None)
+            elif way == "without its optimizer state":
+                broken.setattr(transformers.Trainer, "_load_optimizer_and_scheduler", lambda self, c: None)
+            caplog.set_level(logging.INFO)
+            assert main(["--resume", str(run_dir)]) == 0
+        assert f"resuming from {run_dir / stage / 'checkpoints' / 'checkpoint-2'}" in caplog.text
+        resumed[way] = final_weights(run_dir / stage)
     for name, value in whole.items():
-        assert torch.equal(again[name], value), name
+        assert torch.equal(resumed["as saved"][name], value), name
+    for way in ("without its RNG state", "without its optimizer state"):
+        assert any(not torch.equal(resumed[way][n], v) for n, v in whole.items()), f"resumed {way}"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -338,29 +394,40 @@ def test_a_reward_failing_in_training_stops_the_stage_with_its_name(
     assert not list((tmp_path / "runs").rglob("DONE"))
 
 
-def test_a_frozen_tower_sees_each_prompts_image_once_per_group(tmp_path, private_demo_cache):
+@pytest.mark.e2e
+def test_a_frozen_tower_sees_each_prompts_image_once_per_group(tmp_path, monkeypatch, private_demo_cache):
     """GRPO repeats a prompt, images and all, once per completion: with the tower frozen and the feature
     cache on, each distinct image goes through the tower once in the whole stage (generation and the
-    log-probability pass read it back), and the stage ends with exactly the weights of an uncached one."""
-    recipe = grpo_recipe(
+    log-probability pass read it back), and the stage ends with exactly the weights of an uncached one,
+    having moved them. A cache that hands an image another image's features (keyed by the grid alone: the
+    images share one size) ends elsewhere: the equality sees it."""
+    _, prompts = colour_rows(tmp_path / "data", 4, seed=0, side=64)
+    recipe = moving_grpo_recipe(
         tmp_path,
-        data="{train: demo:prompt-train, eval: null, max_train_samples: 4}",
+        monkeypatch,
+        data=f"{{train: {prompts}, eval: null}}",
         training="{max_steps: 2, per_device_batch_size: 8, learning_rate: 1.0e-3}",
     )
-    runs = []
-    for cached in ("false", "true"):
-        name = f"cache-{cached}"
-        args = ["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", name]
-        assert main([*args, f"training.vision_feature_cache={cached}"]) == 0
-        runs.append(tmp_path / "grpo" / name / "stage-1-grpo")
-    prompts = load_split("demo:prompt-train", "train", 4, row_format=PROMPTS)[0]
-    images = sum(len(row) for row in prompts["images"])
-    lookups = read_json(runs[1] / "metrics.json")["vision_feature_cache"]["in_training"]
-    assert lookups["misses"] == images  # 2 steps x 2 prompts: every row once, each image computed once
-    assert lookups["hits"] >= 2 * 4 * images - images  # its group's other copies, and the second pass
-    uncached, cached = (AutoModelForImageTextToText.from_pretrained(run / "final") for run in runs)
-    for (name, a), (_, b) in zip(uncached.named_parameters(), cached.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+    runs = {}
+    for way in ("uncached", "cached", "cache keyed by grid"):
+        args = ["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", way.replace(" ", "-")]
+        cache = "training.vision_feature_cache=" + str(way != "uncached").lower()
+        with monkeypatch.context() as broken:
+            if way == "cache keyed by grid":
+                broken.setenv("VLM_RECIPES_SPEEDUP_CACHE", str(tmp_path / "grid-keyed"))
+                broken.setattr(
+                    VisionFeatureCache, "_key", staticmethod(lambda pixels, grid, autocast: str(grid))
+                )
+            assert main([*args, cache]) == 0
+        runs[way] = tmp_path / "grpo" / way.replace(" ", "-") / "stage-1-grpo"
+    lookups = read_json(runs["cached"] / "metrics.json")["vision_feature_cache"]["in_training"]
+    assert lookups["misses"] == 4  # 2 steps x 2 prompts: every row once, each image computed once
+    assert lookups["hits"] >= 2 * 4 * 4 - 4  # its group's other copies, and the second pass
+    uncached, cached, wrong = (final_weights(runs[way]) for way in runs)
+    assert_moved(uncached, base_weights())
+    for name, value in uncached.items():
+        assert torch.equal(cached[name], value), name
+    assert any(not torch.equal(wrong[n], v) for n, v in uncached.items()), "another image's features"
 
 
 def test_a_step_of_partial_prompt_groups_is_refused_at_load(tmp_path, capsys):
@@ -394,6 +461,25 @@ def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, 
     assert "stage grpo: grpo.use_vllm" in err
     assert "Set grpo.use_vllm: false" in err or "set grpo.use_vllm: false" in err
     assert not list((tmp_path / "runs").rglob("report.json")), "stopped before the model loaded"
+
+
+def test_gspo_reaches_trl_and_trains_and_a_bad_level_is_refused_at_load(tmp_path, capsys, private_demo_cache):
+    """grpo.importance_sampling_level: sequence (GSPO) and epsilon_high reach TRL's GRPOConfig as written, and
+    a stage trains with them; a level TRL does not know stops the recipe at load, exit 2, naming the key."""
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.grpo import build_grpo_config
+    from vlm_recipes.recipes.load import load_recipe
+
+    settings = ", importance_sampling_level: sequence, epsilon: 3.0e-4, epsilon_high: 4.0e-4"
+    recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
+    stage = load_recipe(str(recipe)).stages[0]
+    config = build_grpo_config(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
+    assert (config.importance_sampling_level, config.epsilon, config.epsilon_high) == ("sequence", 3e-4, 4e-4)
+    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs"), "--max-steps", "1"]) == 0
+
+    bad = _grpo_recipe(tmp_path, "demo:prompt-train", ", importance_sampling_level: sentence")
+    err = _exits_2(bad, tmp_path, capsys)
+    assert "grpo.importance_sampling_level" in err and "sequence" in err
 
 
 @pytest.mark.parametrize(

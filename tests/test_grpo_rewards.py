@@ -112,6 +112,28 @@ def test_length_falls_linearly_from_target_to_twice_it():
     assert trl_call(reward, ["x"] * len(lengths), completion_ids=ids) == [1.0, 1.0, 0.5, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("form", [str, as_messages], ids=["string", "messages"])
+def test_iou_by_hand(form):
+    """Reference [0, 0, 10, 10] (area 100). The boxes below are written every way models write them."""
+    completions = [
+        form("[0, 0, 10, 10]"),  # the same box: 1
+        form('{"bbox_2d": [5, 0, 15, 10], "label": "cat"}'),  # overlap 5x10 = 50, union 150: 1/3
+        form("<|box_start|>(0,0),(5,5)<|box_end|>"),  # inside: 25 / 100
+        form("[10, 10, 0, 0]"),  # corners swapped: the same box
+        form("The box is [20, 20, 30, 30]."),  # apart: 0
+        form("[2.5, 2.5, 7.5, 7.5] then [0, 0, 10, 10]"),  # the first box counts: 25 / 100
+        form("\n</think>\n\n[0,0,10,10]"),  # after the thinking, as the eval reads it
+        form("no box"),
+    ]
+    scores = trl_call(built(name="iou"), completions, solution="[0, 0, 10, 10]")
+    assert scores == pytest.approx([1.0, 1 / 3, 0.25, 1.0, 0.0, 0.25, 1.0, 0.0])
+
+
+def test_iou_does_not_apply_to_a_solution_without_a_box():
+    scores = trl_call(built(name="iou"), ["[0, 0, 1, 1]"] * 3, solution=["red", None, "(0,0),(1,1)"])
+    assert scores == [None, None, 1.0]
+
+
 def test_build_rewards_names_and_weights_in_order():
     settings = [
         RewardSettings(),

@@ -48,7 +48,9 @@ def test_the_release_runs_on_a_cpu_once_memory_has_grown_past_the_bound_and_is_o
     callback.on_step_end(None, None, None)
     assert callback.releases == 1, "the first event releases and sets the floor"
     assert callback.floor == pytest.approx(resident_bytes(), rel=0.1)
-    for released, event in enumerate((callback.on_step_end, callback.on_prediction_step, callback.on_evaluate)):
+    for released, event in enumerate(
+        (callback.on_step_end, callback.on_prediction_step, callback.on_evaluate)
+    ):
         callback.floor = resident_bytes()  # not grown: the pages stay for the next step
         event(None, None, None)
         assert callback.releases == 1 + released

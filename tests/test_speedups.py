@@ -437,6 +437,9 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
 
 
+CACHES = {"preprocessed": "preprocessed_cache", "vision-features": "vision_feature_cache"}  # dir: metrics key
+
+
 def train_stage(
     directory: Path,
     run_name: str,
@@ -638,6 +641,39 @@ def test_cached_stage_learns_exactly_what_the_uncached_one_does(baseline, proof_
     assert warm_stats["misses"] == 0 and warm_stats["hits"] == cold_stats["hits"] + cold_stats["misses"]
     assert_learns_exactly_what_the_baseline_does(cold, baseline)
     assert_learns_exactly_what_the_baseline_does(warm, baseline)
+
+
+def damage(path: Path, how: int) -> None:
+    """Cut an entry short, garble its tensor bytes (its header still parses), or empty it."""
+    data = path.read_bytes()
+    if how == 0:
+        path.write_bytes(data[: len(data) // 2])
+    elif how == 1:
+        middle = len(data) - 64
+        path.write_bytes(
+            data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 16]) + data[middle + 16 :]
+        )
+    else:
+        path.write_bytes(b"")
+
+
+def test_a_stage_on_damaged_cache_entries_learns_exactly_what_the_uncached_one_does(baseline, proof_dir):
+    """Both speed-up caches filled by one run, then every entry damaged (cut short, garbled, emptied: a copy
+    cut off, a network filesystem, bit rot): the next run counts each as damaged, makes it again, and ends
+    with the uncached run's weights bit for bit."""
+    both = ["training.preprocessed_cache=true", "training.vision_feature_cache=true"]
+    directory = proof_dir / "damaged-caches"
+    train_stage(directory, "fill", both)
+    entries = {kind: sorted((directory / "speedup-cache" / kind).rglob("*.safetensors")) for kind in CACHES}
+    for paths in entries.values():
+        assert paths
+        for i, path in enumerate(paths):
+            damage(path, i % 3)
+    again = train_stage(directory, "on-damaged-entries", both)
+    for kind, key in CACHES.items():
+        stats = again.metrics()[key]
+        assert stats["damaged"] == len(entries[kind]) == stats["misses"], (kind, stats)
+    assert_learns_exactly_what_the_baseline_does(again, baseline)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "activation-checkpointing"])

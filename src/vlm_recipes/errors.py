@@ -67,6 +67,13 @@ class StageInterrupted(StageStopped, RuntimeError):
     exit_code = 130
 
 
+class DiskFull(StageStopped, OSError):
+    """The disk filled while the run wrote (a checkpoint, final/, a cache, metrics, run.json): what was
+    half-written is removed, finished stages are kept, and the run continues with --resume."""
+
+    exit_code = 4
+
+
 class TrainingDiverged(StageStopped, RuntimeError):
     """Loss or gradients became NaN/inf and the stage stopped (nan_policy: stop)."""
 

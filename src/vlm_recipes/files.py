@@ -57,9 +57,11 @@ def write_json(path: Path, data: Any) -> None:
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    write_atomically(path, lambda tmp: save_file(contiguous, tmp))
+    write_atomically(path, lambda tmp: save_file(contiguous, tmp, metadata=metadata))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

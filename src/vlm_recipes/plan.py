@@ -335,3 +335,18 @@ def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
     trainable = sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "full")
     trainable += 0.02 * sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "lora")
     return ModelFootprint(weights_gb=weights / 2**30, trainable_gb=trainable * 16 / 2**30)
+
+
+def estimate_disk_gb(recipe: Recipe, stage) -> float:
+    """Disk a stage writes at most, from the model's config (no weights read): final/ (every weight in 16
+    bits, 32 in an fp32 stage; merged, so a quantized stage's too) and its kept checkpoints (the trainable
+    weights and Adam's two moments in fp32, 12 bytes a parameter)."""
+    config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
+    family = family_for_model_type(config.model_type)
+    counts = count_params_by_role(model, family)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "full")
+    trainable += 0.02 * sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "lora")
+    kept = stage.training.save_total_limit if stage.training.save_steps > 0 else 1  # Ctrl-C saves one
+    final = total * (4 if stage.precision == "fp32" else 2)
+    return (final + kept * trainable * 12) / 2**30

@@ -49,6 +49,35 @@ def parse_json_object(text: str) -> dict | None:
     return None
 
 
+_NUMBER = r"\s*(-?\d+(?:\.\d+)?)\s*"
+# A box as models write one: [x1, y1, x2, y2] (JSON, Qwen2.5-VL's "bbox_2d") or (x1,y1),(x2,y2) (Qwen2-VL's
+# <|box_start|>(x1,y1),(x2,y2)<|box_end|>); the first one in the text is the answer.
+_BOX = re.compile(
+    rf"\[{_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}\]|\({_NUMBER},{_NUMBER}\)\s*,?\s*\({_NUMBER},{_NUMBER}\)"
+)
+
+
+def first_box(text: str) -> tuple[float, float, float, float] | None:
+    """The first box in a text, as (x1, y1, x2, y2) with its corners in order; None where there is none."""
+    found = _BOX.search(text)
+    if found is None:
+        return None
+    x1, y1, x2, y2 = (float(v) for v in found.groups() if v is not None)
+    return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
+
+
+def box_iou(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> float:
+    """Intersection over union of two boxes (x1, y1, x2, y2) in the same coordinates; 0.0 when they do not
+    overlap or have no area."""
+    width = min(a[2], b[2]) - max(a[0], b[0])
+    height = min(a[3], b[3]) - max(a[1], b[1])
+    if width <= 0 or height <= 0:
+        return 0.0
+    intersection = width * height
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - intersection
+    return intersection / union if union > 0 else 0.0
+
+
 def flatten(obj: dict, prefix: str = "") -> dict[str, object]:
     """Nested objects become dotted keys: {"a": {"b": 1}} → {"a.b": 1}."""
     flat: dict[str, object] = {}

@@ -45,7 +45,7 @@ from vlm_recipes.caches.keys import (
     row_parts,
     versions_key,
 )
-from vlm_recipes.caches.storage import CacheBudget, compact_pixels, expand_pixels, read_entry, write_entry
+from vlm_recipes.caches.storage import CacheBudget, EntryStore, compact_pixels, expand_pixels
 from vlm_recipes.data.images import upright_rgb
 
 PAD_VALUES = {"labels": -100, "attention_mask": 0}  # input_ids: the tokenizer's pad id; others: 0
@@ -91,13 +91,19 @@ class PreprocessedSampleCollator:
             versions_key(*PREPROCESSED_SAMPLE_LIBRARIES),
         )
         self.budget = budget
+        self.store = EntryStore("preprocessed", budget)
         self.evicted_before = tuple(budget.evicted["preprocessed"]) if budget else (0, 0)
         self.hits = 0
         self.misses = 0
 
     def stats(self) -> dict:
         """Directory, hits and misses; with a cap, what it evicted of this cache (logged once)."""
-        stats = {"directory": str(self.directory), "hits": self.hits, "misses": self.misses}
+        stats = {
+            "directory": str(self.directory),
+            "hits": self.hits,
+            "misses": self.misses,
+            **self.store.stats(),
+        }
         if self.budget is not None:
             stats.update(self.budget.eviction_stats("preprocessed", self.evicted_before))
         return stats
@@ -108,13 +114,13 @@ class PreprocessedSampleCollator:
 
     def _sample(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
         path = self.directory / f"{self._key(example)}.safetensors"
-        if (stored := read_entry(path, self.budget)) is not None:
+        if (stored := self.store.read(path)) is not None:
             self.hits += 1
             return expand_pixels(stored)
         self.misses += 1
         row = {**example, "images": [decoded(image) for image in example.get("images") or []]}
         sample = {k: v for k, v in self.padded([row]).items() if isinstance(v, torch.Tensor)}
-        write_entry(path, compact_pixels(sample), self.budget)
+        self.store.write(path, compact_pixels(sample))
         return sample
 
     def _key(self, example: dict[str, Any]) -> str:

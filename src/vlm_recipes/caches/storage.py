@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from vlm_recipes.files import write_safetensors
 
@@ -242,19 +244,97 @@ class CacheBudget:
         return {"evicted": count, "evicted_gb": round(size / 1e9, 4)}
 
 
-def read_entry(path: Path, budget: CacheBudget | None, device: str = "cpu") -> dict[str, torch.Tensor] | None:
-    """A cache entry's tensors, None when it is not there (not made yet, or evicted); the read marks it used."""
-    try:
-        tensors = load_file(str(path), device=device)
-    except FileNotFoundError:
-        return None
-    if budget is not None:
-        budget.used(path)
-    return tensors
+DIGEST_KEY = "vlm_recipes.digest"  # in each entry's safetensors metadata: its tensors' digest
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of the tensors' names, dtypes, shapes and bytes: an entry whose bytes changed after it was
+    written (a copy cut short, a network filesystem, bit rot) no longer matches it."""
+    digest = hashlib.blake2b(digest_size=16)
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().cpu().contiguous()
+        digest.update(f"{key} {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def write_entry(path: Path, tensors: dict[str, torch.Tensor], budget: CacheBudget | None) -> None:
-    """A cache entry written atomically, and counted against the cap (which may evict older entries)."""
-    write_safetensors(path, tensors)
+    """A cache entry written atomically with its digest, and counted against the cap (which may evict)."""
+    write_safetensors(path, tensors, metadata={DIGEST_KEY: tensors_digest(tensors)})
     if budget is not None:
         budget.written(path)
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why entries cannot be written under `directory` (a read-only filesystem, no permission, a full disk);
+    None where they can. A probe of 64 KB is written, flushed to the disk and deleted."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-") as probe:
+            probe.write(bytes(65536))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        return f"{directory}: {error.strerror or error}"
+    return None
+
+
+class EntryStore:
+    """One speed-up cache's reads and writes. A cache is only a copy, so a fault of its disk never costs the
+    run: an entry that cannot be read whole and as written (cut short, garbled, its digest wrong) is a miss,
+    deleted, counted as damaged and made again; a write the disk refuses (full, read-only) turns this
+    cache's writing off for the stage, with a warning, and the stage trains on reading what is there."""
+
+    def __init__(self, kind: str, budget: CacheBudget | None):
+        self.kind = kind
+        self.budget = budget
+        self.damaged = 0
+        self.writes_off: str | None = None
+
+    def read(self, path: Path, device: str = "cpu") -> dict[str, torch.Tensor] | None:
+        """The entry's tensors; None when it is not there (not made yet, evicted) or was damaged."""
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as entry:
+                written_digest = (entry.metadata() or {}).get(DIGEST_KEY)
+                tensors = {key: entry.get_tensor(key) for key in entry.keys()}  # noqa: SIM118 (not iterable)
+        except Exception as error:  # safetensors raises its own error for a short or garbled header
+            if not path.exists():
+                return None
+            return self._damaged(path, f"unreadable: {error}")
+        if written_digest != tensors_digest(tensors):
+            return self._damaged(
+                path, "its bytes differ from what was written" if written_digest else "no digest"
+            )
+        if self.budget is not None:
+            self.budget.used(path)
+        return {key: tensor.to(device) for key, tensor in tensors.items()} if device != "cpu" else tensors
+
+    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        if self.writes_off is not None:
+            return
+        try:
+            write_entry(path, tensors, self.budget)
+        except OSError as error:
+            self.writes_off = f"{path.parent}: {error.strerror or error}"
+            log.warning(
+                "%s cache: cannot write (%s): the stage goes on without storing entries (what the cache "
+                "holds is still read)",
+                self.kind,
+                self.writes_off,
+            )
+
+    def stats(self) -> dict:
+        return {"damaged": self.damaged, **({"writes_off": self.writes_off} if self.writes_off else {})}
+
+    def _damaged(self, path: Path, why: str) -> None:
+        self.damaged += 1
+        with contextlib.suppress(OSError):
+            path.unlink()
+        log.log(
+            logging.WARNING if self.damaged == 1 else logging.DEBUG,
+            "%s cache: damaged entry %s (%s): deleted, made again%s",
+            self.kind,
+            path,
+            why,
+            "" if self.damaged > 1 else " (further ones are counted in metrics.json)",
+        )

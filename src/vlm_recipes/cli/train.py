@@ -92,7 +92,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(describe_schema())
         return 0
 
-    from vlm_recipes.errors import BadInput, StageInterrupted, StageStopped
+    from vlm_recipes.errors import BadInput, DiskFull, StageInterrupted, StageStopped
     from vlm_recipes.recipes.load import available_recipes
 
     if isinstance(args.resume, str):
@@ -157,6 +157,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
             file=sys.stderr,
         )
         return StageInterrupted.exit_code
+    except DiskFull as exc:
+        print(f"\nerror: {exc}. Continue with:\n  {resume_command(args, base_name)}", file=sys.stderr)
+        return exc.exit_code
     except StageStopped as exc:  # diverged: the message says at which step and why
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code

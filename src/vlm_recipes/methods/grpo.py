@@ -70,6 +70,8 @@ def build_grpo_config(
         beta=g.beta,
         loss_type=g.loss_type,
         epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high,
+        importance_sampling_level=g.importance_sampling_level,
         scale_rewards=g.scale_rewards,
         reward_weights=[reward.weight for reward in g.rewards],
         use_vllm=g.use_vllm,

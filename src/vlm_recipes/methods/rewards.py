@@ -1,9 +1,9 @@
 """The rewards of a GRPO stage (method: grpo), as TRL's GRPOTrainer calls them.
 
 The built-ins score a sampled completion exactly as the eval scores a generated answer (evaluate.py's
-normalization, JSON parsing and field counts): exact_match, json_f1, format (a regular expression) and
-length (completion tokens). A recipe's `module:function` is the user's own, imported from the working
-directory. Every reward is called once on a real row before training (check_rewards) and guarded during
+normalization, JSON parsing and field counts): exact_match, json_f1, format (a regular expression),
+length (completion tokens) and iou (a box against the reference box). A recipe's `module:function` is the
+user's own, imported from the working directory. Every reward is called once on a real row before training (check_rewards) and guarded during
 it, so a broken reward stops the stage with a RewardError naming it (exit 2), not a traceback inside TRL.
 """
 
@@ -27,15 +27,17 @@ from vlm_recipes.recipes.method_settings import RewardSettings
 from vlm_recipes.recipes.schema import EvaluationSettings
 from vlm_recipes.recipes.validate import did_you_mean, key_path
 from vlm_recipes.scoring import (
+    box_iou,
     exact_match,
     final_answer,
+    first_box,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
     text_of,
 )
 
-BUILT_INS = ("exact_match", "json_f1", "format", "length")
+BUILT_INS = ("exact_match", "json_f1", "format", "length", "iou")
 # What TRL passes besides the dataset's columns (and `environments` when the stage has some).
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 TOLERANCE = EvaluationSettings().numeric_tolerance  # the eval's default for numbers in JSON answers
@@ -124,6 +126,17 @@ def length_reward(target_length: int) -> Callable:
     return length
 
 
+def iou_reward(completions: list, **kwargs) -> list[float | None]:
+    """Grounding (VLM-R1, Visual-RFT): the IoU of the completion's first box with the solution's, in the
+    coordinates both are written in (0.0 when the answer has no box); None for a row whose solution has none."""
+    scores: list[float | None] = []
+    for completion, solution in zip(completions, _solutions(kwargs, "iou"), strict=True):
+        reference = first_box(solution) if isinstance(solution, str) else None
+        answer = first_box(final_answer(completion_text(completion)))
+        scores.append(None if reference is None else 0.0 if answer is None else box_iou(answer, reference))
+    return scores
+
+
 # ---------------------------------------------------------------------------------------------
 # Building the recipe's rewards
 
@@ -171,6 +184,8 @@ def _reward_function(reward: RewardSettings, here: str, tolerance: float) -> Cal
         return exact_match_reward
     if reward.name == "json_f1":
         return json_f1_reward(tolerance)
+    if reward.name == "iou":
+        return iou_reward
     if reward.name == "format":
         if not reward.pattern:
             raise RewardError(

@@ -140,7 +140,7 @@ def build_sft_stage_trainer(built, stage, args, data, decisions=None, callbacks=
     trainer = build_trainer(built, stage, args, data, decisions, callbacks)
     videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
     trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos)
-    wrap_collator(trainer, built, stage)  # the batch speed-ups wrap TRL's SFT collator
+    wrap_collator(trainer, built, stage, decisions)  # the batch speed-ups wrap TRL's SFT collator
     compute_loss_positions_only(trainer, built, stage, decisions)
     return trainer
 

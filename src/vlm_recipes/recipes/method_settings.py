@@ -11,6 +11,7 @@ from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, d
 GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 RewardScaling = Literal["group", "batch", "none"]
 VllmMode = Literal["colocate", "server"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
 DpoLoss = Literal[
     "sigmoid",
     "hinge",
@@ -60,7 +61,8 @@ class RewardSettings:
         "exact_match (1 when the completion equals the row's `solution`, normalized as the eval scores it), "
         "json_f1 (field F1 of the completion's JSON against the `solution` JSON), format (1 when the whole "
         "completion matches `pattern`), length (1 at or below `target_length` tokens, falling linearly to 0 "
-        "at twice it), or your own `module:function` with TRL's reward signature",
+        "at twice it), iou (IoU of the completion's first box, [x1, y1, x2, y2] or (x1,y1),(x2,y2), with "
+        "the `solution`'s), or your own `module:function` with TRL's reward signature",
         "exact_match",
     )
     weight: float = doc("its weight in the stage's reward", 1.0)
@@ -108,6 +110,16 @@ class GrpoSettings:
         "dapo",
     )
     epsilon: float = doc("clipping range of the policy ratio", 0.2, range=ABOVE_0)
+    epsilon_high: float | None = doc(
+        "upper clipping range of the policy ratio (DAPO: 0.28; GSPO: 4e-4 with epsilon 3e-4); null: epsilon",
+        None,
+        range=ABOVE_0,
+    )
+    importance_sampling_level: ImportanceSamplingLevel = doc(
+        "the policy ratio per token (GRPO, DAPO) or one per completion, the mean of its tokens' log-ratios "
+        "(sequence: GSPO, the method Qwen3's RL used)",
+        "token",
+    )
     scale_rewards: RewardScaling = doc(
         "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
         "group",

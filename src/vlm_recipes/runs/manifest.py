@@ -4,6 +4,7 @@ the table printed at the end. `run_state` tells a run killed outright from a liv
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
 from vlm_recipes.versions import library_versions
+
+log = logging.getLogger(__name__)
 
 LIBRARIES = (
     "vlm-recipes",
@@ -92,7 +95,10 @@ def mark_run_ended(
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}".removesuffix(": ")
     code = 1 if isinstance(error, str) else exit_code_of(error)
     manifest.update(status=status, error=text, exit_code=code, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    write_json(run_dir / "run.json", manifest)
+    try:
+        write_json(run_dir / "run.json", manifest)
+    except OSError as error:  # a full disk: the process still exits with the error and its code
+        log.warning("could not record the run's end in %s: %s", run_dir / "run.json", error)
 
 
 def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Environment) -> dict:

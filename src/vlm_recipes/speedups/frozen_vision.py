@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vlm_recipes.caches.keys import VISION_FEATURE_LIBRARIES, content_digest, versions_key, weights_digest
-from vlm_recipes.caches.storage import CacheBudget, read_entry, write_entry
+from vlm_recipes.caches.storage import CacheBudget, EntryStore
 from vlm_recipes.families.base import Family
 from vlm_recipes.files import write_json
 from vlm_recipes.speedups.patch_embedding import patch_convolution_as_matmul
@@ -80,6 +80,7 @@ class VisionFeatureCache:
             weights_digest(tower), versions_key(*VISION_FEATURE_LIBRARIES), computed_by(tower)
         )
         self.budget = budget
+        self.store = EntryStore("vision-features", budget)
         self.evicted_before = tuple(budget.evicted["vision-features"]) if budget else (0, 0)
         about = self.directory / "tower.json"  # for a person looking in the directory
         if not about.exists():
@@ -115,6 +116,7 @@ class VisionFeatureCache:
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": round(self.hits / looked_up, 4) if looked_up else None,
+            **self.store.stats(),
         }
         if self.budget is not None:
             stats.update(self.budget.eviction_stats("vision-features", self.evicted_before))
@@ -163,7 +165,7 @@ class VisionFeatureCache:
         return self.directory / key[:2] / f"{key}.safetensors"
 
     def _load(self, key: str, device: torch.device) -> dict[str, torch.Tensor] | None:
-        return read_entry(self._path(key), self.budget, str(device))
+        return self.store.read(self._path(key), str(device))
 
     def _store(self, key: str, image: dict[str, torch.Tensor]) -> None:
-        write_entry(self._path(key), image, self.budget)
+        self.store.write(self._path(key), image)

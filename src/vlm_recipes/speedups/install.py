@@ -9,6 +9,7 @@ from transformers import Trainer
 
 from vlm_recipes.caches.keys import speedup_cache, speedup_cache_budget
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
+from vlm_recipes.caches.storage import unwritable
 from vlm_recipes.data.rows import StageData, undecoded
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
@@ -43,9 +44,24 @@ def rope_index_of(built: BuiltModel):
     return built.family.rope_index(built.model)
 
 
-def wrap_collator(trainer: Trainer, built: BuiltModel, stage: Stage) -> None:
+def cache_off(kind: str, decisions: list[Decision] | None) -> bool:
+    """True, with a logged decision, where the `kind` speed-up cache's directory cannot be written (read-only,
+    no permission, full): the stage trains without that cache, computing what it would have held."""
+    if (why := unwritable(speedup_cache(kind))) is None:
+        return False
+    guard = {"vision-features": "vision-feature-cache"}.get(kind, f"{kind}-cache")
+    decision = Decision(guard, "off", f"its directory cannot be written ({why}): computed every time")
+    log.warning("  %s", decision)
+    if decisions is not None:
+        decisions.append(decision)
+    return True
+
+
+def wrap_collator(
+    trainer: Trainer, built: BuiltModel, stage: Stage, decisions: list[Decision] | None = None
+) -> None:
     """The speed-ups that change how batches are made; TRL's collator still does all the processing."""
-    if stage.training.preprocessed_cache:
+    if stage.training.preprocessed_cache and not cache_off("preprocessed", decisions):
         trainer.sample_cache = PreprocessedSampleCollator(
             trainer.data_collator,
             speedup_cache("preprocessed"),
@@ -78,7 +94,7 @@ def speed_up_frozen_vision(
             "checkpointing + LoRA transformers would otherwise run backward through the whole tower",
         )
     )
-    if not stage.training.vision_feature_cache:
+    if not stage.training.vision_feature_cache or cache_off("vision-features", decisions):
         return None
     cache = VisionFeatureCache(
         speedup_cache("vision-features"),

@@ -14,7 +14,7 @@ drift a little every step. What is learned does not change: the log-probabilitie
 read come from the training pass, through the adapter, as before. Only the distribution the completions are
 drawn from moves, by the rounding of the merged weights (TRL's vLLM path samples from merged weights the
 same way). It costs one copy of the adapted weights while sampling. Where a merge is not the same function
-(a 4-bit or 8-bit base, DoRA) it is refused with the reason.
+(a 4-bit or 8-bit base, DoRA, experts adapted by parameter) it is refused with the reason.
 
 Gumbel-max draws. argmax(logits / T + G), G independent Gumbel(0, 1) noise (-log E, E ~ Exp(1)), is a draw
 from softmax(logits / T): the same distribution torch.multinomial draws from, at the cost of one noise
@@ -50,7 +50,11 @@ def merged_sampling_refusal(model: nn.Module) -> str | None:
     for layer in layers:
         base = layer.get_base_layer()
         if type(base) is not nn.Linear or not base.weight.dtype.is_floating_point:
-            return f"an adapted layer's base is {type(base).__name__}: a quantized base cannot take the merged weights"
+            return (
+                f"an adapted layer's base is {type(base).__name__}, not a linear layer in full or half "
+                "precision (a quantized base cannot take the merged weights; experts adapted by parameter "
+                "are not merged here)"
+            )
         if any(layer.use_dora.get(adapter) for adapter in layer.active_adapters):
             return "DoRA's magnitude vector is not a weight delta"
     return None
