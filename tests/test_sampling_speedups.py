@@ -59,6 +59,10 @@ def test_merged_weights_compute_what_the_adapter_computes_within_fp32_rounding(p
     unmerged_error = (logits(model, ids) - exact).abs().max().item()
     with lora_merged(model):
         merged_error = (logits(model, ids) - exact).abs().max().item()
+    print(
+        f"merged sampling (fp32): max |logits - float64| merged {merged_error:.1e}, unmerged (the noise floor) "
+        f"{unmerged_error:.1e}, the adapter's effect {adapter_effect:.1e}"
+    )
     assert merged_error <= 10 * unmerged_error, (merged_error, unmerged_error)
     assert adapter_effect > 1000 * max(merged_error, unmerged_error), (adapter_effect, merged_error)
 
@@ -117,6 +121,9 @@ def test_gumbel_max_draws_follow_softmax_of_logits_over_temperature():
     expected = torch.softmax(logits.double() / temperature, -1)
     bound = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-12
     drawn = draw_frequencies(logits, temperature, draws)
+    print(
+        f"gumbel-max draws: max |frequency - softmax| {(drawn - expected).abs().max():.1e}, bound {bound.max():.1e}"
+    )
     assert ((drawn - expected).abs() <= bound).all(), (drawn, expected)
     assert drawn[5] == 0, "a suppressed token is never drawn"
     wrong_temperature = torch.softmax(logits.double(), -1)
