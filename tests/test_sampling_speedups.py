@@ -1,6 +1,6 @@
 """The GRPO sampling speed-ups (speedups/sampling.py). grpo.sample_with_merged_lora: sampling with the LoRA
 adapter merged into a copy of the weights computes what the adapter computes, up to rounding, and the
-original weights come back untouched. grpo.gumbel_max_sampling: each draw follows softmax(logits / T), as
+original weights come back untouched. grpo.inverse_cdf_sampling: each draw follows softmax(logits / T), as
 torch.multinomial's does. Where either is not the same, its key is refused."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from transformers import AutoModelForImageTextToText
 from vlm_recipes.cli.train import main
 from vlm_recipes.files import read_json
 from vlm_recipes.speedups.sampling import (
-    GumbelMaxDraw,
-    gumbel_max_refusal,
+    InverseCdfDraw,
+    inverse_cdf_refusal,
     lora_merged,
     merged_sampling_refusal,
 )
@@ -100,39 +100,38 @@ def test_greedy_completions_are_the_same_tokens_merged_or_not(private_demo_cache
     assert not torch.equal(without_adapter, through_adapter), "the adapter changes the completions"
 
 
-def draw_frequencies(logits: torch.Tensor, temperature: float, draws: int, sign: float = 1.0) -> torch.Tensor:
-    """How often each token wins `draws` Gumbel-max draws (sign -1: the noise's sign wrong)."""
+def draw_frequencies(logits: torch.Tensor, temperature: float, draws: int, off_by: int = 0) -> torch.Tensor:
+    """How often each token is drawn in `draws` inverse-CDF draws (off_by 1: each draw names its neighbour,
+    the interval read one place off)."""
     torch.manual_seed(0)
     scores = logits.expand(draws, -1).clone()
-    if sign > 0:
-        winners = GumbelMaxDraw(temperature)(None, scores).argmax(-1)
-    else:
-        exponential = torch.empty(scores.shape, dtype=torch.float64).exponential_()
-        winners = (scores.double() / temperature + exponential.log()).argmax(-1)
+    drawn = InverseCdfDraw(temperature)(None, scores)
+    assert (torch.isfinite(drawn).sum(-1) == 1).all(), "exactly one token is left finite in each row"
+    winners = (drawn.argmax(-1) + off_by) % logits.numel()
     return torch.bincount(winners, minlength=logits.numel()).double() / draws
 
 
-def test_gumbel_max_draws_follow_softmax_of_logits_over_temperature():
+def test_inverse_cdf_draws_follow_softmax_of_logits_over_temperature():
     """200,000 draws: every token's frequency is within 5 standard errors of softmax(logits / T) (the
     sampling noise, sqrt(p (1 - p) / n)); a suppressed token (-inf) is never drawn. The wrong temperature, or
-    the noise with the wrong sign, is off by far more than that bound."""
+    the interval read one place off, is off by far more than that bound."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5])
     temperature, draws = 0.7, 200_000
     expected = torch.softmax(logits.double() / temperature, -1)
     bound = 5 * (expected * (1 - expected) / draws).sqrt() + 1e-12
     drawn = draw_frequencies(logits, temperature, draws)
     print(
-        f"gumbel-max draws: max |frequency - softmax| {(drawn - expected).abs().max():.1e}, bound {bound.max():.1e}"
+        f"inverse-CDF draws: max |frequency - softmax| {(drawn - expected).abs().max():.1e}, bound {bound.max():.1e}"
     )
     assert ((drawn - expected).abs() <= bound).all(), (drawn, expected)
     assert drawn[5] == 0, "a suppressed token is never drawn"
     wrong_temperature = torch.softmax(logits.double(), -1)
     assert ((wrong_temperature - expected).abs() > 10 * bound).any()
-    assert ((draw_frequencies(logits, temperature, draws, sign=-1) - expected).abs() > 10 * bound).any()
+    assert ((draw_frequencies(logits, temperature, draws, off_by=1) - expected).abs() > 10 * bound).any()
 
 
 def test_a_grpo_stage_samples_with_both_speedups_and_says_so(tmp_path, private_demo_cache):
-    settings = "sample_with_merged_lora: true, gumbel_max_sampling: true"
+    settings = "sample_with_merged_lora: true, inverse_cdf_sampling: true"
     recipe = grpo_recipe(
         tmp_path,
         grpo=f"{{num_generations: 4, max_completion_length: 4, {settings}}}",
@@ -141,16 +140,16 @@ def test_a_grpo_stage_samples_with_both_speedups_and_says_so(tmp_path, private_d
     assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "fast"]) == 0
     report = read_json(next((tmp_path / "grpo" / "fast").glob("stage-1-*/report.json")))
     decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
-    assert "merged" in decisions["merged-sampling"] and "Gumbel" in decisions["gumbel-max-sampling"]
+    assert "merged" in decisions["merged-sampling"] and "cumulative" in decisions["inverse-cdf-sampling"]
 
 
-def test_gumbel_max_sampling_is_refused_where_trl_filters_the_distribution(tmp_path):
+def test_inverse_cdf_sampling_is_refused_where_trl_filters_the_distribution(tmp_path):
     from trl import GRPOConfig
 
     plain = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
-    assert gumbel_max_refusal(plain) is None
+    assert inverse_cdf_refusal(plain) is None
     filtered = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", top_p=0.9)
-    assert "top_p 0.9" in gumbel_max_refusal(filtered)
+    assert "top_p 0.9" in inverse_cdf_refusal(filtered)
 
 
 STAGE = "    precision: fp32\n    evaluation: {generate: false}\n"

@@ -12,7 +12,7 @@ own sizes, on the wide bench model (`demo:bench-qwen2-vl-wide`, Qwen2-VL-2B's wi
 image and all, once per completion, so its tower encodes every image 8 times to sample and 8 more for the
 log-probabilities; with `training.vision_feature_cache` (frozen tower) vlm-recipes encodes it once and reads it
 back. `grpo.sample_with_merged_lora` samples with the adapter merged into a copy of the weights, and
-`grpo.gumbel_max_sampling` draws each token without torch.multinomial (speedups/sampling.py).
+`grpo.inverse_cdf_sampling` draws each token without torch.multinomial (speedups/sampling.py).
 
 Ways (`--ways` picks): plain TRL (trl), vlm-recipes without its speed-ups (off: the runner's own cost),
 vlm-recipes with the feature cache (cache), vlm-recipes with every GRPO speed-up (on). Every run is a fresh process; wall time and peak RSS are the whole process's (`os.wait4`), samples/s is completions
@@ -45,7 +45,7 @@ SPEEDUPS = {  # each way's switches
     SPEEDUPS_ON: [
         "training.vision_feature_cache=true",
         "grpo.sample_with_merged_lora=true",
-        "grpo.gumbel_max_sampling=true",
+        "grpo.inverse_cdf_sampling=true",
     ],
 }
 IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens (--image-side 448)

@@ -31,8 +31,8 @@ from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.sampling import (
-    gumbel_max_refusal,
-    gumbel_max_sampling,
+    inverse_cdf_refusal,
+    inverse_cdf_sampling,
     lora_merged,
     merged_sampling_refusal,
 )
@@ -110,7 +110,7 @@ class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
 
     counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
     sample_with_merged_lora: bool = False  # grpo.sample_with_merged_lora (speedups/sampling.py)
-    gumbel_max_sampling: bool = False  # grpo.gumbel_max_sampling (speedups/sampling.py)
+    inverse_cdf_sampling: bool = False  # grpo.inverse_cdf_sampling (speedups/sampling.py)
 
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's sampling, with the sampling speed-ups the stage asks for around it."""
@@ -118,8 +118,8 @@ class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
         with contextlib.ExitStack() as speedups:
             if self.sample_with_merged_lora:
                 speedups.enter_context(lora_merged(model))
-            if self.gumbel_max_sampling:
-                speedups.enter_context(gumbel_max_sampling(self, model))
+            if self.inverse_cdf_sampling:
+                speedups.enter_context(inverse_cdf_sampling(self, model))
             return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, num_images=None, **kwargs):
@@ -219,16 +219,16 @@ def sampling_speedups(trainer: RecipeGRPOTrainer, model, stage: Stage) -> list[D
                 "reads log-probabilities through the adapter, and the original weights are put back",
             )
         )
-    if stage.grpo.gumbel_max_sampling:
-        if why := gumbel_max_refusal(trainer.args):
-            raise GuardError(f"stage {stage.name}: grpo.gumbel_max_sampling is refused: {why}. Remove it")
-        trainer.gumbel_max_sampling = True
+    if stage.grpo.inverse_cdf_sampling:
+        if why := inverse_cdf_refusal(trainer.args):
+            raise GuardError(f"stage {stage.name}: grpo.inverse_cdf_sampling is refused: {why}. Remove it")
+        trainer.inverse_cdf_sampling = True
         chosen.append(
             Decision(
-                "gumbel-max-sampling",
-                "each token drawn as argmax(logits / temperature + Gumbel noise)",
-                "grpo.gumbel_max_sampling is on: the same distribution as torch.multinomial's draw, without "
-                "its cost over the whole vocabulary",
+                "inverse-cdf-sampling",
+                "each token drawn from the cumulative distribution of softmax(logits / temperature)",
+                "grpo.inverse_cdf_sampling is on: the same distribution as torch.multinomial's draw, one "
+                "random number a row instead of one exponential per vocabulary entry",
             )
         )
     return chosen

@@ -130,9 +130,10 @@ class GrpoSettings:
         "the adapter. Needs LoRA on a base in full or half precision",
         False,
     )
-    gumbel_max_sampling: bool = doc(
-        "draw each sampled token as the argmax of logits / temperature plus Gumbel noise: the same "
-        "distribution as torch.multinomial's draw, for a fraction of its cost",
+    inverse_cdf_sampling: bool = doc(
+        "draw each sampled token from the cumulative distribution of softmax(logits / temperature) with one "
+        "uniform number a row: the same distribution as torch.multinomial's draw, which costs one "
+        "exponential per vocabulary entry",
         False,
     )
     use_vllm: bool = doc(

@@ -361,10 +361,10 @@ def _grpo_problems(stage, at: str) -> list[Problem]:
         )
     if g.sample_with_merged_lora and (why := _merged_sampling_problem(stage)):
         problems.append(Problem(f"{at}.grpo.sample_with_merged_lora", f"{why}: remove it"))
-    if g.gumbel_max_sampling and g.use_vllm:
+    if g.inverse_cdf_sampling and g.use_vllm:
         problems.append(
             Problem(
-                f"{at}.grpo.gumbel_max_sampling",
+                f"{at}.grpo.inverse_cdf_sampling",
                 "grpo.use_vllm samples with vLLM, which draws its tokens: remove it",
             )
         )

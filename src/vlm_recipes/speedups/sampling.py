@@ -1,10 +1,13 @@
 """A GRPO stage's completions sampled faster, each speed-up switchable: the LoRA adapter merged into the
-weights while sampling (`grpo.sample_with_merged_lora`), and each token drawn by the Gumbel-max trick
-instead of torch.multinomial (`grpo.gumbel_max_sampling`).
+weights while sampling (`grpo.sample_with_merged_lora`), and each token drawn from the cumulative
+distribution with one uniform number a row instead of torch.multinomial (`grpo.inverse_cdf_sampling`).
 
 generate() runs the model once per sampled token, and sampling is most of a GRPO step. On the wide bench
 model (GRPO at r6's settings: 8 completions of 128 tokens, bf16, 2 threads of an Intel Xeon, py-spy) the
-adapter's own matmuls were ~16 % of sampling and torch.multinomial ~9 %.
+adapter's own matmuls were ~16 % of sampling and torch.multinomial ~9 %. torch.multinomial's one-sample
+draw is the exponential race (argmax of probabilities / Exp(1) noise): one exponential per vocabulary entry,
+4.9 ms a token for 8 rows over the wide model's 21,760 entries and 45 ms over Qwen2-VL's 151,936 on that CPU
+(the whole forward of the wide model's language model is ~45 ms).
 
 Merged adapter. Before each generate(), every LoRA layer's merged weight W + scale * B @ A (one addmm in
 W's dtype) is computed into a new tensor and the adapter is switched off (PEFT's `disable_adapter`); afterwards the original weight tensors are put back,
@@ -15,14 +18,17 @@ drawn from moves, by the rounding of the merged weights (TRL's vLLM path samples
 same way). It costs one copy of the adapted weights while sampling. Where a merge is not the same function
 (a 4-bit or 8-bit base, DoRA, experts adapted by parameter) it is refused with the reason.
 
-Gumbel-max draws. argmax(logits / T + G), G independent Gumbel(0, 1) noise (-log E, E ~ Exp(1)), is a draw
-from softmax(logits / T): the same distribution torch.multinomial draws from, at the cost of one noise
-tensor and an argmax. TRL hands generate() a config and no logits processor, so for the generation the
-config says greedy (do_sample False, no temperature) and generate() is given the processor that adds the
-noise; the processors generate() runs itself (the suppressed image token) come first, as they do before a
-multinomial draw. It is refused where TRL's config filters the distribution (top_p, top_k, min_p, a
-repetition penalty, generation_kwargs): those filters run only when generate() samples. The noise is drawn in
-float64 so that no exponential draw rounds to 0 (which would pick its token whatever its probability).
+Inverse-CDF draws. The cumulative sum of softmax(logits / T) (in float64) and one uniform number u per row:
+the token whose interval [cdf[i-1], cdf[i]) holds u * cdf[-1] is a draw from softmax(logits / T), the
+distribution torch.multinomial draws from, for one pass over the vocabulary and one random number a row:
+0.5 ms a token on the wide model (8 rows), 14 ms at Qwen2-VL's vocabulary. A token of probability 0 (the
+suppressed image token) has an empty interval and is never drawn. TRL hands generate() a config and no logits
+processor, so for the generation the config says greedy (do_sample False, no temperature) and generate() is
+given the processor that draws the token and leaves only it finite; the processors generate() runs itself
+come first, as they do before a multinomial draw. It is refused where TRL's config filters the distribution
+(top_p, top_k, min_p, a repetition penalty, generation_kwargs): those filters run only when generate()
+samples. (The Gumbel-max trick, argmax(logits / T + Gumbel noise), draws the same distribution but costs one
+noise draw per entry, as multinomial does: measured slower, 6.1 ms against 4.9.)
 """
 
 from __future__ import annotations
@@ -87,22 +93,25 @@ def lora_merged(model: nn.Module):
             base.weight.data = weight
 
 
-class GumbelMaxDraw(LogitsProcessor):
-    """logits / temperature + Gumbel noise: the argmax greedy decoding takes of it is a draw from
-    softmax(logits / temperature)."""
+class InverseCdfDraw(LogitsProcessor):
+    """Draws each row's token from softmax(scores / temperature) by the inverse of its cumulative
+    distribution, and returns scores in which only the drawn token is finite: the argmax greedy decoding takes
+    of them is the draw."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        exponential = torch.empty(scores.shape, dtype=torch.float64, device=scores.device).exponential_()
-        return scores.double().div_(self.temperature).sub_(exponential.log_())
+        cdf = torch.softmax(scores.float() / self.temperature, dim=-1).cumsum(-1, dtype=torch.float64)
+        uniform = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, uniform, right=True).clamp_(max=cdf.shape[1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, drawn, 0.0)
 
 
 FILTERS = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0, "generation_kwargs": None}
 
 
-def gumbel_max_refusal(args) -> str | None:
+def inverse_cdf_refusal(args) -> str | None:
     """Why TRL's sampling settings (a GRPOConfig) are not a plain draw from softmax(logits / T)."""
     if args.use_vllm:
         return "grpo.use_vllm samples with vLLM, which draws its tokens itself"
@@ -115,14 +124,14 @@ def gumbel_max_refusal(args) -> str | None:
 
 
 @contextlib.contextmanager
-def gumbel_max_sampling(trainer, model: nn.Module):
-    """Within: TRL's generate() call on `model` draws each token by the Gumbel-max trick."""
+def inverse_cdf_sampling(trainer, model: nn.Module):
+    """Within: TRL's generate() call on `model` draws each token by the inverse of its cumulative distribution."""
     saved = trainer.generation_config, trainer.generation_kwargs
     greedy = copy.deepcopy(trainer.generation_config)
     greedy.do_sample, greedy.temperature = False, None
     trainer.generation_config = greedy
     trainer.generation_kwargs = {**trainer.generation_kwargs, "do_sample": False, "temperature": None}
-    draw = LogitsProcessorList([GumbelMaxDraw(saved[0].temperature)])
+    draw = LogitsProcessorList([InverseCdfDraw(saved[0].temperature)])
     model.generate = functools.partial(type(model).generate, model, logits_processor=draw)  # this instance
     try:
         yield
