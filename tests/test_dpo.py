@@ -47,6 +47,11 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
     metrics = read_json(dpo / "metrics.json")
     assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0 and metrics["eval_reward_margin"] is not None
     assert metrics["steps"] == 2
+    # Before step 1, on the same pairs: the reference is the starting policy, so every reward is 0 (the
+    # margin exactly, and no pair's chosen above its rejected); the policy's own log-probability margin moved.
+    start = metrics["eval_at_start"]
+    assert start["eval_reward_margin"] == 0.0 and start["eval_reward_accuracy"] == 0.0
+    assert start["eval_logp_margin"] != metrics["eval_logp_margin"]
     # Answers generated from each prompt and scored against its chosen answer, as after an SFT stage.
     assert metrics["eval"]["all"]["rows"] == 8
     assert len((dpo / "predictions.jsonl").read_text().splitlines()) == 8
@@ -65,7 +70,9 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
     assert summary.reward_margin == metrics["eval_reward_margin"]
     table = format_comparison(compare_runs([summary]))
     assert "reward acc" in table and f"{metrics['eval_reward_accuracy']:.3f}" in table
-    assert "reward acc" in format_summary(run)  # the end-of-run table too
+    assert "reward acc" in format_summary(run)  # the end-of-run table too, from its start
+    assert f"0.000 → {metrics['eval_reward_accuracy']:.3f}" in format_summary(run)
+    assert summary.reward_accuracy_at_start == 0.0 and "reward acc at start" in table
 
     # The end-of-run summary puts each stage's answers beside the reference, from the predictions files: the
     # DPO stage's preference rows keep the demo rows' ids, so stages 1-2 answered them too.

@@ -165,8 +165,10 @@ COLUMNS = [
     ("eval loss", "eval_loss", "{:.4f}"),
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
+    ("reward acc at start", "reward_accuracy_at_start", "{:.3f}"),  # before the last stage's first step
     ("reward acc", "reward_accuracy", "{:.3f}"),
     ("reward margin", "reward_margin", "{:.4f}"),
+    ("reward at start", "reward_at_start", "{:.3f}"),
     ("reward", "reward", "{:.3f}"),
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
@@ -177,22 +179,29 @@ COLUMNS = [
 MARKS = {"best": " (best)", "beyond": " *", "": ""}
 
 
-def table_rows(rows: list[RecipeRow]) -> list[list[str]]:
-    """The table's cells, a judged column's cells marked against its best (`spread_marks`)."""
-    marks = {attr: spread_marks(rows, attr) for _, attr, _ in COLUMNS[3:] if attr in HIGHER_IS_BETTER}
+AT_START = ("reward_accuracy_at_start", "reward_at_start")  # shown only where a run measured its start
+
+
+def shown_columns(rows: list[RecipeRow]) -> list[tuple]:
+    return [c for c in COLUMNS if c[1] not in AT_START or any(row.values(c[1]) for row in rows)]
+
+
+def table_rows(rows: list[RecipeRow]) -> tuple[list[str], list[list[str]]]:
+    """The table's header and cells, a judged column's cells marked against its best (`spread_marks`)."""
+    columns = shown_columns(rows)
+    marks = {attr: spread_marks(rows, attr) for _, attr, _ in columns[3:] if attr in HIGHER_IS_BETTER}
     out = []
     for row in rows:
         cells = [row.recipe, str(len(row.runs)), " → ".join(row.runs[0].stages)]
-        for _, attr, fmt in COLUMNS[3:]:
+        for _, attr, fmt in columns[3:]:
             cell = row.cell(attr, fmt)
             cells.append(cell + MARKS[marks[attr][row.recipe]] if attr in marks else cell)
         out.append(cells)
-    return out
+    return [c[0] for c in columns], out
 
 
 def format_table(rows: list[RecipeRow]) -> str:
-    header = [c[0] for c in COLUMNS]
-    body = table_rows(rows)
+    header, body = table_rows(rows)
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [line, "-" * len(line)]
@@ -213,9 +222,9 @@ def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: i
     lines += [f"> ⚠ {w}" for w in comparison.warnings] + ([""] if comparison.warnings else [])
     for signature, rows in comparison.groups.items():
         lines += [f"## Eval set `{signature}`", ""]
-        header = [c[0] for c in COLUMNS]
+        header, body = table_rows(rows)
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(r).replace("*", "\\*") + " |" for r in table_rows(rows)]
+        lines += ["| " + " | ".join(r).replace("*", "\\*") + " |" for r in body]
         for note in filter(None, (spread_note(rows), rewards_note(rows))):
             lines += ["", note.replace("*", "\\*")]
         lines += ["", "Runs: " + ", ".join(f"`{run.run_dir}`" for row in rows for run in row.runs), ""]

@@ -39,6 +39,8 @@ class RunSummary:
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
     rewards: str | None = None  # a GRPO last stage: what its reward sums, e.g. "exact_match + 0.1 length[64]"
+    reward_accuracy_at_start: float | None = None  # reward_accuracy and reward before the last stage's step 1
+    reward_at_start: float | None = None
 
 
 def load_run(run_dir: Path) -> RunSummary:
@@ -69,6 +71,8 @@ def load_run(run_dir: Path) -> RunSummary:
         reward_accuracy=last.get("eval_reward_accuracy"),
         reward_margin=last.get("eval_reward_margin"),
         reward=last.get("eval_reward") if methods[-1] == "grpo" else None,
+        reward_accuracy_at_start=(last.get("eval_at_start") or {}).get("eval_reward_accuracy"),
+        reward_at_start=(last.get("eval_at_start") or {}).get("eval_reward") if methods[-1] == "grpo" else None,
         time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),

@@ -102,10 +102,15 @@ def build_dpo_trainer(
 
 
 def dpo_eval_metrics(eval_metrics: dict) -> dict:
-    """Eval reward accuracy (chosen scored above rejected) and margin, from TRL's eval logs."""
+    """Eval reward accuracy (chosen scored above rejected) and margin, from TRL's eval logs; and the
+    policy's own preference, mean log p(chosen) - mean log p(rejected). The rewards are beta x the log-ratio
+    to the reference, which is the policy as the stage starts: at the start they are 0 by construction, and
+    the log-probability margin is what says which answer the model preferred before it was trained."""
+    chosen, rejected = eval_metrics.get("eval_logps/chosen"), eval_metrics.get("eval_logps/rejected")
     return {
         "eval_reward_accuracy": eval_metrics.get("eval_rewards/accuracies"),
         "eval_reward_margin": eval_metrics.get("eval_rewards/margins"),
+        "eval_logp_margin": None if chosen is None or rejected is None else chosen - rejected,
     }
 
 
@@ -118,4 +123,5 @@ DPO = TrainingMethod(
     check_lengths=check_preference_lengths,
     max_length=dpo_max_length,
     eval_metrics=dpo_eval_metrics,
+    eval_at_start=True,
 )

@@ -283,4 +283,5 @@ GRPO = TrainingMethod(
     max_length=grpo_max_prompt_length,
     eval_metrics=grpo_eval_metrics,
     train_metrics=grpo_train_metrics,
+    eval_at_start=True,
 )

@@ -226,3 +226,5 @@ class TrainingMethod:
     eval_metrics: Callable[[dict], dict]  # trainer.evaluate()'s output -> extra keys of metrics.json
     # trainer.state.log_history -> extra keys of metrics.json (GRPO's reward curve)
     train_metrics: Callable[[list[dict]], dict] = lambda history: {}
+    # eval_metrics measured before step 1 too (stages/metrics.evaluate_at_start): GRPO's reward, DPO's margin
+    eval_at_start: bool = False

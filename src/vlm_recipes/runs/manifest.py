@@ -139,18 +139,21 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
         "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
         "eval_reward": metrics.get("eval_reward"),  # method grpo only
+        # the same, measured before the stage's first step (stages/metrics.evaluate_at_start)
+        "eval_reward_accuracy_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward_accuracy"),
+        "eval_reward_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward"),
     }
 
 
 def format_summary(run_dir: Path) -> str:
     """The table printed at the end of a run (with DPO's eval reward accuracy and GRPO's eval reward when a
-    stage has one)."""
+    stage has one, each as start → end where the stage measured its start)."""
     manifest = read_json(run_dir / "run.json")
     stages = manifest["stages"]
     accuracies = any(s.get("eval_reward_accuracy") is not None for s in stages)
     rewards = any(s.get("eval_reward") is not None for s in stages)
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
-    header += f" {'reward acc':>10}" * accuracies + f" {'reward':>7}" * rewards + f" {'time':>7}"
+    header += f" {'reward acc':>15}" * accuracies + f" {'reward':>15}" * rewards + f" {'time':>7}"
     lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
     for s in stages:
         train_loss, eval_loss = _losses(s)
@@ -158,11 +161,18 @@ def format_summary(run_dir: Path) -> str:
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(train_loss):>10} "
             f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
         )
-        line += f" {_num(s.get('eval_reward_accuracy'), 3):>10}" * accuracies
-        line += f" {_num(s.get('eval_reward'), 3):>7}" * rewards
+        line += f" {_start_to_end(s, 'eval_reward_accuracy'):>15}" * accuracies
+        line += f" {_start_to_end(s, 'eval_reward'):>15}" * rewards
         lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
     return "\n".join(lines)
+
+
+def _start_to_end(stage: dict, key: str) -> str:
+    """"0.391 → 0.520" where the stage measured its start, else the end alone."""
+    start = stage.get(f"{key}_at_start")
+    end = _num(stage.get(key), 3)
+    return end if start is None else f"{_num(start, 3)} → {end}"
 
 
 def _losses(stage: dict) -> tuple[float | None, float | None]:

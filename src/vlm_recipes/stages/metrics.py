@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import resource
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from vlm_recipes.data.rows import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Environment
 from vlm_recipes.evaluation.evaluate import evaluate_generation
-from vlm_recipes.files import write_jsonl
+from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
 
@@ -46,6 +47,31 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
         f"; JSON field F1 {fields['f1']:.3f}" if fields else "",
     )
     return scores
+
+
+EVAL_AT_START = "eval-at-start.json"
+
+
+def evaluate_at_start(trainer, method, data: StageData, stage_dir: Path, resume_from: Path | None, is_main: bool):
+    """A GRPO or DPO stage's eval metrics before its first step, on the split and with the rewards its end
+    is measured on: what the stage changed is the end against this. None without an eval split, for a method
+    whose start says nothing (SFT: its eval loss curve starts at its first eval), or on a resume whose start
+    was not kept. The random state is put back afterwards: sampling the eval completions does not change
+    which completions training samples."""
+    if data.eval is None or not method.eval_at_start:
+        return None
+    kept = stage_dir / EVAL_AT_START
+    if resume_from is not None:
+        return read_json(kept) if kept.exists() else None
+    python_state, devices = random.getstate(), list(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=devices):
+        start = method.eval_metrics(trainer.evaluate(metric_key_prefix="eval"))
+    random.setstate(python_state)
+    if is_main:
+        write_json(kept, start)
+    shown = {k: round(v, 4) for k, v in start.items() if isinstance(v, float)}
+    log.info("  eval at start (before step 1): %s", shown)
+    return start
 
 
 def collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:

@@ -57,7 +57,13 @@ from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.speedups.install import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
 from vlm_recipes.stages.checks import check_same_start, check_stopped_early, keep_the_global_batch
 from vlm_recipes.stages.context import StageContext
-from vlm_recipes.stages.metrics import collect_metrics, evaluate_stage, peak_memory, reset_peak_memory
+from vlm_recipes.stages.metrics import (
+    collect_metrics,
+    evaluate_at_start,
+    evaluate_stage,
+    peak_memory,
+    reset_peak_memory,
+)
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
 
 log = logging.getLogger(__name__)
@@ -80,10 +86,15 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
 
     trainer, callbacks = make_trainer(ctx, built, data, precision)
     report["decisions"] = [d.to_dict() for d in ctx.decisions]  # with the trainer's own (dpo-reference)
+    at_start = evaluate_at_start(
+        trainer, method_of(ctx.stage), data, ctx.stage_dir, resume_from, ctx.is_main
+    )
     train_output = train(ctx, trainer, callbacks, resume_from)
     in_training = feature_cache.stats() if feature_cache is not None else None
 
     metrics = measure(ctx, built, trainer, train_output, data, callbacks, started)
+    if at_start is not None:
+        metrics["eval_at_start"] = at_start
     if feature_cache is not None:  # the training loop's lookups apart (the benchmark's FLOPs actually run)
         metrics["vision_feature_cache"] = {
             **feature_cache.stats(),
