@@ -92,7 +92,9 @@ def test_r6_sft_then_grpo_runs_end_to_end(tmp_path, private_demo_cache, capsys, 
     start = metrics["eval_at_start"]  # the same eval prompts and rewards, before step 1
     assert start["eval_reward"] is not None and "eval_reward:exact_match" in start
     table = capsys.readouterr().out
-    assert f"{start['eval_reward']:.3f} → {metrics['eval_reward']:.3f}" in table  # the end-of-run table: start → end
+    assert (
+        f"{start['eval_reward']:.3f} → {metrics['eval_reward']:.3f}" in table
+    )  # the end-of-run table: start → end
 
 
 @pytest.mark.parametrize("model", list(TINY_MODELS.values()))
@@ -446,7 +448,11 @@ def test_a_grpo_stage_scores_its_eval_prompts_at_start_without_changing_what_it_
     _, eval_prompts = colour_rows(tmp_path / "eval", 4, seed=1, side=64)
     training = "{max_steps: 2, per_device_batch_size: 8, learning_rate: 1.0e-3}"
     runs = {}
-    for way, split in (("no eval", "null"), ("eval", eval_prompts), ("random state not put back", eval_prompts)):
+    for way, split in (
+        ("no eval", "null"),
+        ("eval", eval_prompts),
+        ("random state not put back", eval_prompts),
+    ):
         recipe = moving_grpo_recipe(tmp_path, monkeypatch, f"{{train: {prompts}, eval: {split}}}", training)
         name = way.replace(" ", "-")
         with monkeypatch.context() as broken:
@@ -456,14 +462,20 @@ def test_a_grpo_stage_scores_its_eval_prompts_at_start_without_changing_what_it_
         runs[way] = tmp_path / "grpo" / name / "stage-1-grpo"
     metrics = read_json(runs["eval"] / "metrics.json")
     start, end = metrics["eval_at_start"]["eval_reward"], metrics["eval_reward"]
-    assert start is not None and end is not None and "eval_reward:even_rewards:first_token_even" in metrics["eval_at_start"]
+    assert (
+        start is not None
+        and end is not None
+        and "eval_reward:even_rewards:first_token_even" in metrics["eval_at_start"]
+    )
     assert read_json(runs["eval"] / "eval-at-start.json") == metrics["eval_at_start"]
     assert "eval_at_start" not in read_json(runs["no eval"] / "metrics.json")
     plain, evaluated, shifted = (final_weights(runs[way]) for way in runs)
     assert_moved(plain, base_weights())
     for name, value in plain.items():
         assert torch.equal(evaluated[name], value), name
-    assert any(not torch.equal(shifted[n], v) for n, v in plain.items()), "the start's sampling shifted training"
+    assert any(not torch.equal(shifted[n], v) for n, v in plain.items()), (
+        "the start's sampling shifted training"
+    )
 
 
 def test_a_step_of_partial_prompt_groups_is_refused_at_load(tmp_path, capsys):

@@ -125,10 +125,12 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
 
 
 def check_rewards_of(recipes) -> None:
-    """Every GRPO stage's rewards can be built (a built-in's keys; a user's module:function imports and takes
+    """Every GRPO or RLOO stage's rewards can be built (a built-in's keys; a user's module:function imports and takes
     TRL's keyword arguments), before anything trains; every bad one is reported, under its key path."""
+    from vlm_recipes.recipes.schema import SAMPLING_METHODS
+
     recipes = {recipe.name: recipe for recipe in recipes}
-    if not any(stage.method == "grpo" for recipe in recipes.values() for stage in recipe.stages):
+    if not any(stage.method in SAMPLING_METHODS for recipe in recipes.values() for stage in recipe.stages):
         return  # and the methods' imports (TRL, PEFT: ~6 s) are left to the processes that train
     from vlm_recipes.methods.rewards import reward_problems
     from vlm_recipes.recipes.validate import Problem, RecipeError
@@ -136,8 +138,9 @@ def check_rewards_of(recipes) -> None:
     for recipe in recipes.values():
         problems = []
         for i, stage in enumerate(recipe.stages):
-            if stage.method == "grpo":
-                for error in reward_problems(stage.grpo.rewards, f"stages[{i}].grpo.rewards"):
+            if stage.method in SAMPLING_METHODS:
+                at_rewards = f"stages[{i}].{stage.method}.rewards"
+                for error in reward_problems(stage.sampling.rewards, at_rewards):
                     at, _, said = str(error).partition(": ")  # the error starts with its key path
                     problems.append(Problem(f"{recipe.name}: {at}", said))
         if problems:

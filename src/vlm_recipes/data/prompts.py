@@ -1,4 +1,4 @@
-"""Prompt rows (method: grpo), in TRL's conversational prompt format, with the answer the rewards check:
+"""Prompt rows (method: grpo or rloo), in TRL's conversational prompt format, with the answer the rewards check:
 
     {"prompt":   [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "…"}]}],
      "solution": "the checkable answer",          # read by exact_match / json_f1 and by the eval
@@ -62,7 +62,7 @@ def check_prompt_lengths(
     on_bad_sample: str = "fail",
     video=None,  # prompt rows with video: not yet (the row check refuses none, the family's processor decides)
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """Refuse prompts longer than `max_length` (grpo.max_prompt_length), image tokens counted.
+    """Refuse prompts longer than `max_length` (<method>.max_prompt_length), image tokens counted.
 
     Returns the dataset (without too-long rows under `skip`), each prompt's length and the skip count."""
 
@@ -79,6 +79,6 @@ def check_prompt_lengths(
         max_length,
         source,
         on_bad_sample,
-        "prompt(s) longer than grpo.max_prompt_length (raise it or data.max_length, or lower data.max_pixels "
-        "so images take fewer tokens)",
+        "prompt(s) longer than grpo.max_prompt_length (rloo.max_prompt_length in an rloo stage; raise it or "
+        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
     )

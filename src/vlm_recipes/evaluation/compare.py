@@ -22,6 +22,7 @@ from vlm_recipes.evaluation.predictions import (
     side_by_side,
 )
 from vlm_recipes.evaluation.run_summary import RunSummary
+from vlm_recipes.recipes.schema import SAMPLING_METHODS
 
 # ---------------------------------------------------------------------------------------------
 # Aggregation
@@ -86,7 +87,7 @@ HIGHER_IS_BETTER = {
     "reward": True,
 }
 LOSSES = ("train_loss", "eval_loss")
-NOT_JUDGED_LOSSES = ("grpo",)  # a GRPO stage's policy loss is near 0 by construction: lower is not better
+NOT_JUDGED_LOSSES = SAMPLING_METHODS  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
+from vlm_recipes.recipes.schema import SAMPLING_METHODS
 from vlm_recipes.runs.manifest import run_state
 
 
@@ -52,6 +53,7 @@ def load_run(run_dir: Path) -> RunSummary:
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
     methods = [s.get("method", "sft") for s in manifest["stages"]]
+    sampled = methods[-1] in SAMPLING_METHODS  # a GRPO or RLOO last stage: its reward is the measure
     curves, boundaries = _curves(methods, stage_metrics)
     overall = (last.get("eval") or {}).get("all", {})
     memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
@@ -70,9 +72,9 @@ def load_run(run_dir: Path) -> RunSummary:
         json_f1=(overall.get("json_fields") or {}).get("f1"),
         reward_accuracy=last.get("eval_reward_accuracy"),
         reward_margin=last.get("eval_reward_margin"),
-        reward=last.get("eval_reward") if methods[-1] == "grpo" else None,
+        reward=last.get("eval_reward") if sampled else None,
         reward_accuracy_at_start=(last.get("eval_at_start") or {}).get("eval_reward_accuracy"),
-        reward_at_start=(last.get("eval_at_start") or {}).get("eval_reward") if methods[-1] == "grpo" else None,
+        reward_at_start=(last.get("eval_at_start") or {}).get("eval_reward") if sampled else None,
         time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
@@ -80,9 +82,9 @@ def load_run(run_dir: Path) -> RunSummary:
         last_method=methods[-1],
         loss_curve=curves["sft"],
         preference_curve=curves["dpo"],
-        reward_curve=curves["grpo"],
+        reward_curve=curves["reward"],
         stage_boundaries=boundaries[:-1],
-        rewards=reward_formula(manifest) if methods[-1] == "grpo" else None,
+        rewards=reward_formula(manifest) if sampled else None,
     )
 
 
@@ -90,7 +92,8 @@ def reward_formula(manifest: dict) -> str | None:
     """The last stage's rewards as its recipe names them, weighted: "exact_match + json_f1 + 0.1 length[64]"
     (None when run.json does not record the recipe). Two GRPO recipes' rewards compare only when equal."""
     stages = (manifest.get("resolved_recipe") or {}).get("stages") or []
-    rewards = ((stages[-1] if stages else {}).get("grpo") or {}).get("rewards")
+    last = stages[-1] if stages else {}
+    rewards = (last.get(last.get("method", "grpo")) or {}).get("rewards")
     if not rewards:
         return None
     parts = []
@@ -106,14 +109,14 @@ def _curves(
     methods: list[str], stage_metrics: list[dict]
 ) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
     """Per method, its stages' curve with steps counted across all stages: the loss of SFT and DPO stages,
-    the mean reward of GRPO stages (whose policy loss says nothing beside a likelihood); and the step at
-    which each stage ends."""
+    the mean reward of GRPO and RLOO stages ("reward": their policy loss says nothing beside a likelihood);
+    and the step at which each stage ends."""
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
     offset, boundaries = 0, []
     for method, metrics in zip(methods, stage_metrics, strict=True):
-        if method == "grpo":
+        if method in SAMPLING_METHODS:
             points = metrics.get("reward_curve") or []
-            curves[method] += [
+            curves["reward"] += [
                 (offset + p["step"], p["reward"]) for p in points if p.get("reward") is not None
             ]
         else:

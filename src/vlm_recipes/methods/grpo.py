@@ -1,5 +1,7 @@
 """The GRPO stage's trainer: TRL's GRPOTrainer on prompt rows, rewarded by the recipe's `grpo.rewards`
-(methods/rewards.py), with the recipe's resume and per-role learning rates (RecipeTrainerMixin).
+(methods/rewards.py), with the recipe's resume and per-role learning rates (RecipeTrainerMixin). What any
+stage that samples completions shares (its prompt length, sampling backend and speed-ups, reference, trainer
+construction and metrics) is here too: methods/rloo.py builds RLOO's stage from it.
 
 Its reference model (used only when `grpo.beta` > 0): with LoRA, the same model with its adapter switched
 off (TRL's own choice for a PeftModel: no second copy); fully trained roles get a frozen copy, loaded from
@@ -29,7 +31,7 @@ from vlm_recipes.methods.trainer import (
 )
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism
-from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.recipes.schema import SAMPLING_METHODS, Stage
 from vlm_recipes.speedups.sampling import (
     inverse_cdf_refusal,
     inverse_cdf_sampling,
@@ -40,13 +42,42 @@ from vlm_recipes.speedups.sampling import (
 log = logging.getLogger(__name__)
 
 
-def grpo_max_prompt_length(stage: Stage) -> int | None:
-    """Longest prompt: grpo.max_prompt_length, else what data.max_length leaves beside the completion."""
-    if stage.grpo.max_prompt_length is not None:
-        return stage.grpo.max_prompt_length
+def sampled_max_prompt_length(stage: Stage) -> int | None:
+    """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the completion."""
+    if stage.sampling.max_prompt_length is not None:
+        return stage.sampling.max_prompt_length
     if stage.data.max_length is None:
         return None
-    return stage.data.max_length - stage.grpo.max_completion_length
+    return stage.data.max_length - stage.sampling.max_completion_length
+
+
+def sampling_config(
+    stage: Stage,
+    output_dir: Path,
+    precision: str,
+    env: Environment,
+    has_eval: bool,
+    distributed: bool,
+    unused_possible: bool,
+) -> dict:
+    """The keys GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""
+    g = stage.sampling
+    common = common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible)
+    # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
+    common["per_device_eval_batch_size"] = g.num_generations
+    return dict(
+        **common,
+        num_generations=g.num_generations,
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        beta=g.beta,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high,
+        reward_weights=[reward.weight for reward in g.rewards],
+        use_vllm=g.use_vllm,
+        vllm_mode=g.vllm_mode,
+        vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+    )
 
 
 def build_grpo_config(
@@ -59,58 +90,46 @@ def build_grpo_config(
     unused_possible: bool = True,
 ) -> GRPOConfig:
     g = stage.grpo
-    common = common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible)
-    # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
-    common["per_device_eval_batch_size"] = g.num_generations
     return GRPOConfig(
-        **common,
-        num_generations=g.num_generations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        beta=g.beta,
+        **sampling_config(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
         loss_type=g.loss_type,
-        epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high,
         importance_sampling_level=g.importance_sampling_level,
         scale_rewards=g.scale_rewards,
-        reward_weights=[reward.weight for reward in g.rewards],
-        use_vllm=g.use_vllm,
-        vllm_mode=g.vllm_mode,
-        vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
     )
 
 
 def check_generation_backend(stage: Stage, env: Environment) -> Decision | None:
-    """Before loading: a stage that samples with vLLM (grpo.use_vllm) needs a GPU and vllm importable;
+    """Before loading: a stage that samples with vLLM (<method>.use_vllm) needs a GPU and vllm importable;
     TRL would otherwise fail after the model loaded."""
-    g = stage.grpo
-    if stage.method != "grpo" or not g.use_vllm:
+    if stage.method not in SAMPLING_METHODS or not stage.sampling.use_vllm:
         return None
-    key = f"stage {stage.name}: grpo.use_vllm"
+    g, section = stage.sampling, stage.method
+    key = f"stage {stage.name}: {section}.use_vllm"
     if env.device != "cuda":
         raise GuardError(
-            f"{key} needs a GPU: vLLM does not sample on this machine's CPU. Set grpo.use_vllm: false"
+            f"{key} needs a GPU: vLLM does not sample on this machine's CPU. Set {section}.use_vllm: false"
         )
     try:
         import vllm
     except ImportError as exc:
         raise GuardError(
             f"{key}: vllm cannot be imported here ({exc}): pip install vllm (the versions TRL supports: "
-            "pip install 'trl[vllm]'), or set grpo.use_vllm: false"
+            f"pip install 'trl[vllm]'), or set {section}.use_vllm: false"
         ) from None
     return Decision(
         "generation",
         f"vLLM {vllm.__version__}, {g.vllm_mode}",
-        "grpo.use_vllm: completions sampled by vLLM, the policy's weights moved into it each generation",
+        f"{section}.use_vllm: completions sampled by vLLM, the policy's weights moved into it each generation",
     )
 
 
-class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
-    """The GRPO stage's trainer."""
+class SamplingTrainerMixin:
+    """What a sampling stage's trainer (GRPOTrainer, RLOOTrainer: the same sampling and log-probability code
+    in TRL 1.16) adds: the sampling speed-ups, and LLaVA-OneVision's per-row image counts."""
 
     counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
-    sample_with_merged_lora: bool = False  # grpo.sample_with_merged_lora (speedups/sampling.py)
-    inverse_cdf_sampling: bool = False  # grpo.inverse_cdf_sampling (speedups/sampling.py)
+    sample_with_merged_lora: bool = False  # <method>.sample_with_merged_lora (speedups/sampling.py)
+    inverse_cdf_sampling: bool = False  # <method>.inverse_cdf_sampling (speedups/sampling.py)
 
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's sampling, with the sampling speed-ups the stage asks for around it."""
@@ -150,32 +169,36 @@ class RecipeGRPOTrainer(RecipeTrainerMixin, GRPOTrainer):
 
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """What the KL term compares against (nothing when beta is 0)."""
-    if stage.grpo.beta == 0:
-        return Decision("grpo-reference", "none", "grpo.beta is 0: no KL term, no reference pass")
+    guard, section = f"{stage.method}-reference", stage.method
+    if stage.sampling.beta == 0:
+        return Decision(guard, "none", f"{section}.beta is 0: no KL term, no reference pass")
     if "full" not in (stage.train.vision, stage.train.projector, stage.train.llm):
-        return Decision(
-            "grpo-reference", "the model with its LoRA adapter switched off", "no second model copy"
-        )
+        return Decision(guard, "the model with its LoRA adapter switched off", "no second model copy")
     return Decision(
-        "grpo-reference",
+        guard,
         f"a frozen copy loaded from {built.source}",
         "fully trained weights: no adapter to switch off (a second model in memory)",
     )
 
 
-def build_grpo_trainer(
+class RecipeGRPOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, GRPOTrainer):
+    """The GRPO stage's trainer."""
+
+
+def build_sampling_trainer(
+    trainer_class: type,
     built: BuiltModel,
     stage: Stage,
-    args: GRPOConfig,
+    args,
     data: StageData,
     decisions: list[Decision] | None = None,
     callbacks: list | None = None,
-) -> RecipeGRPOTrainer:
-    """The stage's GRPOTrainer, its rewards checked on a training row first, with the parallelism and
-    trainable-dtype guards applied."""
-    where = f"stage {stage.name}: grpo.rewards"
+):
+    """The stage's GRPOTrainer or RLOOTrainer (`trainer_class`), its rewards checked on a training row first,
+    with the parallelism and trainable-dtype guards applied."""
+    where = f"stage {stage.name}: {stage.method}.rewards"
     rewards, _ = build_rewards(
-        stage.grpo.rewards, built.processor, where, tolerance=stage.evaluation.numeric_tolerance
+        stage.sampling.rewards, built.processor, where, tolerance=stage.evaluation.numeric_tolerance
     )
     check_rewards(rewards, data.train[0], where)
     unused = ("padding_free", "preprocessed_cache", "group_by_length")
@@ -183,7 +206,7 @@ def build_grpo_trainer(
         stage, decisions, reference_decision(built, stage), unused, "TRL samples its own batches"
     )
     apply_parallelism(args)
-    trainer = RecipeGRPOTrainer(
+    trainer = trainer_class(
         model=built.model,
         reward_funcs=rewards,
         args=args,
@@ -199,36 +222,45 @@ def build_grpo_trainer(
         log.info("  %s", decision)
         if decisions is not None:
             decisions.append(decision)
-    return prepare_trainer(trainer, built, stage, decisions, "after GRPOTrainer was built")
+    trl_trainer = trainer_class.__bases__[-1].__name__  # GRPOTrainer, RLOOTrainer
+    return prepare_trainer(trainer, built, stage, decisions, f"after {trl_trainer} was built")
 
 
-def sampling_speedups(trainer: RecipeGRPOTrainer, model, stage: Stage) -> list[Decision]:
+def build_grpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeGRPOTrainer:
+    return build_sampling_trainer(RecipeGRPOTrainer, built, stage, args, data, decisions, callbacks)
+
+
+def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> list[Decision]:
     """Switch on the sampling speed-ups the stage asks for (speedups/sampling.py); a refusal names why."""
-    chosen = []
-    if stage.grpo.sample_with_merged_lora:
+    chosen, section = [], stage.method
+    if stage.sampling.sample_with_merged_lora:
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
         why = "the weights are sharded across ranks" if sharded else merged_sampling_refusal(model)
         if why:
-            raise GuardError(f"stage {stage.name}: grpo.sample_with_merged_lora is refused: {why}. Remove it")
+            raise GuardError(
+                f"stage {stage.name}: {section}.sample_with_merged_lora is refused: {why}. Remove it"
+            )
         trainer.sample_with_merged_lora = True
         chosen.append(
             Decision(
                 "merged-sampling",
                 "completions sampled with the LoRA adapter merged into a copy of the weights",
-                "grpo.sample_with_merged_lora is on: no adapter matmuls per sampled token; the loss still "
-                "reads log-probabilities through the adapter, and the original weights are put back",
+                f"{section}.sample_with_merged_lora is on: no adapter matmuls per sampled token; the loss "
+                "still reads log-probabilities through the adapter, and the original weights are put back",
             )
         )
-    if stage.grpo.inverse_cdf_sampling:
+    if stage.sampling.inverse_cdf_sampling:
         if why := inverse_cdf_refusal(trainer.args):
-            raise GuardError(f"stage {stage.name}: grpo.inverse_cdf_sampling is refused: {why}. Remove it")
+            raise GuardError(
+                f"stage {stage.name}: {section}.inverse_cdf_sampling is refused: {why}. Remove it"
+            )
         trainer.inverse_cdf_sampling = True
         chosen.append(
             Decision(
                 "inverse-cdf-sampling",
                 "each token drawn from the cumulative distribution of softmax(logits / temperature)",
-                "grpo.inverse_cdf_sampling is on: the same distribution as torch.multinomial's draw, one "
-                "random number a row instead of one exponential per vocabulary entry",
+                f"{section}.inverse_cdf_sampling is on: the same distribution as torch.multinomial's draw, "
+                "one random number a row instead of one exponential per vocabulary entry",
             )
         )
     return chosen
@@ -280,7 +312,7 @@ GRPO = TrainingMethod(
     build_config=build_grpo_config,
     build_trainer=build_grpo_trainer,
     check_lengths=check_prompt_lengths,
-    max_length=grpo_max_prompt_length,
+    max_length=sampled_max_prompt_length,
     eval_metrics=grpo_eval_metrics,
     train_metrics=grpo_train_metrics,
     eval_at_start=True,

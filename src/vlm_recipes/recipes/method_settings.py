@@ -1,5 +1,5 @@
-"""The settings of the stage methods beside SFT (the recipe's `dpo:` and `grpo:` sections): part of the
-recipe schema (schema.py), kept apart only to keep each file short."""
+"""The settings of the stage methods beside SFT (the recipe's `dpo:`, `grpo:` and `rloo:` sections): part of
+the recipe schema (schema.py), kept apart only to keep each file short."""
 
 from __future__ import annotations
 
@@ -77,9 +77,9 @@ class RewardSettings:
 
 
 @dataclass
-class GrpoSettings:
-    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows.
-    Defaults fit a 7B model with LoRA on one 24-80 GB GPU."""
+class SampledCompletionSettings:
+    """What the reinforcement methods share (method: grpo, rloo): completions sampled per prompt, scored by
+    rewards, compared within their prompt's group. Defaults fit a 7B model with LoRA on one 24-80 GB GPU."""
 
     rewards: list[RewardSettings] = doc(
         "the rewards, summed with their weights", factory=lambda: [RewardSettings()]
@@ -104,25 +104,11 @@ class GrpoSettings:
         0.0,
         range=AT_LEAST_0,
     )
-    loss_type: GrpoLoss = doc(
-        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
-        "bnpo, cispo, sapo",
-        "dapo",
-    )
     epsilon: float = doc("clipping range of the policy ratio", 0.2, range=ABOVE_0)
     epsilon_high: float | None = doc(
         "upper clipping range of the policy ratio (DAPO: 0.28; GSPO: 4e-4 with epsilon 3e-4); null: epsilon",
         None,
         range=ABOVE_0,
-    )
-    importance_sampling_level: ImportanceSamplingLevel = doc(
-        "the policy ratio per token (GRPO, DAPO) or one per completion, the mean of its tokens' log-ratios "
-        "(sequence: GSPO, the method Qwen3's RL used)",
-        "token",
-    )
-    scale_rewards: RewardScaling = doc(
-        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
-        "group",
     )
     sample_with_merged_lora: bool = doc(
         "sample the completions with the LoRA adapter merged into a copy of the weights (as vLLM samples "
@@ -150,4 +136,41 @@ class GrpoSettings:
         "colocate: the share of each GPU's memory vLLM may take (the rest trains)",
         0.3,
         range=Range(0, 1, low_open=True),
+    )
+
+
+@dataclass
+class GrpoSettings(SampledCompletionSettings):
+    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows; a
+    completion's advantage is its reward against its group's mean (and std)."""
+
+    loss_type: GrpoLoss = doc(
+        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
+        "bnpo, cispo, sapo",
+        "dapo",
+    )
+    importance_sampling_level: ImportanceSamplingLevel = doc(
+        "the policy ratio per token (GRPO, DAPO) or one per completion, the mean of its tokens' log-ratios "
+        "(sequence: GSPO, the method Qwen3's RL used)",
+        "token",
+    )
+    scale_rewards: RewardScaling = doc(
+        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
+        "group",
+    )
+
+
+@dataclass
+class RlooSettings(SampledCompletionSettings):
+    """REINFORCE Leave-One-Out (method: rloo): TRL's RLOOTrainer on `prompt` rows; a completion's advantage
+    is its reward against the mean of the other completions of its group. TRL's default KL term (beta 0.05)."""
+
+    beta: float = doc(
+        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter off), "
+        "as TRL's RLOOTrainer applies it; 0: no reference pass",
+        0.05,
+        range=AT_LEAST_0,
+    )
+    normalize_advantages: bool = doc(
+        "divide the advantages by their std over the generation batch (mean 0, std 1)", False
     )

@@ -11,14 +11,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, doc
-from vlm_recipes.recipes.method_settings import DpoSettings, GrpoSettings
+from vlm_recipes.recipes.method_settings import (
+    DpoSettings,
+    GrpoSettings,
+    RlooSettings,
+    SampledCompletionSettings,
+)
 
 Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
 # How a stage trains; each value has its module in methods/ (methods/__init__.py lists them).
-Method = Literal["sft", "dpo", "grpo"]
+Method = Literal["sft", "dpo", "grpo", "rloo"]
+SAMPLING_METHODS = ("grpo", "rloo")  # the methods that sample completions and score them with rewards
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
 
 
@@ -222,8 +228,9 @@ class Stage:
     )
     method: Method = doc(
         "how the stage trains: sft (supervised, `messages` rows), dpo (preference pairs: `prompt`, "
-        "`chosen`, `rejected` rows; see the dpo section) or grpo (sampled completions scored by rewards: "
-        "`prompt` rows with a `solution`; see the grpo section)",
+        "`chosen`, `rejected` rows; see the dpo section), grpo (sampled completions scored by rewards: "
+        "`prompt` rows with a `solution`; see the grpo section) or rloo (the same rows, REINFORCE "
+        "Leave-One-Out; see the rloo section)",
         "sft",
     )
     train: TrainModes = doc("training mode per module role", factory=TrainModes)
@@ -245,6 +252,15 @@ class Stage:
     grpo: GrpoSettings = doc(
         "reinforcement-learning settings, used when method is grpo", factory=GrpoSettings
     )
+    rloo: RlooSettings = doc(
+        "REINFORCE Leave-One-Out settings, used when method is rloo", factory=RlooSettings
+    )
+
+    @property
+    def sampling(self) -> SampledCompletionSettings:
+        """The section of a stage that samples completions (method grpo or rloo): its rewards, group size,
+        completion length and sampling switches."""
+        return self.rloo if self.method == "rloo" else self.grpo
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, Recipe
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
 from vlm_recipes.roles import ROLES
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -309,7 +309,7 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
         )
     lora = [role for role, mode in modes.items() if mode == "lora"]
     full = [role for role, mode in modes.items() if mode == "full"]
-    with_reference = stage.method == "dpo" or (stage.method == "grpo" and stage.grpo.beta > 0)
+    with_reference = stage.method == "dpo" or (stage.method in SAMPLING_METHODS and stage.sampling.beta > 0)
     if with_reference and lora and full:
         problems.append(
             Problem(
@@ -319,16 +319,16 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
                 "every role with LoRA, or every trained role fully",
             )
         )
-    if stage.method == "grpo":
-        problems += _grpo_problems(stage, at)
+    if stage.method in SAMPLING_METHODS:
+        problems += _sampling_problems(stage, f"{at}.{stage.method}", at)
     return problems
 
 
 def _merged_sampling_problem(stage) -> str | None:
     """Why a stage's LoRA adapter cannot be merged for sampling, as far as the recipe says (the model's own
     layers are checked once it is built: speedups/merged_sampling.py)."""
-    if stage.grpo.use_vllm:
-        return "grpo.use_vllm samples with vLLM, which merges the adapter itself"
+    if stage.sampling.use_vllm:
+        return f"{stage.method}.use_vllm samples with vLLM, which merges the adapter itself"
     if "lora" not in (stage.train.vision, stage.train.projector, stage.train.llm):
         return "no role trains with LoRA: there is no adapter to merge"
     if stage.quantization.mode != "none":
@@ -336,17 +336,18 @@ def _merged_sampling_problem(stage) -> str | None:
     return None
 
 
-def _grpo_problems(stage, at: str) -> list[Problem]:
-    """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion."""
+def _sampling_problems(stage, section: str, at: str) -> list[Problem]:
+    """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion
+    (`section`: the stage's grpo or rloo section, as the error names it)."""
     problems = []
-    g, t = stage.grpo, stage.training
+    g, t = stage.sampling, stage.training
     completions = t.per_device_batch_size * t.gradient_accumulation_steps
     if completions % g.num_generations:
         problems.append(
             Problem(
                 f"{at}.training.per_device_batch_size",
                 f"{t.per_device_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} = "
-                f"{completions} completions a step, not a multiple of grpo.num_generations "
+                f"{completions} completions a step, not a multiple of {stage.method}.num_generations "
                 f"{g.num_generations}: a step must hold whole prompt groups",
             )
         )
@@ -354,18 +355,18 @@ def _grpo_problems(stage, at: str) -> list[Problem]:
     if g.max_prompt_length is None and no_room:
         problems.append(
             Problem(
-                f"{at}.grpo.max_completion_length",
+                f"{section}.max_completion_length",
                 f"{g.max_completion_length} leaves no room for the prompt in data.max_length "
-                f"{stage.data.max_length}: raise data.max_length or set grpo.max_prompt_length",
+                f"{stage.data.max_length}: raise data.max_length or set {stage.method}.max_prompt_length",
             )
         )
     if g.sample_with_merged_lora and (why := _merged_sampling_problem(stage)):
-        problems.append(Problem(f"{at}.grpo.sample_with_merged_lora", f"{why}: remove it"))
+        problems.append(Problem(f"{section}.sample_with_merged_lora", f"{why}: remove it"))
     if g.inverse_cdf_sampling and g.use_vllm:
         problems.append(
             Problem(
-                f"{at}.grpo.inverse_cdf_sampling",
-                "grpo.use_vllm samples with vLLM, which draws its tokens: remove it",
+                f"{section}.inverse_cdf_sampling",
+                f"{stage.method}.use_vllm samples with vLLM, which draws its tokens: remove it",
             )
         )
     # the rewards themselves (names, keys, a user's module:function) are checked by cli/jobs.py, which may

@@ -14,7 +14,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import exit_code_of
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.recipes.load import recipe_to_dict
-from vlm_recipes.recipes.schema import Recipe, Stage
+from vlm_recipes.recipes.schema import SAMPLING_METHODS, Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
 from vlm_recipes.versions import library_versions
@@ -138,7 +138,7 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         },
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
         "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
-        "eval_reward": metrics.get("eval_reward"),  # method grpo only
+        "eval_reward": metrics.get("eval_reward"),  # methods grpo and rloo only
         # the same, measured before the stage's first step (stages/metrics.evaluate_at_start)
         "eval_reward_accuracy_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward_accuracy"),
         "eval_reward_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward"),
@@ -169,7 +169,7 @@ def format_summary(run_dir: Path) -> str:
 
 
 def _start_to_end(stage: dict, key: str) -> str:
-    """"0.391 → 0.520" where the stage measured its start, else the end alone."""
+    """ "0.391 → 0.520" where the stage measured its start, else the end alone."""
     start = stage.get(f"{key}_at_start")
     end = _num(stage.get(key), 3)
     return end if start is None else f"{_num(start, 3)} → {end}"
@@ -177,8 +177,8 @@ def _start_to_end(stage: dict, key: str) -> str:
 
 def _losses(stage: dict) -> tuple[float | None, float | None]:
     """A stage's final train loss and eval loss, as the table shows them."""
-    if stage.get("method") == "grpo":
-        # GRPO's loss is its policy loss (near 0 by construction): not a likelihood, so not shown as one
+    if stage.get("method") in SAMPLING_METHODS:
+        # GRPO's and RLOO's loss is a policy loss: not a likelihood, so not shown as one
         return None, None
     return stage["final_train_loss"], stage["eval_loss"]
 

@@ -52,7 +52,9 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
 EVAL_AT_START = "eval-at-start.json"
 
 
-def evaluate_at_start(trainer, method, data: StageData, stage_dir: Path, resume_from: Path | None, is_main: bool):
+def evaluate_at_start(
+    trainer, method, data: StageData, stage_dir: Path, resume_from: Path | None, is_main: bool
+):
     """A GRPO or DPO stage's eval metrics before its first step, on the split and with the rewards its end
     is measured on: what the stage changed is the end against this. None without an eval split, for a method
     whose start says nothing (SFT: its eval loss curve starts at its first eval), or on a resume whose start

@@ -86,9 +86,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
 
     trainer, callbacks = make_trainer(ctx, built, data, precision)
     report["decisions"] = [d.to_dict() for d in ctx.decisions]  # with the trainer's own (dpo-reference)
-    at_start = evaluate_at_start(
-        trainer, method_of(ctx.stage), data, ctx.stage_dir, resume_from, ctx.is_main
-    )
+    at_start = evaluate_at_start(trainer, method_of(ctx.stage), data, ctx.stage_dir, resume_from, ctx.is_main)
     train_output = train(ctx, trainer, callbacks, resume_from)
     in_training = feature_cache.stats() if feature_cache is not None else None
 
