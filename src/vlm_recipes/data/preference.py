@@ -6,6 +6,13 @@
      "images":   ["images/0001.png"]}         # paths relative to the data file, one per image part
 
 Checked like SFT rows (rows.py), before the model loads; the length check counts prompt + each answer.
+
+Unpaired rows (method: kto), TRL's unpaired preference format: one answer marked good or bad,
+
+    {"prompt": [...], "completion": [{"role": "assistant", ...}], "label": true, "images": [...]}
+
+or the preference rows above, each pair unpaired before training (chosen: label true; rejected: false), as
+TRL's `unpair_preference_dataset` does, with the row's images kept beside both.
 """
 
 from __future__ import annotations
@@ -57,6 +64,96 @@ def preference_row_problem(
 
 
 PREFERENCE: RowFormat = (preference_row_problem, ("prompt", "chosen", "rejected", "images"))
+
+
+def unpaired_row_problem(row: dict, image_root, allow_remote_images: bool = False) -> tuple[str, str] | None:
+    """(reason, detail) for a KTO row that cannot be trained on, or None: a preference pair, or a prompt
+    with one `completion` and its boolean `label`."""
+    if row.get("chosen") is not None or row.get("rejected") is not None:
+        return preference_row_problem(row, image_root, allow_remote_images)
+    for key, answer in (("prompt", False), ("completion", True)):
+        if row.get(key) is None:
+            return f"no {key}", (
+                f"the row needs `{key}` (KTO rows: prompt, completion, label, images; or prompt, chosen, "
+                "rejected, images)"
+            )
+        if detail := messages_problem(row[key], key, answer):
+            return f"bad {key}", detail
+    if not isinstance(row.get("label"), bool):
+        return (
+            "bad label",
+            f"`label` must be true (a good answer) or false (a bad one), got {row.get('label')!r}",
+        )
+    images = row.get("images") or []
+    if count_image_parts(row["completion"]):
+        return "image in answer", "images belong in the prompt, not in the completion"
+    if (placeholders := count_image_parts(row["prompt"])) != len(images):
+        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
+    for image in images:
+        if problem := image_problem(image, image_root, allow_remote_images):
+            return problem
+    return None
+
+
+UNPAIRED: RowFormat = (
+    unpaired_row_problem,
+    ("prompt", "completion", "label", "chosen", "rejected", "images"),
+)
+
+
+def unpaired(ds: datasets.Dataset) -> datasets.Dataset:
+    """Preference pairs as unpaired rows, each pair's good row (chosen, label true) followed by its bad one
+    (rejected, label false), both with the pair's prompt and images; unpaired rows as they are. Our own rather
+    than TRL's `unpair_preference_dataset`, whose batched map doubles the rows but not the `images` column
+    beside them, and puts every good row before every bad one: read in order, as an eval split is, a batch would
+    hold one kind only and KTO's reward margin (good against bad within a batch) would never be measured."""
+    if "chosen" not in ds.column_names:
+        return ds
+
+    def split_pairs(batch: dict) -> dict:
+        twice = {column: [v for value in batch[column] for v in (value, value)] for column in batch}
+        answers = zip(batch["chosen"], batch["rejected"], strict=True)
+        out = {column: twice[column] for column in ("prompt", "images", "id", "task") if column in batch}
+        out["completion"] = [answer for pair in answers for answer in pair]
+        out["label"] = [True, False] * len(batch["prompt"])
+        return out
+
+    return ds.map(
+        split_pairs, batched=True, remove_columns=ds.column_names, desc="unpairing preference pairs"
+    )
+
+
+def check_unpaired_lengths(
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    max_length: int | None,
+    source: str,
+    on_bad_sample: str = "fail",
+    video=None,  # KTO rows hold no video (refused at the row check)
+) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+    """The rows unpaired (`unpaired`), then each prompt + completion longer than max_length (image tokens
+    counted) refused: KTOTrainer would cut the answer.
+
+    Returns the unpaired dataset (without too-long rows under `skip`), each row's length, and the skip count."""
+
+    def lengths(rows: datasets.Dataset) -> list[int]:
+        plain = undecoded(rows)
+        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
+        messages = [p + c for p, c in zip(plain["prompt"], plain["completion"], strict=True)]
+        return sample_lengths(
+            datasets.Dataset.from_dict({"messages": messages, "images": images}), processor, family
+        )
+
+    return lengths_within(
+        unpaired(ds),
+        lengths,
+        max_length,
+        source,
+        on_bad_sample,
+        "row(s) with prompt + completion longer than the stage's max length (raise kto.max_length or "
+        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
+    )
 
 
 def check_preference_lengths(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.schema import SAMPLING_METHODS
+from vlm_recipes.recipes.schema import PREFERENCE_METHODS, SAMPLING_METHODS
 from vlm_recipes.runs.manifest import run_state
 
 
@@ -36,7 +36,7 @@ class RunSummary:
     eval_signature: str | None
     last_method: str = "sft"  # the last stage's method: dpo and grpo losses are preference / policy losses
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
-    preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO stages' losses
+    preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO and KTO stages' losses
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
     rewards: str | None = None  # a GRPO last stage: what its reward sums, e.g. "exact_match + 0.1 length[64]"
@@ -81,7 +81,7 @@ def load_run(run_dir: Path) -> RunSummary:
         eval_signature=last.get("eval_signature"),
         last_method=methods[-1],
         loss_curve=curves["sft"],
-        preference_curve=curves["dpo"],
+        preference_curve=curves["preference"],
         reward_curve=curves["reward"],
         stage_boundaries=boundaries[:-1],
         rewards=reward_formula(manifest) if sampled else None,
@@ -108,7 +108,8 @@ def reward_formula(manifest: dict) -> str | None:
 def _curves(
     methods: list[str], stage_metrics: list[dict]
 ) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
-    """Per method, its stages' curve with steps counted across all stages: the loss of SFT and DPO stages,
+    """Per method, its stages' curve with steps counted across all stages: the loss of SFT stages and of DPO
+    and KTO stages ("preference"),
     the mean reward of GRPO and RLOO stages ("reward": their policy loss says nothing beside a likelihood);
     and the step at which each stage ends."""
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -120,7 +121,8 @@ def _curves(
                 (offset + p["step"], p["reward"]) for p in points if p.get("reward") is not None
             ]
         else:
-            curves[method] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+            key = "preference" if method in PREFERENCE_METHODS else method
+            curves[key] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
         offset += metrics["steps"]
         boundaries.append(offset)
     return curves, boundaries

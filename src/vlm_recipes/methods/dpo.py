@@ -49,10 +49,11 @@ def build_dpo_config(
     )
 
 
-class RecipeDPOTrainer(RecipeTrainerMixin, DPOTrainer):
-    """DPOTrainer whose LoRA reference is the adapter switched off. The stage's adapter is fresh (B = 0),
-    so TRL's "ref" copy of it would compute exactly what the base computes; without the copy, TRL disables
-    the adapters for the reference pass. That also holds on resume, where the restored adapter has moved."""
+class AdapterOffReferenceMixin:
+    """A preference trainer (DPOTrainer, KTOTrainer) whose LoRA reference is the adapter switched off. The
+    stage's adapter is fresh (B = 0), so TRL's "ref" copy of it would compute exactly what the base computes;
+    without the copy, TRL disables the adapters for the reference pass. That also holds on resume, where the
+    restored adapter has moved."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -61,34 +62,39 @@ class RecipeDPOTrainer(RecipeTrainerMixin, DPOTrainer):
             model.delete_adapter(REF_ADAPTER)
 
 
+class RecipeDPOTrainer(AdapterOffReferenceMixin, RecipeTrainerMixin, DPOTrainer):
+    """The DPO stage's trainer."""
+
+
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """A LoRA stage's reference is the model with the adapter off (validation refuses LoRA beside a fully
     trained role); a stage without LoRA gets a frozen copy, which TRL loads from the stage's source."""
+    guard = f"{stage.method}-reference"
     if "lora" in (stage.train.vision, stage.train.projector, stage.train.llm):
-        return Decision(
-            "dpo-reference", "the model with its LoRA adapter switched off", "no second model copy"
-        )
+        return Decision(guard, "the model with its LoRA adapter switched off", "no second model copy")
     return Decision(
-        "dpo-reference",
+        guard,
         f"a frozen copy loaded from {built.source}",
         "full fine-tune: no adapter to switch off",
     )
 
 
-def build_dpo_trainer(
+def build_preference_trainer(
+    trainer_class: type,
     built: BuiltModel,
     stage: Stage,
-    args: DPOConfig,
+    args,
     data: StageData,
     decisions: list[Decision] | None = None,
     callbacks: list | None = None,
-) -> RecipeDPOTrainer:
-    """The stage's DPOTrainer (ref_model=None), with the parallelism and trainable-dtype guards applied."""
+):
+    """The stage's DPOTrainer or KTOTrainer (`trainer_class`, ref_model=None), with the parallelism and
+    trainable-dtype guards applied."""
     reference = reference_decision(built, stage)
     unused = ("padding_free", "preprocessed_cache")
     announce_method_settings(stage, decisions, reference, unused, "TRL's preference collator")
     apply_parallelism(args)
-    trainer = RecipeDPOTrainer(
+    trainer = trainer_class(
         model=built.model,
         ref_model=None,
         args=args,
@@ -98,7 +104,12 @@ def build_dpo_trainer(
         callbacks=callbacks,
     )
     trainer.data_collator = UprightImagesCollator(trainer.data_collator)
-    return prepare_trainer(trainer, built, stage, decisions, "after DPOTrainer was built")
+    trl_trainer = trainer_class.__bases__[-1].__name__  # DPOTrainer, KTOTrainer
+    return prepare_trainer(trainer, built, stage, decisions, f"after {trl_trainer} was built")
+
+
+def build_dpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeDPOTrainer:
+    return build_preference_trainer(RecipeDPOTrainer, built, stage, args, data, decisions, callbacks)
 
 
 def dpo_eval_metrics(eval_metrics: dict) -> dict:

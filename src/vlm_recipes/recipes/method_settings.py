@@ -1,5 +1,5 @@
-"""The settings of the stage methods beside SFT (the recipe's `dpo:`, `grpo:` and `rloo:` sections): part of
-the recipe schema (schema.py), kept apart only to keep each file short."""
+"""The settings of the stage methods beside SFT (the recipe's `dpo:`, `kto:`, `grpo:` and `rloo:` sections):
+part of the recipe schema (schema.py), kept apart only to keep each file short."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
 RewardScaling = Literal["group", "batch", "none"]
 VllmMode = Literal["colocate", "server"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+KtoLoss = Literal["kto", "apo_zero_unpaired"]
 DpoLoss = Literal[
     "sigmoid",
     "hinge",
@@ -48,6 +49,29 @@ class DpoSettings:
     max_length: int | None = doc(
         "longest prompt + answer (chosen or rejected) in tokens, image tokens included; a longer pair is a "
         "data error, never cut; null: data.max_length",
+        None,
+        range=AT_LEAST_1,
+    )
+
+
+@dataclass
+class KtoSettings:
+    """Preference training from answers marked good or bad (method: kto): TRL's KTOTrainer on prompt /
+    completion / label rows, or on preference pairs (each pair unpaired: chosen good, rejected bad)."""
+
+    beta: float = doc(
+        "strength of the pull towards the reference model (the stage's start)", 0.1, range=ABOVE_0
+    )
+    loss_type: KtoLoss = doc("TRL's KTO loss: kto (the KTO paper) or apo_zero_unpaired", "kto")
+    desirable_weight: float = doc(
+        "weight of the good answers' loss (raise it where good answers are fewer than bad ones)",
+        1.0,
+        range=ABOVE_0,
+    )
+    undesirable_weight: float = doc("weight of the bad answers' loss", 1.0, range=ABOVE_0)
+    max_length: int | None = doc(
+        "longest prompt + answer in tokens, image tokens included; a longer row is a data error, never cut; "
+        "null: data.max_length",
         None,
         range=AT_LEAST_1,
     )

@@ -14,6 +14,7 @@ from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Ra
 from vlm_recipes.recipes.method_settings import (
     DpoSettings,
     GrpoSettings,
+    KtoSettings,
     RlooSettings,
     SampledCompletionSettings,
 )
@@ -23,8 +24,9 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
 # How a stage trains; each value has its module in methods/ (methods/__init__.py lists them).
-Method = Literal["sft", "dpo", "grpo", "rloo"]
+Method = Literal["sft", "dpo", "kto", "grpo", "rloo"]
 SAMPLING_METHODS = ("grpo", "rloo")  # the methods that sample completions and score them with rewards
+PREFERENCE_METHODS = ("dpo", "kto")  # the methods that learn from answers marked better or worse
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
 
 
@@ -228,7 +230,9 @@ class Stage:
     )
     method: Method = doc(
         "how the stage trains: sft (supervised, `messages` rows), dpo (preference pairs: `prompt`, "
-        "`chosen`, `rejected` rows; see the dpo section), grpo (sampled completions scored by rewards: "
+        "`chosen`, `rejected` rows; see the dpo section), kto (answers marked good or bad: `prompt`, "
+        "`completion`, `label` rows, or preference pairs; see the kto section), grpo (sampled completions "
+        "scored by rewards: "
         "`prompt` rows with a `solution`; see the grpo section) or rloo (the same rows, REINFORCE "
         "Leave-One-Out; see the rloo section)",
         "sft",
@@ -249,6 +253,7 @@ class Stage:
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
     dpo: DpoSettings = doc("preference-training settings, used when method is dpo", factory=DpoSettings)
+    kto: KtoSettings = doc("KTO settings, used when method is kto", factory=KtoSettings)
     grpo: GrpoSettings = doc(
         "reinforcement-learning settings, used when method is grpo", factory=GrpoSettings
     )
@@ -287,6 +292,7 @@ STAGE_DEFAULT_SECTIONS = (
     "lora",
     "parallel",
     "dpo",
+    "kto",
 )
 # Every key a recipe file may hold at its top level.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

@@ -19,7 +19,7 @@ from typing import Any
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
+from vlm_recipes.recipes.schema import PREFERENCE_METHODS, QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
 from vlm_recipes.roles import ROLES
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -262,8 +262,8 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
                 Problem(
                     f"{at}.data.{key}",
                     f"unknown demo data `{source}`: use demo:train or demo:eval "
-                    "(demo:preference-train or demo:preference-eval for method: dpo, "
-                    "demo:prompt-train or demo:prompt-eval for method: grpo; demo:teaching-eval: demo:eval's "
+                    "(demo:preference-train or demo:preference-eval for method: dpo or kto, "
+                    "demo:prompt-train or demo:prompt-eval for method: grpo or rloo; demo:teaching-eval: demo:eval's "
                     "kind of rows, three times as many)",
                 )
             )
@@ -309,7 +309,8 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
         )
     lora = [role for role, mode in modes.items() if mode == "lora"]
     full = [role for role, mode in modes.items() if mode == "full"]
-    with_reference = stage.method == "dpo" or (stage.method in SAMPLING_METHODS and stage.sampling.beta > 0)
+    sampled_with_kl = stage.method in SAMPLING_METHODS and stage.sampling.beta > 0
+    with_reference = stage.method in PREFERENCE_METHODS or sampled_with_kl
     if with_reference and lora and full:
         problems.append(
             Problem(
