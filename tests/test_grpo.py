@@ -551,3 +551,61 @@ def test_the_plan_states_the_reference_copy_where_trl_loads_one(
     model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
     whole_fp32 = sum(p.numel() for p in model.parameters()) * 4
     assert (f"+ reference copy {human(whole_fp32)} (frozen)" in printed) == copy, printed
+
+
+def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str, shift: torch.Tensor):
+    """TRL's GRPO loss (loss_type grpo, clipping out of reach) of a fixed text batch for our stage's trainer,
+    its old log-probabilities the current ones minus `shift` per token; and those current log-probabilities."""
+    from vlm_recipes.data.prompts import PROMPTS
+    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.grpo import build_grpo_config, build_grpo_trainer
+    from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
+    from vlm_recipes.recipes.load import load_recipe
+
+    settings = f", loss_type: grpo, importance_sampling_level: {level}, epsilon: 10.0"
+    tmp_path.mkdir()
+    stage = load_recipe(str(_grpo_recipe(tmp_path, "demo:prompt-train", settings))).stages[0]
+    family, _ = detect_family(str(demo_model_dir))
+    processor = load_processor(str(demo_model_dir), stage.data, family)
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
+    args = build_grpo_config(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
+    trainer = build_grpo_trainer(built, stage, args, load_stage_data(stage.data, PROMPTS))
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids, completion_ids = (
+        torch.randint(10, 200, (2, 5), generator=generator),
+        torch.randint(10, 200, (2, 4), generator=generator),
+    )
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 4)[0]
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": mask,
+        "advantages": torch.tensor([1.0, -0.5]),
+        "old_per_token_logps": logps - shift,
+        "num_items_in_batch": mask.sum(),
+    }
+    trainer.model.eval()  # TRL's eval normalization: no accumulation window (set only inside training)
+    with torch.no_grad():
+        return trainer._compute_loss(trainer.model, inputs).item(), mask
+
+
+def test_gspo_weighs_each_completion_by_its_sequence_level_ratio_in_trls_loss(tmp_path, demo_model_dir):
+    """On a fixed batch whose old log-probabilities differ from the current ones by a known shift per token,
+    TRL's loss with importance_sampling_level sequence is -mean over completions of exp(the mean shift over
+    its tokens) x its advantage, as GSPO defines it; with token it is the per-token ratios' mean. The two differ
+    by far more than fp32 rounding, and each matches its own formula within it."""
+    shift = torch.tensor([[0.8, -0.6, 0.4, 1.0], [0.2, -0.4, 0.9, -0.9]])
+    advantages = torch.tensor([1.0, -0.5])
+    sequence, mask = _grpo_loss_on_a_fixed_batch(tmp_path / "seq", demo_model_dir, "sequence", shift)
+    token, _ = _grpo_loss_on_a_fixed_batch(tmp_path / "tok", demo_model_dir, "token", shift)
+    mean_shift = (shift * mask).sum(-1) / mask.sum(-1)
+    gspo = -(torch.exp(mean_shift) * advantages).mean().item()
+    per_token = -(((torch.exp(shift) * advantages[:, None]) * mask).sum(-1) / mask.sum(-1)).mean().item()
+    print(f"GSPO loss {sequence:.6f} (by hand {gspo:.6f}); token-level {token:.6f} (by hand {per_token:.6f})")
+    assert sequence == pytest.approx(gspo, abs=1e-5) and token == pytest.approx(per_token, abs=1e-5)
+    assert abs(gspo - per_token) > 1e-1  # the two levels are told apart far beyond the tolerance
