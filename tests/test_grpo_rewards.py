@@ -125,13 +125,61 @@ def test_iou_by_hand(form):
         form("\n</think>\n\n[0,0,10,10]"),  # after the thinking, as the eval reads it
         form("no box"),
     ]
-    scores = trl_call(built(name="iou"), completions, solution="[0, 0, 10, 10]")
+    scores = trl_call(built(name="iou", box_format="pixels"), completions, solution="[0, 0, 10, 10]")
     assert scores == pytest.approx([1.0, 1 / 3, 0.25, 1.0, 0.0, 0.25, 1.0, 0.0])
 
 
 def test_iou_does_not_apply_to_a_solution_without_a_box():
-    scores = trl_call(built(name="iou"), ["[0, 0, 1, 1]"] * 3, solution=["red", None, "(0,0),(1,1)"])
+    reward = built(name="iou", box_format="same")
+    scores = trl_call(reward, ["[0, 0, 1, 1]"] * 3, solution=["red", None, "(0,0),(1,1)"])
     assert scores == [None, None, 1.0]
+
+
+def test_iou_reads_a_relative_1000_answer_in_the_images_pixels():
+    """A 200x100 image, the solution [20, 10, 60, 50] in its pixels. Qwen2-VL's family answers in 0-1000
+    across the image: (100,100),(300,500) is that box. Read as pixels, or with x and y scaled the wrong way
+    round, it is another box."""
+    from PIL import Image
+
+    image = [Image.new("RGB", (200, 100))]
+    answer = ["<|box_start|>(100,100),(300,500)<|box_end|>"]
+    functions, _ = build_rewards([RewardSettings(name="iou")], None, WHERE, family_box_format="relative_1000")
+    assert trl_call(functions[0], answer, solution="[20, 10, 60, 50]", images=[image]) == [pytest.approx(1.0)]
+    as_pixels = trl_call(built(name="iou", box_format="pixels"), answer, solution="[20, 10, 60, 50]")
+    assert as_pixels[0] < 0.1
+    swapped = [Image.new("RGB", (100, 200))]  # the same numbers scaled as if width and height were swapped
+    assert trl_call(functions[0], answer, solution="[20, 10, 60, 50]", images=[swapped])[0] < 0.5
+    # without the image a relative box has no pixels: the reward does not apply to that row
+    assert trl_call(functions[0], answer, solution="[20, 10, 60, 50]", images=[[]]) == [None]
+
+
+def test_iou_reads_a_resized_pixels_answer_through_the_processors_own_resize(private_demo_cache):
+    """Qwen2.5-VL answers in pixels of the image its processor resized. The resized size is the one the
+    processor's patch grid covers (image_grid_thw x patch size), and the answer's box, scaled back, is the
+    solution's."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vlm_recipes.demo.models import ensure_demo_model
+    from vlm_recipes.methods.grounding import resized_size
+
+    processor = AutoProcessor.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
+    image = Image.new("RGB", (200, 100))
+    grid = processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+    patch = processor.image_processor.patch_size
+    width, height = resized_size(processor, 200, 100)
+    assert (width, height) == (grid[2] * patch, grid[1] * patch) != (200, 100)
+    x, y = width / 200, height / 100
+    answer = [f'{{"bbox_2d": [{20 * x}, {10 * y}, {60 * x}, {50 * y}]}}']
+    reward = build_rewards([RewardSettings(name="iou", box_format="resized_pixels")], processor, WHERE)[0][0]
+    assert trl_call(reward, answer, solution="[20, 10, 60, 50]", images=[[image]]) == [pytest.approx(1.0)]
+
+
+def test_iou_on_a_family_without_a_known_box_convention_asks_for_box_format():
+    with pytest.raises(RewardError, match=r"stages\[2\]\.grpo\.rewards\[0\]\.box_format: this model's family"):
+        built(name="iou")
+    with pytest.raises(RewardError, match="`box_format` belongs to the iou reward"):
+        built(name="exact_match", box_format="pixels")
 
 
 def test_build_rewards_names_and_weights_in_order():

@@ -33,6 +33,7 @@ from vlm_recipes.demo.samples import (
     shapes_sample,
     write_clip,
 )
+from vlm_recipes.demo.grounding import resolve_grounding_source
 from vlm_recipes.files import build_dir_atomically, cache_dir
 
 log = logging.getLogger(__name__)
@@ -100,18 +101,16 @@ def ensure_preference_dataset() -> Path:
 
 
 def resolve_data_source(source: str, with_videos: bool = True) -> str:
-    """Map a ``demo:`` source (train, eval, teaching-eval, bench, the preference-, prompt- and pretraining-
-    splits) to its JSONL file; anything else unchanged. Without videos (a family that takes none): the split
-    without its video rows.
-
-    Raises:
-        ValueError: for a ``demo:`` source naming a split that does not exist.
-    """
+    """Map a ``demo:`` source (train, eval, teaching-eval, bench, the preference-, prompt-, pretraining- and
+    grounding- splits) to its JSONL file; anything else unchanged. Without videos (a family that takes
+    none): the split without its video rows. ValueError for a ``demo:`` split that does not exist."""
     if not source.startswith(DEMO_DATA_PREFIX):
         return source
     split = source[len(DEMO_DATA_PREFIX) :]
     if split == "bench":
         return str(ensure_bench_dataset() / "bench.jsonl")
+    if grounding := resolve_grounding_source(split):  # demo:grounding-… (demo/grounding.py)
+        return grounding
     built_by = (ensure_preference_dataset, ensure_prompt_dataset, ensure_pretraining_dataset)
     prefixes = (_PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)
     for prefix, ensure_dataset in zip(prefixes, built_by, strict=True):
@@ -122,7 +121,8 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
     elif split in _SPLITS:
         directory = ensure_demo_dataset()
     else:
-        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in ("", *prefixes) for s in _SPLITS)
+        kinds = ("", *prefixes, "grounding-", "grounding-sft-")
+        valid = ", ".join(DEMO_DATA_PREFIX + p + s for p in kinds for s in _SPLITS)
         raise ValueError(
             f"Unknown demo data source {source!r}; valid demo sources are: {valid}, "
             f"{DEMO_DATA_PREFIX}{_TEACHING_SOURCE}, {DEMO_DATA_PREFIX}bench"

@@ -168,6 +168,9 @@ class Family:
     # Keyword arguments every load of the family's processor passes (model/build.load_processor, predict):
     # fixes transformers applies only when asked (Mistral 3's fix_mistral_regex).
     processor_load_kwargs: ClassVar[dict[str, object]] = {}
+    # How the family's models write a box in their answers (methods/grounding.py: relative_1000,
+    # resized_pixels, pixels); None: no convention documented, so the iou reward asks the recipe.
+    box_format: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------ roles
 

@@ -83,6 +83,8 @@ def tiles_per_image(processor, sizes: list[tuple[int, int]]) -> list[int]:
 class InternVLFamily(Family):
     """InternVL: tiles plus a thumbnail through an InternViT tower, pixel shuffle, an MLP projector, Qwen3."""
 
+    box_format = "relative_1000"  # `<box>[[x1, y1, x2, y2]]</box>`, 0-1000 across the image
+
     # every image's tiles along the first dimension, as any image tensor (named: a sample of 1 tile is
     # [1, 3, H, W], which a 3-token sample would mistake for a per-token tensor)
     image_padding = {"pixel_values": "concatenated"}

@@ -25,6 +25,8 @@ from vlm_recipes.families.tiny.qwen2_5_vl import build_tiny_qwen2_5_vl
 class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
     """Qwen2.5-VL: Qwen2-VL with a windowed-attention tower."""
 
+    box_format = "resized_pixels"  # `{"bbox_2d": [...]}` in pixels of the image as the processor resized it
+
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config
         merge = vision.spatial_merge_size

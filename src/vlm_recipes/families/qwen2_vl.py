@@ -29,6 +29,9 @@ class Qwen2VLFamily(Family):
     3-D multimodal RoPE computed by the model's own `get_rope_index`."""
 
     tower_attribute = "visual"
+    # `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, 0-1000 across the image (Qwen3-VL, Qwen3.5 and GLM-4.xV,
+    # built on this class, answer in 0-1000 too, as `{"bbox_2d": [...]}`)
+    box_format = "relative_1000"
 
     rope_index_keys = QWEN_VL_ROPE_INDEX_KEYS
     # the processor attribute naming the token a video's features fill (GLM-4V writes frames as images)

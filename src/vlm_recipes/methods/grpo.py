@@ -198,7 +198,11 @@ def build_sampling_trainer(
     with the parallelism and trainable-dtype guards applied."""
     where = f"stage {stage.name}: {stage.method}.rewards"
     rewards, _ = build_rewards(
-        stage.sampling.rewards, built.processor, where, tolerance=stage.evaluation.numeric_tolerance
+        stage.sampling.rewards,
+        built.processor,
+        where,
+        tolerance=stage.evaluation.numeric_tolerance,
+        family_box_format=built.family.box_format,
     )
     check_rewards(rewards, data.train[0], where)
     unused = ("padding_free", "preprocessed_cache", "group_by_length")

@@ -23,14 +23,13 @@ from transformers import TrainerState
 from trl.trainer.utils import get_callable_name, is_async_callable
 
 from vlm_recipes.errors import BadInput
+from vlm_recipes.methods.grounding import BOX_FORMATS, iou_reward
 from vlm_recipes.recipes.method_settings import RewardSettings
 from vlm_recipes.recipes.schema import EvaluationSettings
 from vlm_recipes.recipes.validate import did_you_mean, key_path
 from vlm_recipes.scoring import (
-    box_iou,
     exact_match,
     final_answer,
-    first_box,
     json_field_counts,
     parse_json_object,
     precision_recall_f1,
@@ -41,7 +40,8 @@ BUILT_INS = ("exact_match", "json_f1", "format", "length", "iou")
 # What TRL passes besides the dataset's columns (and `environments` when the stage has some).
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 TOLERANCE = EvaluationSettings().numeric_tolerance  # the eval's default for numbers in JSON answers
-ONLY_FOR = {"pattern": "format", "target_length": "length"}  # reward keys that belong to one built-in
+# reward keys that belong to one built-in
+ONLY_FOR = {"pattern": "format", "target_length": "length", "box_format": "iou"}
 
 
 class RewardError(BadInput, ValueError):
@@ -126,32 +126,29 @@ def length_reward(target_length: int) -> Callable:
     return length
 
 
-def iou_reward(completions: list, **kwargs) -> list[float | None]:
-    """Grounding (VLM-R1, Visual-RFT): the IoU of the completion's first box with the solution's, in the
-    coordinates both are written in (0.0 when the answer has no box); None for a row whose solution has none."""
-    scores: list[float | None] = []
-    for completion, solution in zip(completions, _solutions(kwargs, "iou"), strict=True):
-        reference = first_box(solution) if isinstance(solution, str) else None
-        answer = first_box(final_answer(completion_text(completion)))
-        scores.append(None if reference is None else 0.0 if answer is None else box_iou(answer, reference))
-    return scores
-
-
 # ---------------------------------------------------------------------------------------------
 # Building the recipe's rewards
 
 
 def build_rewards(
-    settings: list[RewardSettings], tokenizer, where: str, *, tolerance: float = TOLERANCE
+    settings: list[RewardSettings],
+    tokenizer,
+    where: str,
+    *,
+    tolerance: float = TOLERANCE,
+    family_box_format: str | None = None,
 ) -> tuple[list[Callable], list[float]]:
     """TRL reward functions (each with __name__ set to the reward's name as written in the recipe, e.g.
     'exact_match' or 'my_rewards:colour') and their weights, in order; each is guarded and carries the
-    `tokenizer` check_rewards encodes its completions with. `tolerance`: evaluation.numeric_tolerance."""
+    `tokenizer` (the processor) check_rewards encodes its completions with. `tolerance`:
+    evaluation.numeric_tolerance; `family_box_format`: the model family's box convention (grounding.py), None
+    where it has none."""
     if not settings:
         raise RewardError(f"{where}: a grpo stage needs at least one reward, e.g. `- name: exact_match`")
     functions = []
     for index, reward in enumerate(settings):
-        function = guarded(_checked_reward_function(reward, f"{where}[{index}]", tolerance), reward.name)
+        built = _checked_reward_function(reward, f"{where}[{index}]", tolerance, tokenizer, family_box_format)
+        function = guarded(built, reward.name)
         function.tokenizer = tokenizer
         functions.append(function)
     return functions, [float(reward.weight) for reward in settings]
@@ -164,28 +161,39 @@ def reward_problems(settings: list[RewardSettings], where: str) -> list[RewardEr
     problems = []
     for index, reward in enumerate(settings):
         try:
-            _checked_reward_function(reward, f"{where}[{index}]", TOLERANCE)
+            # the model's family is not known at load: the iou reward's frame is resolved with the trainer
+            _checked_reward_function(reward, f"{where}[{index}]", TOLERANCE, None, "same")
         except RewardError as error:
             problems.append(error)
     return problems
 
 
-def _checked_reward_function(reward: RewardSettings, here: str, tolerance: float) -> Callable:
+def _checked_reward_function(
+    reward: RewardSettings, here: str, tolerance: float, processor, family_box_format: str | None
+) -> Callable:
     for key, owner in ONLY_FOR.items():
         if getattr(reward, key) is not None and reward.name != owner:
             raise RewardError(
                 f"{key_path(here, key)}: `{key}` belongs to the {owner} reward, not to {reward.name}; remove it"
             )
-    return _reward_function(reward, here, tolerance)
+    return _reward_function(reward, here, tolerance, processor, family_box_format)
 
 
-def _reward_function(reward: RewardSettings, here: str, tolerance: float) -> Callable:
+def _reward_function(
+    reward: RewardSettings, here: str, tolerance: float, processor, family_box_format: str | None
+) -> Callable:
     if reward.name == "exact_match":
         return exact_match_reward
     if reward.name == "json_f1":
         return json_f1_reward(tolerance)
     if reward.name == "iou":
-        return iou_reward
+        box_format = reward.box_format or family_box_format
+        if box_format is None:
+            raise RewardError(
+                f"{key_path(here, 'box_format')}: this model's family has no known box convention; say how its "
+                f"answers write a box: {', '.join(BOX_FORMATS)} (docs/recipes.md)"
+            )
+        return iou_reward(box_format, processor, _solutions, completion_text)
     if reward.name == "format":
         if not reward.pattern:
             raise RewardError(

@@ -13,6 +13,7 @@ RewardScaling = Literal["group", "batch", "none"]
 VllmMode = Literal["colocate", "server"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 KtoLoss = Literal["kto", "apo_zero_unpaired"]
+BoxFormat = Literal["same", "pixels", "relative_1000", "resized_pixels"]  # methods/grounding.py
 DpoLoss = Literal[
     "sigmoid",
     "hinge",
@@ -97,6 +98,13 @@ class RewardSettings:
     )
     target_length: int | None = doc(
         "length: completions up to this many tokens get the full reward", None, range=AT_LEAST_1
+    )
+    box_format: BoxFormat | None = doc(
+        "iou: how the model writes a box: relative_1000 (0-1000 across the image: Qwen2-VL, Qwen3-VL, "
+        "Qwen3.5, GLM-4.xV, InternVL), resized_pixels (pixels of the processor's resized image: Qwen2.5-VL), "
+        "pixels, or same (the solution is written in the model's frame); null: the model family's own. The "
+        "solution's box is in pixels of the row's image",
+        None,
     )
 
 

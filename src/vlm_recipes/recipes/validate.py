@@ -32,6 +32,10 @@ DEMO_DATA = (
     "demo:preference-eval",
     "demo:prompt-train",
     "demo:prompt-eval",
+    "demo:grounding-train",
+    "demo:grounding-eval",
+    "demo:grounding-sft-train",
+    "demo:grounding-sft-eval",
     "demo:pretraining-train",
     "demo:pretraining-eval",
 )
@@ -263,7 +267,8 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
                     f"{at}.data.{key}",
                     f"unknown demo data `{source}`: use demo:train or demo:eval "
                     "(demo:preference-train or demo:preference-eval for method: dpo or kto, "
-                    "demo:prompt-train or demo:prompt-eval for method: grpo or rloo; demo:teaching-eval: demo:eval's "
+                    "demo:prompt-train or demo:prompt-eval for method: grpo or rloo; demo:grounding-train / -eval "
+                    "(prompt rows with boxes) and demo:grounding-sft-train / -eval; demo:teaching-eval: demo:eval's "
                     "kind of rows, three times as many)",
                 )
             )
