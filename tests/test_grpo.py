@@ -617,11 +617,15 @@ def test_r7_grounding_trains_end_to_end_with_dapo_gspo_and_iou(tmp_path, private
     quick = ["--max-steps", "2", "data.max_train_samples=8", "data.max_eval_samples=2", "precision=fp32"]
     quick += ["stages.box-sft.training.per_device_batch_size=4", "training.logging_steps=1"]
     quick += ["stages.box-grpo.grpo.num_generations=4", "stages.box-grpo.training.per_device_batch_size=4"]
-    assert main(["--recipe", "r7-grounding-grpo", "--output-dir", str(tmp_path), "--run-name", "t", *quick]) == 0
+    assert (
+        main(["--recipe", "r7-grounding-grpo", "--output-dir", str(tmp_path), "--run-name", "t", *quick]) == 0
+    )
     grpo = tmp_path / "r7-grounding-grpo" / "t" / "stage-2-box-grpo"
     metrics, report = read_json(grpo / "metrics.json"), read_json(grpo / "report.json")
     assert metrics["steps"] == 2 and all("reward:iou" in point for point in metrics["reward_curve"])
     assert "eval_reward:iou" in metrics["eval_at_start"] and "eval_reward:iou" in metrics
-    recipe = report["recipe"] if "recipe" in report else read_json(grpo.parent / "run.json")["resolved_recipe"]
+    recipe = (
+        report["recipe"] if "recipe" in report else read_json(grpo.parent / "run.json")["resolved_recipe"]
+    )
     settings = json.dumps(recipe)
     assert '"importance_sampling_level": "sequence"' in settings and '"loss_type": "dapo"' in settings

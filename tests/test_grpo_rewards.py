@@ -176,7 +176,9 @@ def test_iou_reads_a_resized_pixels_answer_through_the_processors_own_resize(pri
 
 
 def test_iou_on_a_family_without_a_known_box_convention_asks_for_box_format():
-    with pytest.raises(RewardError, match=r"stages\[2\]\.grpo\.rewards\[0\]\.box_format: this model's family"):
+    with pytest.raises(
+        RewardError, match=r"stages\[2\]\.grpo\.rewards\[0\]\.box_format: this model's family"
+    ):
         built(name="iou")
     with pytest.raises(RewardError, match="`box_format` belongs to the iou reward"):
         built(name="exact_match", box_format="pixels")

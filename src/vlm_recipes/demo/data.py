@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_recipes.demo.english import ENGLISH_WORDS
+from vlm_recipes.demo.grounding import resolve_grounding_source
 from vlm_recipes.demo.samples import (
     COLOURS,
     SHAPES,
@@ -33,7 +34,6 @@ from vlm_recipes.demo.samples import (
     shapes_sample,
     write_clip,
 )
-from vlm_recipes.demo.grounding import resolve_grounding_source
 from vlm_recipes.files import build_dir_atomically, cache_dir
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def resolve_data_source(source: str, with_videos: bool = True) -> str:
     split = source[len(DEMO_DATA_PREFIX) :]
     if split == "bench":
         return str(ensure_bench_dataset() / "bench.jsonl")
-    if grounding := resolve_grounding_source(split):  # demo:grounding-… (demo/grounding.py)
+    if grounding := resolve_grounding_source(split, VERSION):  # demo:grounding-… (demo/grounding.py)
         return grounding
     built_by = (ensure_preference_dataset, ensure_prompt_dataset, ensure_pretraining_dataset)
     prefixes = (_PREFERENCE_PREFIX, _PROMPT_PREFIX, _PRETRAINING_PREFIX)

@@ -44,17 +44,18 @@ def relative_1000(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:
     return f"({round(x1 * 1000 / w)},{round(y1 * 1000 / h)}),({round(x2 * 1000 / w)},{round(y2 * 1000 / h)})"
 
 
-def ensure_grounding_dataset() -> Path:
-    from vlm_recipes.demo.data import VERSION
+def ensure_grounding_dataset(version: str) -> Path:
+    """The rows' directory under the demo data's `version` (demo/data.py's VERSION); built once."""
+    return build_dir_atomically(
+        cache_dir() / version / "grounding-data", FILES, _build, "demo grounding rows"
+    )
 
-    return build_dir_atomically(cache_dir() / VERSION / "grounding-data", FILES, _build, "demo grounding rows")
 
-
-def resolve_grounding_source(split: str) -> str | None:
+def resolve_grounding_source(split: str, version: str) -> str | None:
     """The JSONL file of a `demo:grounding-…` split (split without `demo:`); None for any other split."""
     for prefix, stem in ((SFT_PREFIX, "sft-"), (PREFIX, "")):
         if split.startswith(prefix) and split.removeprefix(prefix) in ROWS:
-            return str(ensure_grounding_dataset() / f"{stem}{split.removeprefix(prefix)}.jsonl")
+            return str(ensure_grounding_dataset(version) / f"{stem}{split.removeprefix(prefix)}.jsonl")
     return None
 
 
@@ -71,7 +72,10 @@ def _build(out: Path) -> None:
                     image.save(out / name, format="PNG")
                     row = {"id": f"grounding-{stem}{split}-{i:04d}", "task": "grounding", "images": [name]}
                     if stem:
-                        answer = {"role": "assistant", "content": [{"type": "text", "text": relative_1000(box, image.size)}]}
+                        answer = {
+                            "role": "assistant",
+                            "content": [{"type": "text", "text": relative_1000(box, image.size)}],
+                        }
                         row["messages"] = [*question, answer]
                     else:
                         row |= {"prompt": question, "solution": json.dumps(list(box))}

@@ -63,7 +63,9 @@ def iou_reward(box_format: str, processor, solutions_of: Callable, text_of: Call
         image, for a row without one."""
         images = kwargs.get("images") or [None] * len(completions)
         scores: list[float | None] = []
-        for completion, solution, row_images in zip(completions, solutions_of(kwargs, "iou"), images, strict=True):
+        for completion, solution, row_images in zip(
+            completions, solutions_of(kwargs, "iou"), images, strict=True
+        ):
             reference = first_box(solution) if isinstance(solution, str) else None
             answer = first_box(final_answer(text_of(completion)))
             if reference is None:
