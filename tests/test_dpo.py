@@ -311,7 +311,8 @@ def test_bad_preference_data_exits_2(tmp_path, capsys, private_demo_cache):
 @pytest.mark.e2e
 def test_a_killed_dpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog, private_demo_cache):
     """SIGKILL after step 3 of 4 (checkpoint at step 2), then --resume: the final weights equal an
-    uninterrupted run's exactly, and the resumed reference is still the adapter switched off."""
+    uninterrupted run's exactly, having moved far from the start (an equality of unmoved weights would prove
+    nothing), and the resumed reference is still the adapter switched off."""
     recipe = write_recipe(
         tmp_path,
         "dpo",
@@ -346,6 +347,11 @@ def test_a_killed_dpo_stage_resumes_to_the_uninterrupted_result(tmp_path, caplog
     assert f"resuming from {run_dir / 'stage-1-dpo' / 'checkpoints' / 'checkpoint-2'}" in caplog.text
     assert "dpo-reference: the model with its LoRA adapter switched off" in caplog.text
     whole, again = final_weights("whole"), final_weights("killed")
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    start = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
+    moved = max((whole[n] - p.detach()).abs().max().item() for n, p in start.named_parameters())
+    assert moved > 1e-4, f"the weights did not move ({moved})"
     for name, value in whole.items():
         assert torch.equal(again[name], value), name
 
