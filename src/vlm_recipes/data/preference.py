@@ -42,25 +42,34 @@ def messages_problem(value, key: str, answer: bool) -> str | None:
     return None
 
 
-def preference_row_problem(
-    row: dict, image_root, allow_remote_images: bool = False
+def answered_row_problem(
+    row: dict, answers: tuple[str, ...], kind: str, image_root, allow_remote_images: bool
 ) -> tuple[str, str] | None:
-    """(reason, detail) for a preference row that cannot be trained on, or None."""
-    for key, answer in (("prompt", False), ("chosen", True), ("rejected", True)):
+    """(reason, detail) for a row of a prompt and its `answers` (one assistant message each) that cannot be
+    trained on, or None: every part there and well formed, images in the prompt only, one per image part,
+    each readable. `kind`: the row formats, as the missing-key message names them."""
+    for key, answer in (("prompt", False), *((name, True) for name in answers)):
         if row.get(key) is None:
-            return f"no {key}", f"the row needs `{key}` (preference rows: prompt, chosen, rejected, images)"
+            return f"no {key}", f"the row needs `{key}` ({kind})"
         if detail := messages_problem(row[key], key, answer):
             return f"bad {key}", detail
     images = row.get("images") or []
-    placeholders = count_image_parts(row["prompt"])
-    if count_image_parts(row["chosen"]) + count_image_parts(row["rejected"]):
-        return "image in answer", "images belong in the prompt, not in chosen or rejected"
-    if placeholders != len(images):
+    if sum(count_image_parts(row[name]) for name in answers):
+        return "image in answer", f"images belong in the prompt, not in {' or '.join(answers)}"
+    if (placeholders := count_image_parts(row["prompt"])) != len(images):
         return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
     for image in images:
         if problem := image_problem(image, image_root, allow_remote_images):
             return problem
     return None
+
+
+def preference_row_problem(
+    row: dict, image_root, allow_remote_images: bool = False
+) -> tuple[str, str] | None:
+    """(reason, detail) for a preference row that cannot be trained on, or None."""
+    kind = "preference rows: prompt, chosen, rejected, images"
+    return answered_row_problem(row, ("chosen", "rejected"), kind, image_root, allow_remote_images)
 
 
 PREFERENCE: RowFormat = (preference_row_problem, ("prompt", "chosen", "rejected", "images"))
@@ -71,27 +80,14 @@ def unpaired_row_problem(row: dict, image_root, allow_remote_images: bool = Fals
     with one `completion` and its boolean `label`."""
     if row.get("chosen") is not None or row.get("rejected") is not None:
         return preference_row_problem(row, image_root, allow_remote_images)
-    for key, answer in (("prompt", False), ("completion", True)):
-        if row.get(key) is None:
-            return f"no {key}", (
-                f"the row needs `{key}` (KTO rows: prompt, completion, label, images; or prompt, chosen, "
-                "rejected, images)"
-            )
-        if detail := messages_problem(row[key], key, answer):
-            return f"bad {key}", detail
+    kind = "KTO rows: prompt, completion, label, images; or prompt, chosen, rejected, images"
+    if problem := answered_row_problem(row, ("completion",), kind, image_root, allow_remote_images):
+        return problem
     if not isinstance(row.get("label"), bool):
         return (
             "bad label",
             f"`label` must be true (a good answer) or false (a bad one), got {row.get('label')!r}",
         )
-    images = row.get("images") or []
-    if count_image_parts(row["completion"]):
-        return "image in answer", "images belong in the prompt, not in the completion"
-    if (placeholders := count_image_parts(row["prompt"])) != len(images):
-        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
-    for image in images:
-        if problem := image_problem(image, image_root, allow_remote_images):
-            return problem
     return None
 
 
