@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import datasets
+import pytest
 from test_grpo import assert_moved, base_weights, final_weights
 
 from vlm_recipes.cli.train import main
@@ -71,11 +72,23 @@ def test_a_preference_pair_unpairs_into_a_good_and_a_bad_row_with_its_images():
     assert unpaired(single) is single  # rows already unpaired pass through
 
 
-def test_a_kto_stage_trains_from_preference_pairs_and_scores_its_start_and_end(tmp_path, private_demo_cache):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # set explicitly: CPUs with and without native bf16
+def test_a_kto_stage_trains_from_preference_pairs_and_scores_its_start_and_end(
+    tmp_path, private_demo_cache, precision
+):
     recipe = kto_recipe(
         tmp_path, "{train: demo:preference-train, eval: demo:preference-eval, max_eval_samples: 8}"
     )
-    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "t"]) == 0
+    run = [
+        "--recipe",
+        str(recipe),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "t",
+        f"precision={precision}",
+    ]
+    assert main(run) == 0
     stage = tmp_path / "kto" / "t" / "stage-1-kto"
     assert_moved(final_weights(stage), base_weights())
     metrics, report = read_json(stage / "metrics.json"), read_json(stage / "report.json")
@@ -85,6 +98,7 @@ def test_a_kto_stage_trains_from_preference_pairs_and_scores_its_start_and_end(t
     assert start["eval_reward_margin"] == 0.0 and start["eval_logp_margin"] is not None
     assert metrics["eval_logp_margin"] != start["eval_logp_margin"]
     decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
+    assert decisions["precision"] == precision
     assert decisions["kto-reference"] == "the model with its LoRA adapter switched off"
 
 

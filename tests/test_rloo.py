@@ -21,8 +21,9 @@ def rloo_recipe(directory, monkeypatch, data: str, training: str, settings: str 
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # set explicitly: CPUs with and without native bf16
 def test_an_rloo_stage_trains_moves_its_weights_and_scores_its_start_and_end(
-    tmp_path, monkeypatch, capsys, private_demo_cache
+    tmp_path, monkeypatch, capsys, private_demo_cache, precision
 ):
     _, prompts = colour_rows(tmp_path / "data", 4, seed=0, side=64)
     _, eval_prompts = colour_rows(tmp_path / "eval", 4, seed=1, side=64)
@@ -33,13 +34,23 @@ def test_an_rloo_stage_trains_moves_its_weights_and_scores_its_start_and_end(
         "{max_steps: 2, per_device_batch_size: 8, learning_rate: 1.0e-3, logging_steps: 1}",
         "beta: 0.05, normalize_advantages: true, sample_with_merged_lora: true, inverse_cdf_sampling: true, ",
     )
-    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "t"]) == 0
+    run = [
+        "--recipe",
+        str(recipe),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "t",
+        f"precision={precision}",
+    ]
+    assert main(run) == 0
     stage = tmp_path / "grpo" / "t" / "stage-1-grpo"
     assert_moved(final_weights(stage), base_weights())
     metrics, report = read_json(stage / "metrics.json"), read_json(stage / "report.json")
     assert [p["step"] for p in metrics["reward_curve"]] == [1, 2]
     assert metrics["eval_at_start"]["eval_reward"] is not None and metrics["eval_reward"] is not None
     decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
+    assert decisions["precision"] == precision
     assert decisions["rloo-reference"] == "the model with its LoRA adapter switched off"  # beta 0.05
     assert {"merged-sampling", "inverse-cdf-sampling"} <= decisions.keys()
     assert " → " in capsys.readouterr().out  # the end-of-run table: the eval reward from start to end
