@@ -34,7 +34,11 @@ def gpus_on_this_machine() -> list[str]:
 # `--nproc-per-node 2` run is refused for want of a second GPU. What a GPU changes is tested by
 # tests/test_on_a_gpu.py, through the user's command with --gpu, which makes the GPU visible again to that
 # process alone. Set before anything imports torch.
-GPUS = gpus_on_this_machine()
+# pytest-xdist's workers inherit the emptied CUDA_VISIBLE_DEVICES from the controller, which imported this
+# file first: they read the GPUs it found from GPUS_FOUND (seen on an H100: every GPU test skipped otherwise).
+GPUS_FOUND = "VLM_RECIPES_TESTS_GPUS"
+GPUS = os.environ[GPUS_FOUND].split(",") if os.environ.get(GPUS_FOUND) else gpus_on_this_machine()
+os.environ[GPUS_FOUND] = ",".join(GPUS)
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 if "PYTEST_XDIST_WORKER" in os.environ:

@@ -30,6 +30,7 @@ from vlm_recipes.model.build import build_stage_model
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.speedups import packing
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
+from vlm_recipes.speedups.liger import use_liger_kernels
 from vlm_recipes.speedups.loss_positions import (
     LastLayerAtLossPositions,
     loss_positions_refusal,
@@ -269,6 +270,17 @@ def test_matmul_patch_embedding_gives_the_convolutions_patch_embeddings_and_feat
         assert a.shape == b.shape
         assert a.numel() == 0 or (a - b).abs().max() <= PER_SAMPLE_LOSS_TOLERANCE * a.abs().max(), family.name
     assert max(a.abs().max() for a in embedded) > 0
+
+
+def test_liger_kernels_stay_off_on_a_cpu_with_the_reason(demo_model_dir):
+    """Liger's kernels are Triton's: asked for on a CPU, the model is left as it is and the reason logged
+    (tests/test_on_a_gpu.py trains with them on a GPU)."""
+    model = AutoModelForImageTextToText.from_pretrained(demo_model_dir, dtype=torch.float32)
+    forwards = {name: module.forward for name, module in model.named_modules()}
+    decision = use_liger_kernels(model)
+    assert decision.guard == "liger-kernels" and decision.choice == "off"
+    assert "Triton kernels for CUDA" in decision.reason and "computes on cpu" in decision.reason
+    assert {name: module.forward for name, module in model.named_modules()} == forwards
 
 
 @pytest.fixture()

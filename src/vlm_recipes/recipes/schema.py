@@ -151,6 +151,11 @@ class TrainingSettings:
         "random numbers): faster LoRA steps when lora.dropout > 0",
         False,
     )
+    liger_kernels: bool = doc(
+        "Liger's Triton kernels for the model's norms, SwiGLU and rotary embeddings (pip install liger-kernel): "
+        "on a GPU where Liger knows the model type; elsewhere the stage trains without them, the reason logged",
+        False,
+    )
     vision_feature_cache: bool = doc(
         "frozen vision tower and projector only: keep each image's features on disk and reuse them (next "
         "epoch, next run, another seed), keyed by the tower's weights and the processed image",

@@ -17,6 +17,7 @@ from vlm_recipes.families.base import Family
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
+from vlm_recipes.speedups.liger import use_liger_kernels
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
@@ -114,8 +115,10 @@ def speed_up_frozen_vision(
 
 
 def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -> None:
-    """The speed-ups that change how the model computes, never what: per-sample attention for packed
-    rows, the patch embedding as a matmul, sparse LoRA dropout."""
+    """The speed-ups that change how the model computes, never what: Liger's kernels, per-sample attention
+    for packed rows, the patch embedding as a matmul, sparse LoRA dropout."""
+    if stage.training.liger_kernels:
+        decisions.append(use_liger_kernels(built.model))
     if stage.training.matmul_patch_embedding:
         switched = use_matmul_patch_embedding(built.family.vision_tower(built.model))
         if not switched:
