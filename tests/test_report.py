@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from PIL import Image
 from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.evaluation.compare import compare_runs
+from vlm_recipes.evaluation.report_page import write_run_page
 from vlm_recipes.evaluation.run_summary import load_run
 from vlm_recipes.files import read_json
 
@@ -86,7 +90,18 @@ def test_stage_metrics_and_predictions_are_written(sweep):
     ]  # every step (eval_steps=1), then final
     predictions = [json.loads(line) for line in (stage_dir / "predictions.jsonl").read_text().splitlines()]
     assert len(predictions) == 8
-    assert set(predictions[0]) == {"id", "task", "prompt", "reference", "output", "exact_match"}
+    assert set(predictions[0]) == {
+        "id",
+        "task",
+        "prompt",
+        "reference",
+        "output",
+        "exact_match",
+        "images",
+        "videos",
+    }
+    media = [path for record in predictions for path in record["images"] + record["videos"]]
+    assert media and all(Path(path).is_absolute() and Path(path).exists() for path in media)  # the page's
     assert list((stage_dir / "checkpoints").glob("runs/*/events.out.tfevents.*")), (
         "TensorBoard logs by default"
     )
@@ -238,3 +253,109 @@ stages:
     assert untrained["all"]["exact_match"] == 0.0
     assert trained["all"]["exact_match"] > untrained["all"]["exact_match"] + 0.05
     assert trained["all"]["json_fields"]["parse_rate"] > untrained["all"]["json_fields"]["parse_rate"]
+
+
+# ------------------------------------------------------------------------------------------------ the page
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Chromium (Debian: apt-get install chromium; .ci/run installs it)"
+)
+# Run in the real browser after the page's own script: what it shows, read back from the DOM.
+PAGE_CHECK = """<script>
+window.addEventListener('load', () => {
+  const visible = () => [...document.querySelectorAll('tr.answer-row')].filter(r => !r.hidden).map(r => r.dataset.id);
+  const section = document.querySelector('div.answers');
+  const task = section.querySelector('.task-filter'), wrong = section.querySelector('.wrong-filter');
+  const found = {
+    images: [...document.querySelectorAll('img')].map(i => [i.complete && i.naturalWidth > 0, i.alt]),
+    placeholders: document.querySelectorAll('.missing-media').length,
+    answers: [...document.querySelectorAll('td.answer')].map(
+      td => [td.closest('tr').dataset.id, td.dataset.who, (td.querySelector('.output') || td).textContent,
+             td.classList.contains('right') ? 1 : td.classList.contains('wrong') ? 0 : null]),
+    rows: [...document.querySelectorAll('tr.answer-row')].map(r => [r.dataset.id, r.dataset.task, r.dataset.wrong]),
+    shown: {all: visible()},
+  };
+  task.value = task.options[1].value; task.dispatchEvent(new Event('change'));
+  found.shown['task:' + task.value] = visible();
+  wrong.checked = true; wrong.dispatchEvent(new Event('change'));
+  found.shown['task+wrong'] = visible();
+  task.value = ''; task.dispatchEvent(new Event('change'));
+  found.shown['wrong'] = visible();
+  wrong.checked = false; wrong.dispatchEvent(new Event('change'));
+  found.shown['again'] = visible();
+  const out = document.createElement('pre'); out.id = 'page-check'; out.textContent = JSON.stringify(found);
+  document.body.appendChild(out);
+});
+</script></body>"""
+
+
+def open_in_chromium(page: Path, tmp_path: Path) -> dict:
+    """The page opened in headless Chromium with PAGE_CHECK added: what the browser shows."""
+    checked = tmp_path / f"checked-{page.name}"
+    checked.write_text(page.read_text().replace("</body>", PAGE_CHECK))
+    flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000", "--dump-dom"]
+    dom = subprocess.run(
+        [CHROMIUM, *flags, checked.as_uri()], capture_output=True, text=True, timeout=120
+    ).stdout
+    found = re.search(r'<pre id="page-check">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    return json.loads(html.unescape(found.group(1)))
+
+
+def assert_filters_work(found: dict) -> None:
+    """Each filter shows exactly its rows, and hides some (the page has rows of two tasks, right and wrong)."""
+    rows = found["rows"]
+    assert {r[2] for r in rows} == {"0", "1"}, "rows with every answer right and with a wrong one"
+    task = next(key for key in found["shown"] if key.startswith("task:")).removeprefix("task:")
+    assert found["shown"]["all"] == found["shown"]["again"] == [r[0] for r in rows]
+    assert found["shown"][f"task:{task}"] == [r[0] for r in rows if r[1] == task] != [r[0] for r in rows]
+    assert found["shown"]["wrong"] == [r[0] for r in rows if r[2] == "1"]
+    assert found["shown"]["task+wrong"] == [r[0] for r in rows if r[1] == task and r[2] == "1"]
+
+
+@needs_chromium
+def test_comparison_page_shows_every_image_and_the_answers_in_predictions(sweep, tmp_path):
+    found = open_in_chromium(sweep / "comparisons" / "s" / "comparison.html", tmp_path)
+    images = [ok for ok, alt in found["images"] if alt == "image"]
+    assert images and all(ok for ok, _ in found["images"]), found["images"]  # every image decodes
+    assert any(alt == "frame" for _, alt in found["images"]), "a clip's frames are shown"
+    stages = {"r1-llm-only / llm-lora": "r1-llm-only", "r2-vision-only / vision-full": "r2-vision-only"}
+    for row_id, who, shown, right in found["answers"]:
+        stage = next((sweep / stages[who] / "s-seed0").glob("stage-1-*"))
+        record = next(r for r in map(json.loads, (stage / "predictions.jsonl").open()) if r["id"] == row_id)
+        as_shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in record["output"])
+        assert shown == as_shown and right == record["exact_match"], (row_id, who)
+    assert len(found["answers"]) == 2 * len(found["rows"]) > 0
+    task = next(key for key in found["shown"] if key.startswith("task:"))
+    assert (
+        found["shown"][task]
+        == [r[0] for r in found["rows"] if f"task:{r[1]}" == task]
+        != found["shown"]["all"]
+    )
+
+
+@needs_chromium
+def test_a_missing_or_damaged_image_is_a_marked_placeholder(sweep, tmp_path):
+    """A run whose predictions point at a deleted image and at a file that is not one: the page still shows
+    every row, the two as marked placeholders, and every image it does embed decodes. One answer is made
+    right, so the "any answer wrong" filter has rows to hide."""
+    run = tmp_path / "r1-llm-only" / "copy"
+    shutil.copytree(sweep / "r1-llm-only" / "s-seed0", run)
+    stage = next(run.glob("stage-1-*"))
+    manifest = read_json(run / "run.json")
+    manifest["stages"][0]["dir"] = str(stage)
+    (run / "run.json").write_text(json.dumps(manifest))
+    records = [json.loads(line) for line in (stage / "predictions.jsonl").open()]
+    with_images = [r for r in records if r["images"]]
+    (tmp_path / "not-an-image.png").write_bytes(b"\x89PNG but not one")
+    with_images[0]["images"] = [str(tmp_path / "deleted.png")]
+    with_images[1]["images"] = [str(tmp_path / "not-an-image.png")]
+    records[2] |= {"output": records[2]["reference"], "exact_match": 1.0}
+    (stage / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    found = open_in_chromium(write_run_page(run), tmp_path)
+    assert found["placeholders"] == 2 and all(ok for ok, _ in found["images"])
+    assert [r[0] for r in found["rows"]] == [r["id"] for r in records]  # one column: every row
+    assert_filters_work(found)
+    page = (run / "report.html").read_text()
+    assert "image no such file:<br>deleted.png" in page and "image cannot be decoded" in page

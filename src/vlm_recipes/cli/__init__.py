@@ -17,7 +17,10 @@ import sys
 # command → (module with main(argv, prog), one line of help)
 COMMANDS = {
     "train": ("vlm_recipes.cli.train", "run a recipe: stages, checkpoints, evaluation (`train --help`)"),
-    "compare": ("vlm_recipes.cli.compare", "compare finished runs: table, comparison.md, comparison.png"),
+    "compare": (
+        "vlm_recipes.cli.compare",
+        "compare finished runs: table, comparison.md, comparison.png, comparison.html",
+    ),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
     "inspect": ("vlm_recipes.cli.inspect", "print what the guards see in a model directory"),
     "data": (

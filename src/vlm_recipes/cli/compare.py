@@ -10,8 +10,8 @@ from pathlib import Path
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.evaluation.compare import format_comparison
-from vlm_recipes.evaluation.comparison_plot import write_comparison
 from vlm_recipes.evaluation.predictions import ROWS_SHOWN
+from vlm_recipes.evaluation.report_page import write_comparison
 from vlm_recipes.evaluation.run_summary import find_runs
 from vlm_recipes.runs.manifest import run_state
 
@@ -22,7 +22,8 @@ def _not_comparable(run_dir: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int:
-    """Compare finished runs: a table on screen, comparison.md and comparison.png on disk."""
+    """Compare finished runs: a table on screen; comparison.md, comparison.png and the page comparison.html
+    (the image beside every answer) on disk."""
     import argparse
     import sys
     import time
@@ -61,10 +62,10 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
         return 2
     out = args.out or args.output_dir / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
     try:
-        comparison, markdown, png = write_comparison(run_dirs, out, args.answers)
+        comparison, markdown, png, page = write_comparison(run_dirs, out, args.answers)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(format_comparison(comparison, args.answers))
-    print(f"\nComparison: {markdown}\nPlot:       {png}")
+    print(f"\nComparison: {markdown}\nPlot:       {png}\nPage:       {page}")
     return 0

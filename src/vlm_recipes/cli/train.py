@@ -111,6 +111,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         return exc.exit_code
 
     from vlm_recipes.evaluation.predictions import format_answers_text, side_by_side
+    from vlm_recipes.evaluation.report_page import write_run_page
     from vlm_recipes.launch.launcher import LaunchFailed
     from vlm_recipes.runner import run_recipe
     from vlm_recipes.runs.layout import NodeSettings, RunOptions
@@ -143,6 +144,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 print("\n" + format_summary(run_dirs[-1]))
                 if answers := format_answers_text(side_by_side([("", run_dirs[-1])])):
                     print("\n" + answers)
+                print(f"\nReport page (the image beside every answer): {write_run_page(run_dirs[-1])}")
     except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -165,9 +167,11 @@ def _main(argv: list[str] | None, prog: str) -> int:
         return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
         from vlm_recipes.evaluation.compare import format_comparison
-        from vlm_recipes.evaluation.comparison_plot import write_comparison
+        from vlm_recipes.evaluation.report_page import write_comparison
 
-        comparison, markdown, png = write_comparison(run_dirs, args.output_dir / "comparisons" / base_name)
+        comparison, markdown, png, page = write_comparison(
+            run_dirs, args.output_dir / "comparisons" / base_name
+        )
         print("\n" + format_comparison(comparison))
-        print(f"\nComparison: {markdown}\nPlot:       {png}")
+        print(f"\nComparison: {markdown}\nPlot:       {png}\nPage:       {page}")
     return 0

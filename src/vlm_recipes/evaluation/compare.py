@@ -112,20 +112,31 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
         if row.values(attr) and method not in NOT_JUDGED_LOSSES:
             comparable[kind].append(row)
     for same in comparable.values():
-        stats = {row.recipe: mean_std(row, attr) for row in same}
-        pick = max if HIGHER_IS_BETTER[attr] else min
-        best_mean = pick(mean for mean, _ in stats.values())
-        best = [row.recipe for row in same if stats[row.recipe][0] == best_mean]
-        if len(best) == len(same):
-            continue  # one recipe, or all the same: nothing stands out
-        best_stds = [stats[recipe][1] for recipe in best]
-        # tied best recipes: the widest spread, so a mark never depends on which one is called best
-        best_std = None if None in best_stds else max(best_stds)
-        for recipe, (mean, std) in stats.items():
-            if recipe in best:
-                marks[recipe] = "best"
-            elif std is not None and best_std is not None and abs(mean - best_mean) > std + best_std:
-                marks[recipe] = "beyond"
+        marks |= marks_against_best({row.recipe: row.values(attr) for row in same}, HIGHER_IS_BETTER[attr])
+    return marks
+
+
+def marks_against_best(values: dict[str, list[float]], higher_is_better: bool) -> dict[str, str]:
+    """`spread_marks` for one set of comparable recipes: each recipe's values over seeds → its mark."""
+    stats = {
+        recipe: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else None)
+        for recipe, v in values.items()
+    }
+    marks = {recipe: "" for recipe in values}
+    if not stats:
+        return marks
+    best_mean = (max if higher_is_better else min)(mean for mean, _ in stats.values())
+    best = [recipe for recipe, (mean, _) in stats.items() if mean == best_mean]
+    if len(best) == len(stats):
+        return marks  # one recipe, or all the same: nothing stands out
+    best_stds = [stats[recipe][1] for recipe in best]
+    # tied best recipes: the widest spread, so a mark never depends on which one is called best
+    best_std = None if None in best_stds else max(best_stds)
+    for recipe, (mean, std) in stats.items():
+        if recipe in best:
+            marks[recipe] = "best"
+        elif std is not None and best_std is not None and abs(mean - best_mean) > std + best_std:
+            marks[recipe] = "beyond"
     return marks
 
 

@@ -1,5 +1,5 @@
 """The comparison's figure (comparison.png: train curves, eval loss, task metrics, each recipe's mean ± std
-over seeds) and the files a comparison writes (comparison.md beside it); the tables are compare.py's."""
+over seeds); the tables are compare.py's, the files a comparison writes report_page.py's."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ from pathlib import Path
 from vlm_recipes.evaluation.compare import (
     Comparison,
     RecipeRow,
-    compare_runs,
-    format_markdown,
     mean_std,
     spread_marks,
 )
-from vlm_recipes.evaluation.predictions import ROWS_SHOWN
-from vlm_recipes.evaluation.run_summary import load_run
 
 TASK_METRICS = [
     ("exact_match", "exact match", "o"),
@@ -49,7 +45,7 @@ def comparison_figure(comparison: Comparison):
     rows = [row for group in comparison.groups.values() for row in group]
     colors = [f"C{i % 10}" for i in range(len(rows))]
     fig, (curves, losses, tasks) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
-    _train_curves(curves, rows, colors)
+    draw_train_curves(curves, rows, colors)
     _eval_losses(losses, comparison, dict(zip(map(id, rows), colors, strict=True)))
     _task_metrics(tasks, rows, colors)
     for axis in (losses, tasks):
@@ -65,8 +61,9 @@ TWIN_CURVES = [
 ]
 
 
-def _train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
-    """SFT losses on the left axis; DPO losses and GRPO rewards, where a run has them, on a second axis."""
+def draw_train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
+    """SFT losses on the left axis, every seed's run drawn, eval losses as diamonds on the same axis; DPO
+    losses and GRPO rewards, where a run has them, on a second axis."""
     runs = [run for row in rows for run in row.runs]
     twins = [(attr, line, label) for attr, line, label in TWIN_CURVES if any(getattr(r, attr) for r in runs)]
     twin = curves.twinx() if twins else None
@@ -81,11 +78,17 @@ def _train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
                     marker = "." if len(steps) < 30 else None
                     axis.plot(steps, values, line, marker=marker, label=label, **style)
                     label = None  # one legend entry per recipe, on whichever axis its first curve is
+            if run.eval_loss_curve:
+                steps, values = zip(*run.eval_loss_curve, strict=True)
+                curves.plot(steps, values, "D", markersize=5, markerfacecolor="none", **style)
             for boundary in run.stage_boundaries:
                 curves.axvline(boundary, color=color, linestyle="--", linewidth=0.8, alpha=0.5)
     title = "train loss" + " and reward" * any(a == "reward_curve" for a, _, _ in twins)
+    evals = "; ◇: eval loss" * any(run.eval_loss_curve for run in runs)
     curves.set(
-        title=f"{title} (dashed: stage boundaries)", xlabel="optimizer step, all stages", ylabel="SFT loss"
+        title=f"{title} (dashed: stage boundaries{evals})",
+        xlabel="optimizer step, all stages",
+        ylabel="SFT loss",
     )
     if twin is not None:
         twin.set_ylabel(", ".join(label for _, _, label in twins))
@@ -177,15 +180,3 @@ def _say(axis, text: str) -> None:
     axis.text(0.5, 0.5, text, ha="center", va="center", transform=axis.transAxes, fontsize=10)
     axis.set_xticks([])
     axis.set_yticks([])
-
-
-def write_comparison(
-    run_dirs: list[Path], out_dir: Path, answer_rows: int = ROWS_SHOWN
-) -> tuple[Comparison, Path, Path]:
-    """Load runs, compare, write comparison.md and comparison.png into out_dir."""
-    comparison = compare_runs([load_run(Path(d)) for d in run_dirs])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = plot_comparison(comparison, out_dir / "comparison.png")
-    md = out_dir / "comparison.md"
-    md.write_text(format_markdown(comparison, png.name, answer_rows))
-    return comparison, md, png

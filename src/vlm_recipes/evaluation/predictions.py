@@ -32,6 +32,37 @@ class RowAnswers:
     prompt: str
     reference: str
     answers: list[tuple[str, str | None]] = field(default_factory=list)  # (who, answer; None: not asked)
+    right: list[bool | None] = field(default_factory=list)  # per answer: exact match (None: not scored)
+    images: list[str] = field(default_factory=list)  # where the row's images and videos are (row_media)
+    videos: list[str] = field(default_factory=list)
+
+    def answers_differ(self) -> bool:
+        return len({" ".join(a.split()) for _, a in self.answers if a is not None}) > 1
+
+
+def row_media(rows, spill_dir: Path) -> list[dict[str, list[str]]]:
+    """Per eval row, where its images and videos are, for the report page to show beside the answers: an
+    image's file where it has one, else its bytes written to `spill_dir` (a dataset that embeds them)."""
+    from vlm_recipes.data.rows import undecoded
+
+    count = len(rows)
+    images = undecoded(rows)["images"] if "images" in rows.column_names else [[]] * count
+    videos = rows["videos"] if "videos" in rows.column_names else [[]] * count
+    media = []
+    for i, (row_images, row_videos) in enumerate(zip(images, videos, strict=True)):
+        paths = []
+        for k, image in enumerate(row_images or []):
+            path, data = image.get("path"), image.get("bytes")
+            if path and Path(path).is_file():
+                paths.append(str(Path(path).resolve()))
+            elif data:
+                spill_dir.mkdir(parents=True, exist_ok=True)
+                (spill_dir / f"{i}-{k}").write_bytes(data)
+                paths.append(str((spill_dir / f"{i}-{k}").resolve()))
+            else:
+                paths.append(path or "")  # gone: the page shows a marked placeholder
+        media.append({"images": paths, "videos": [str(v) for v in row_videos or []]})
+    return media
 
 
 def stage_predictions(run_dir: Path) -> list[tuple[str, dict[str, dict]]]:
@@ -61,7 +92,7 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
     candidates = []
     for r in last_stage.values():
         row = RowAnswers(str(r["id"]), r.get("task"), r.get("prompt") or "", r.get("reference") or "")
-        rights = set()
+        row.images, row.videos = list(r.get("images") or []), list(r.get("videos") or [])
         for label, stages in per_run:
             for name, records in stages:
                 record = records.get(row.id)
@@ -72,10 +103,14 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
                 row.answers.append(
                     (f"{label} / {name}" if label else name, record["output"] if same else None)
                 )
-                if same and record.get("exact_match") is not None:
-                    rights.add(record["exact_match"] == 1.0)
-        outputs = {" ".join(answer.split()) for _, answer in row.answers if answer is not None}
-        candidates.append((0 if len(rights) == 2 else 1 if len(outputs) > 1 else 2, row))
+                right = (
+                    record.get("exact_match") == 1.0
+                    if same and record.get("exact_match") is not None
+                    else None
+                )
+                row.right.append(right)
+        rights = {right for right in row.right if right is not None}
+        candidates.append((0 if len(rights) == 2 else 1 if row.answers_differ() else 2, row))
     seen: dict[tuple[int, str | None], int] = {}  # (tier, task): rows of that task already ranked in the tier
     ranked = []
     for position, (tier, row) in enumerate(candidates):

@@ -42,6 +42,8 @@ class RunSummary:
     rewards: str | None = None  # a GRPO last stage: what its reward sums, e.g. "exact_match + 0.1 length[64]"
     reward_accuracy_at_start: float | None = None  # reward_accuracy and reward before the last stage's step 1
     reward_at_start: float | None = None
+    eval_loss_curve: list[tuple[int, float]] = field(default_factory=list)  # the SFT stages' eval losses
+    task_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task → exact match, JSON F1
 
 
 def load_run(run_dir: Path) -> RunSummary:
@@ -85,7 +87,21 @@ def load_run(run_dir: Path) -> RunSummary:
         reward_curve=curves["reward"],
         stage_boundaries=boundaries[:-1],
         rewards=reward_formula(manifest) if sampled else None,
+        eval_loss_curve=curves["sft_eval"],
+        task_scores=task_scores(last.get("eval") or {}),
     )
+
+
+def task_scores(scores: dict) -> dict[str, dict[str, float]]:
+    """The last stage's eval scores per task (`task:<name>` in metrics.json's eval): exact match, and the JSON
+    field F1 where the task's references are JSON."""
+    out = {}
+    for name, entry in scores.items():
+        if name.startswith("task:"):
+            out[name.removeprefix("task:")] = {"exact_match": entry["exact_match"]} | (
+                {"json_f1": entry["json_fields"]["f1"]} if entry.get("json_fields") else {}
+            )
+    return out
 
 
 def reward_formula(manifest: dict) -> str | None:
@@ -108,8 +124,8 @@ def reward_formula(manifest: dict) -> str | None:
 def _curves(
     methods: list[str], stage_metrics: list[dict]
 ) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
-    """Per method, its stages' curve with steps counted across all stages: the loss of SFT stages and of DPO
-    and KTO stages ("preference"),
+    """Per method, its stages' curve with steps counted across all stages: the loss of SFT stages (and their
+    eval loss, "sft_eval") and of DPO and KTO stages ("preference"),
     the mean reward of GRPO and RLOO stages ("reward": their policy loss says nothing beside a likelihood);
     and the step at which each stage ends."""
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -123,6 +139,10 @@ def _curves(
         else:
             key = "preference" if method in PREFERENCE_METHODS else method
             curves[key] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+            if key == "sft":
+                curves["sft_eval"] += [
+                    (offset + p["step"], p["loss"]) for p in metrics.get("eval_loss_curve", [])
+                ]
         offset += metrics["steps"]
         boundaries.append(offset)
     return curves, boundaries

@@ -14,6 +14,7 @@ from vlm_recipes.data.rows import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Environment
 from vlm_recipes.evaluation.evaluate import evaluate_generation
+from vlm_recipes.evaluation.predictions import row_media
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
@@ -37,7 +38,8 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
         autocast_dtype=autocast,
         videos=VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data)),
     )
-    write_jsonl(stage_dir / "predictions.jsonl", records)
+    media = row_media(data.eval, stage_dir / "eval-images")  # for the report page, beside the answers
+    write_jsonl(stage_dir / "predictions.jsonl", [r | m for r, m in zip(records, media, strict=True)])
     overall = scores["all"]
     fields = overall.get("json_fields")
     log.info(
