@@ -59,6 +59,8 @@ def test_sweep_with_seeds_ends_with_a_comparison(sweep):
         "r2-vision-only/s-seed1",
     ]
     assert read_json(sweep / "r1-llm-only" / "s-seed1" / "run.json")["seeds"] == [1]
+    assert all((sweep / run / "report.html").is_file() for run in runs)  # each run's own page
+    assert (sweep / "comparisons" / "s" / "comparison.html").is_file()
     markdown = (sweep / "comparisons" / "s" / "comparison.md").read_text()
     assert "| r1-llm-only | 2 | llm-lora |" in markdown and "| r2-vision-only | 2 | vision-full |" in markdown
     assert " ± " in markdown  # two seeds: mean ± std
@@ -261,29 +263,35 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="needs Chromium (Debian: apt-get install chromium; .ci/run installs it)"
 )
-# Run in the real browser after the page's own script: what it shows, read back from the DOM.
+# Run in the real browser after the page's own script: what it shows, read back from the DOM. Each state sets
+# the first section's filters (task: the first task offered, or every task), then lists the rows left visible.
 PAGE_CHECK = """<script>
 window.addEventListener('load', () => {
-  const visible = () => [...document.querySelectorAll('tr.answer-row')].filter(r => !r.hidden).map(r => r.dataset.id);
-  const section = document.querySelector('div.answers');
+  const section = document.querySelector('div.answers');  // the first eval set's answers
+  const visible = () => [...section.querySelectorAll('tr.answer-row')].filter(r => !r.hidden).map(r => r.dataset.id);
   const task = section.querySelector('.task-filter'), wrong = section.querySelector('.wrong-filter');
+  const differ = section.querySelector('.differ-filter');
   const found = {
     images: [...document.querySelectorAll('img')].map(i => [i.complete && i.naturalWidth > 0, i.alt]),
     placeholders: document.querySelectorAll('.missing-media').length,
     answers: [...document.querySelectorAll('td.answer')].map(
       td => [td.closest('tr').dataset.id, td.dataset.who, (td.querySelector('.output') || td).textContent,
              td.classList.contains('right') ? 1 : td.classList.contains('wrong') ? 0 : null]),
-    rows: [...document.querySelectorAll('tr.answer-row')].map(r => [r.dataset.id, r.dataset.task, r.dataset.wrong]),
-    shown: {all: visible()},
+    rows: [...section.querySelectorAll('tr.answer-row')].map(
+      r => [r.dataset.id, r.dataset.task, r.dataset.wrong, r.dataset.differ]),
+    differ_filter: differ !== null,
+    shown: {initial: visible()},
   };
-  task.value = task.options[1].value; task.dispatchEvent(new Event('change'));
-  found.shown['task:' + task.value] = visible();
-  wrong.checked = true; wrong.dispatchEvent(new Event('change'));
-  found.shown['task+wrong'] = visible();
-  task.value = ''; task.dispatchEvent(new Event('change'));
-  found.shown['wrong'] = visible();
-  wrong.checked = false; wrong.dispatchEvent(new Event('change'));
-  found.shown['again'] = visible();
+  const states = [['all', 0, 0, 0], ['task', 1, 0, 0], ['task+wrong', 1, 1, 0], ['wrong', 0, 1, 0],
+                  ['differ', 0, 0, 1], ['wrong+differ', 0, 1, 1]];
+  for (const [name, byTask, byWrong, byDiffer] of states) {
+    if (byDiffer && differ === null) continue;
+    task.value = byTask ? task.options[1].value : ''; task.dispatchEvent(new Event('change'));
+    wrong.checked = !!byWrong; wrong.dispatchEvent(new Event('change'));
+    if (differ !== null) { differ.checked = !!byDiffer; differ.dispatchEvent(new Event('change')); }
+    found.shown[name] = visible();
+  }
+  found.first_task = task.options[1].value;
   const out = document.createElement('pre'); out.id = 'page-check'; out.textContent = JSON.stringify(found);
   document.body.appendChild(out);
 });
@@ -304,14 +312,24 @@ def open_in_chromium(page: Path, tmp_path: Path) -> dict:
 
 
 def assert_filters_work(found: dict) -> None:
-    """Each filter shows exactly its rows, and hides some (the page has rows of two tasks, right and wrong)."""
-    rows = found["rows"]
-    assert {r[2] for r in rows} == {"0", "1"}, "rows with every answer right and with a wrong one"
-    task = next(key for key in found["shown"] if key.startswith("task:")).removeprefix("task:")
-    assert found["shown"]["all"] == found["shown"]["again"] == [r[0] for r in rows]
-    assert found["shown"][f"task:{task}"] == [r[0] for r in rows if r[1] == task] != [r[0] for r in rows]
-    assert found["shown"]["wrong"] == [r[0] for r in rows if r[2] == "1"]
-    assert found["shown"]["task+wrong"] == [r[0] for r in rows if r[1] == task and r[2] == "1"]
+    """Each filter shows exactly its rows, and hides some: the page has rows of two tasks, rows whose answers
+    are all right and rows with a wrong one (and, with several columns, rows answered alike and differently).
+    With several columns the page opens on the rows whose answers differ."""
+    rows, task = found["rows"], found["first_task"]
+    ids = [r[0] for r in rows]
+
+    def where(keep) -> list[str]:
+        return [r[0] for r in rows if keep(r)]
+
+    assert found["shown"]["all"] == ids
+    assert found["shown"]["task"] == where(lambda r: r[1] == task) != ids
+    assert found["shown"]["wrong"] == where(lambda r: r[2] == "1") != ids
+    assert found["shown"]["task+wrong"] == where(lambda r: r[1] == task and r[2] == "1")
+    if found["differ_filter"]:
+        assert found["shown"]["initial"] == found["shown"]["differ"] == where(lambda r: r[3] == "1") != ids
+        assert found["shown"]["wrong+differ"] == where(lambda r: r[2] == "1" and r[3] == "1")
+    else:
+        assert found["shown"]["initial"] == ids
 
 
 @needs_chromium
@@ -327,12 +345,11 @@ def test_comparison_page_shows_every_image_and_the_answers_in_predictions(sweep,
         as_shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in record["output"])
         assert shown == as_shown and right == record["exact_match"], (row_id, who)
     assert len(found["answers"]) == 2 * len(found["rows"]) > 0
-    task = next(key for key in found["shown"] if key.startswith("task:"))
-    assert (
-        found["shown"][task]
-        == [r[0] for r in found["rows"] if f"task:{r[1]}" == task]
-        != found["shown"]["all"]
-    )
+    task_rows = [r[0] for r in found["rows"] if r[1] == found["first_task"]]
+    assert found["shown"]["task"] == task_rows != found["shown"]["all"]
+    assert found["differ_filter"] and found["shown"]["initial"] == [
+        r[0] for r in found["rows"] if r[3] == "1"
+    ]
 
 
 @needs_chromium

@@ -173,22 +173,29 @@ def curves_svg(rows: list[RecipeRow]) -> str:
 
 
 def answers_section(answers: list[RowAnswers]) -> str:
-    """The rows whose answers differ between the columns (every row when there is one column), at most
-    MOST_ROWS, with filters by task and by "any answer wrong"."""
+    """The eval rows (at most MOST_ROWS, those that show what training changed first), with filters by task,
+    by "answers differ" (on at first where there are several columns: the rows where the recipes differ)
+    and by "any answer wrong"."""
     if not answers:
         return ""
     columns = [who for who, _ in answers[0].answers]
-    shown = [row for row in answers if len(columns) == 1 or row.answers_differ()][:MOST_ROWS]
-    which = "every eval row" if len(columns) == 1 else "the eval rows whose answers differ"
-    intro = f"<h3>Answers</h3><p class=note>{len(shown)} of {len(answers)} rows: {which}; {_text(WHEN)}.</p>"
-    if not shown:
-        return intro
+    shown = answers[:MOST_ROWS]
+    differ = sum(row.answers_differ() for row in shown)
+    intro = (
+        f"<h3>Answers</h3><p class=note>{len(shown)} of {len(answers)} eval rows, {differ} of them answered "
+        f"differently; {_text(WHEN)}.</p>"
+    )
     tasks = sorted({row.task for row in shown if row.task})
     options = "".join(f'<option value="{_text(t)}">{_text(t)}</option>' for t in tasks)
+    differ_filter = (
+        '<label><input type="checkbox" class="differ-filter" checked> answers differ</label> '
+        if len(columns) > 1
+        else ""
+    )
     filters = (
         '<div class="filters"><label>task <select class="task-filter"><option value="">every task</option>'
-        f'{options}</select></label> <label><input type="checkbox" class="wrong-filter"> any answer wrong'
-        '</label> <span class="shown-count"></span></div>'
+        f'{options}</select></label> {differ_filter}<label><input type="checkbox" class="wrong-filter"> '
+        'any answer wrong</label> <span class="shown-count"></span></div>'
     )
     head = "".join(f"<th>{_text(c)}</th>" for c in ["media", "question", "reference", *columns])
     body = "".join(_answer_row(row) for row in shown)
@@ -216,7 +223,7 @@ def _answer_row(row: RowAnswers) -> str:
             f'<span class="output">{_text(answer)}</span></td>'
         )
     task = _text(row.task or "")
-    return f'<tr class="answer-row" data-id="{_text(row.id)}" data-task="{task}" data-wrong="{int(wrong)}">{"".join(cells)}</tr>'
+    return f'<tr class="answer-row" data-id="{_text(row.id)}" data-task="{task}" data-wrong="{int(wrong)}" data-differ="{int(row.answers_differ())}">{"".join(cells)}</tr>'
 
 
 def image_html(path: str) -> str:
@@ -301,23 +308,26 @@ td.answer.unasked { color: #999; font-style: italic; }
 .filters { margin: 0.5em 0; }
 """
 
-# The filter: a row is shown when its task matches the chosen one (or every task) and, with the box ticked,
-# some answer in it is wrong.
+# The filters: a row is shown when its task matches the chosen one (or every task) and, with each box ticked,
+# some answer in it is wrong / its answers differ.
 SCRIPT = """
 function applyFilters(section) {
   const task = section.querySelector('.task-filter').value;
   const wrongOnly = section.querySelector('.wrong-filter').checked;
+  const differ = section.querySelector('.differ-filter');
+  const differOnly = differ !== null && differ.checked;
   const rows = section.querySelectorAll('tr.answer-row');
   let shown = 0;
   rows.forEach(row => {
-    const visible = (!task || row.dataset.task === task) && (!wrongOnly || row.dataset.wrong === '1');
+    const visible = (!task || row.dataset.task === task) && (!wrongOnly || row.dataset.wrong === '1')
+      && (!differOnly || row.dataset.differ === '1');
     row.hidden = !visible;
     shown += visible;
   });
   section.querySelector('.shown-count').textContent = shown + ' of ' + rows.length + ' rows shown';
 }
 document.querySelectorAll('div.answers').forEach(section => {
-  section.querySelectorAll('.task-filter, .wrong-filter').forEach(
+  section.querySelectorAll('.task-filter, .wrong-filter, .differ-filter').forEach(
     control => control.addEventListener('change', () => applyFilters(section)));
   applyFilters(section);
 });
