@@ -27,7 +27,7 @@ FLOORS = [
     ["recipes"],
     ["demo"],
     ["families"],
-    ["errors", "decisions", "roles", "ranks", "versions", "files", "logs", "scoring"],
+    ["errors", "decisions", "roles", "ranks", "versions", "files", "shipped", "logs", "scoring"],
 ]
 
 
@@ -143,8 +143,9 @@ def test_every_error_is_bad_input_or_a_stopped_stage():
 
 
 def test_every_data_file_of_the_package_ships_in_the_wheel():
-    """`pip install .` (not editable) copies only .py files and the package-data globs: a built-in recipe,
-    an accelerate config or a benchmark recipe outside them would be missing from an installed package."""
+    """`pip install .` (not editable) copies only .py files and the package-data globs: a benchmark recipe
+    or the demo's pretraining recipe outside them would be missing from an installed package (the built-in
+    recipes and accelerate configs are top-level folders setup.py copies in: the wheel test below)."""
     import tomllib
 
     globs = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
@@ -155,10 +156,80 @@ def test_every_data_file_of_the_package_ships_in_the_wheel():
         for p in PACKAGE.rglob("*")
         if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
     ]
-    assert len(data_files) >= 11  # five recipes, four accelerate configs, two benchmark recipes
+    assert len(data_files) >= 5  # three benchmark recipes, the bench model's config, the demo's recipe
     unshipped = [
         str(p.relative_to(PACKAGE))
         for p in data_files
         if not any(p.relative_to(PACKAGE).match(g) for g in globs)
     ]
     assert not unshipped, f"add to [tool.setuptools.package-data] in pyproject.toml: {unshipped}"
+
+
+def test_recipes_and_configs_live_once_at_the_top_level():
+    """The files a user reads, copies and edits are at the repository's top level, with no copy left in
+    the package (the wheel gets its copies at build time)."""
+    root = PACKAGE.parents[1]
+    assert len(list((root / "recipes").glob("*.yaml"))) >= 7
+    assert {p.stem for p in (root / "configs").glob("*.yaml")} >= {"ddp", "fsdp", "zero2", "zero3"}
+    names = {p.name for p in [*(root / "recipes").glob("*.yaml"), *(root / "configs").glob("*.yaml")]}
+    copies = [str(p.relative_to(root)) for p in PACKAGE.rglob("*.yaml") if p.name in names]
+    assert not copies, f"recipes/ and configs/ hold these; delete the copies under src/: {copies}"
+
+
+# What a build needs of the repository (copied, so the build leaves no build/ or egg-info in the checkout)
+BUILD_INPUTS = ["pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "src", "recipes", "configs"]
+
+
+def test_an_installed_wheel_carries_and_finds_the_recipes_and_configs(tmp_path):
+    """A wheel built from the repository holds every recipe and config as package data, and the package
+    installed from it (no checkout around) finds them through the same lookup as a clone does."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from vlm_recipes.shipped import SHIPPED_KINDS
+
+    root = PACKAGE.parents[1]
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        if (root / name).is_dir():
+            shutil.copytree(
+                root / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
+        else:
+            shutil.copy2(root / name, source / name)
+
+    def run(command: list, **kwargs) -> str:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+        assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
+        return result.stdout
+
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", tmp_path / "dist", source])
+    (wheel,) = (tmp_path / "dist").glob("vlm_recipes-*.whl")
+    shipped = {
+        f"vlm_recipes/{inside}/{path.name}"
+        for kind, inside in SHIPPED_KINDS.items()
+        for path in (root / kind).glob("*.yaml")
+    }
+    missing = shipped - set(zipfile.ZipFile(wheel).namelist())
+    assert not missing, f"setup.py's build_py did not copy these into the wheel: {sorted(missing)}"
+
+    target, elsewhere = tmp_path / "installed", tmp_path / "elsewhere"
+    run([*pip, "install", "--no-deps", "--no-index", "--target", target, wheel])
+    elsewhere.mkdir()  # a working directory without recipes/
+    check = (
+        "import vlm_recipes; from vlm_recipes.recipes.load import find_recipe_file; "
+        "from vlm_recipes.launch.launcher import accelerate_config_path; "
+        "print(vlm_recipes.__file__); print(find_recipe_file('r3-two-stage')); "
+        "print(accelerate_config_path('deepspeed', 'zero3'))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    output = run([sys.executable, "-c", check], cwd=elsewhere, env=env)
+    package, recipe, config = (Path(line) for line in output.splitlines()[-3:])
+    assert package.is_relative_to(target), package  # the installed copy, not the checkout's src/
+    assert recipe == target / "vlm_recipes" / SHIPPED_KINDS["recipes"] / "r3-two-stage.yaml"
+    assert config == target / "vlm_recipes" / SHIPPED_KINDS["configs"] / "zero3.yaml"

@@ -17,7 +17,7 @@ SEEDS = ["r1-llm-only", "r2-vision-only", "r3-two-stage", "r4-joint"]
 
 @pytest.mark.parametrize(
     "path",
-    sorted((REPO / "src" / "vlm_recipes" / "recipes" / "builtin").glob("*.yaml")),
+    sorted((REPO / "recipes").glob("*.yaml")),
     ids=lambda p: p.stem,
 )
 def test_every_shipped_recipe_loads_and_validates(path):
@@ -46,6 +46,21 @@ def test_seed_recipes_match_the_table():
 
 def test_recipes_are_found_by_name():
     assert set(SEEDS) <= set(available_recipes())
+
+
+def test_a_recipe_in_the_working_directorys_recipes_folder_is_found_first(tmp_path, monkeypatch):
+    """./recipes/ comes before the built-in recipes (the repository's recipes/ in a checkout): a user's own
+    recipe is found by name, and one named like a built-in one wins."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    r1 = (REPO / "recipes" / "r1-llm-only.yaml").read_text()
+    (tmp_path / "recipes" / "my.yaml").write_text(r1)
+    (tmp_path / "recipes" / "r3-two-stage.yaml").write_text(r1)
+    found = available_recipes()
+    assert found["my"] == tmp_path / "recipes" / "my.yaml"
+    assert found["r3-two-stage"] == tmp_path / "recipes" / "r3-two-stage.yaml"
+    assert found["r2-vision-only"] == REPO / "recipes" / "r2-vision-only.yaml"
+    assert [s.name for s in load_recipe("r3-two-stage").stages] == ["llm-lora"]
 
 
 def test_overrides_reach_every_stage_or_one_stage():

@@ -1,5 +1,5 @@
 """Start a stage's process group on this node (torchrun for DDP, accelerate launch for FSDP and DeepSpeed
-with the configs shipped in launch/configs/) and wait for it.
+with the configs shipped in the repository's configs/) and wait for it.
 
 Never torch.nn.DataParallel: a stage that needs several devices either shards the model in one process
 (model-parallel) or runs one process per device, launched here. What each stage needs is decided in
@@ -21,10 +21,11 @@ from vlm_recipes.files import read_json
 from vlm_recipes.plan import ParallelPlan
 from vlm_recipes.runs.layout import NodeSettings
 from vlm_recipes.runs.lock import LOCK_HELD_ENV, held_lock_fd
+from vlm_recipes.shipped import shipped_dir
 
 log = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"  # package data
+CONFIGS_DIR = shipped_dir("configs")  # the repository's configs/, or the installed package's copy
 DEFAULT_ACCELERATE_CONFIG = {"fsdp": "fsdp", "deepspeed": "zero2"}  # names of files in CONFIGS_DIR
 
 

@@ -67,7 +67,7 @@ def wrap_language_layers_only(model) -> Decision:
 
 @contextmanager
 def fsdp_on_cpu_ranks(decisions: list[Decision]) -> Iterator[None]:
-    """On CPU ranks launched for FSDP (`accelerate launch` with launch/configs/fsdp.yaml sets
+    """On CPU ranks launched for FSDP (`accelerate launch` with configs/fsdp.yaml sets
     ACCELERATE_USE_FSDP), let accelerate's state take the FSDP plugin as it does on GPUs.
 
     Our own because accelerate (1.15) switches to FSDP only from MULTI_GPU and its kin: on CPU ranks its

@@ -31,6 +31,7 @@ import yaml
 from vlm_recipes.recipes.overrides import apply_overrides, name_origins
 from vlm_recipes.recipes.schema import RECIPE_FILE_KEYS, STAGE_DEFAULT_SECTIONS, Recipe, Stage
 from vlm_recipes.recipes.validate import Problem, RecipeError, check_recipe, convert, did_you_mean
+from vlm_recipes.shipped import shipped_dir
 
 __all__ = [  # RecipeError and Problem live in validate.py; importing them from here keeps working
     "Problem",
@@ -44,7 +45,7 @@ __all__ = [  # RecipeError and Problem live in validate.py; importing them from 
     "resolve_recipe_dict",
 ]
 
-BUILTIN_RECIPES_DIR = Path(__file__).resolve().parent / "builtin"  # the shipped recipes (package data)
+BUILTIN_RECIPES_DIR = shipped_dir("recipes")  # the repository's recipes/, or the installed package's copy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,6 +53,7 @@ BUILTIN_RECIPES_DIR = Path(__file__).resolve().parent / "builtin"  # the shipped
 
 
 def recipe_search_dirs() -> list[Path]:
+    """./recipes first (a user's own recipe of the same name wins), then the built-in recipes."""
     dirs = [Path.cwd() / "recipes", BUILTIN_RECIPES_DIR]
     unique: list[Path] = []
     for d in dirs:

@@ -75,7 +75,7 @@ class NodeSettings:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    accelerate_config: str | None = None  # a shipped config name (zero3, in launch/configs/) or a path
+    accelerate_config: str | None = None  # a shipped config name (zero3, in configs/) or a path
 
 
 @dataclass
