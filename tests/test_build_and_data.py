@@ -13,7 +13,7 @@ from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import DataError, UnsupportedModelError
 from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
-from vlm_recipes.methods.trainer import role_parameter_groups
+from vlm_recipes.methods.trainer import ConfigInputs, role_parameter_groups
 from vlm_recipes.model.build import build_stage_model, load_processor
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
@@ -187,7 +187,7 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
 
     def padding_tokens(strategy: str) -> int:
         args = build_sft_config(
-            stage, tmp_path / strategy, "fp32", Environment("cpu", 0, False), has_eval=False
+            ConfigInputs(stage, tmp_path / strategy, "fp32", Environment("cpu", 0, False), has_eval=False)
         )
         args.train_sampling_strategy = strategy
         order = list(build_trainer(built, stage, args, data)._get_train_sampler())
@@ -214,7 +214,9 @@ def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_pa
     ).stages[0]
     data = load_stage_data(stage.data)
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
-    args = build_sft_config(stage, tmp_path, "fp32", Environment("cpu", 0, False), has_eval=False)
+    args = build_sft_config(
+        ConfigInputs(stage, tmp_path, "fp32", Environment("cpu", 0, False), has_eval=False)
+    )
     optimizer = build_trainer(built, stage, args, data).create_optimizer()
     names = {id(p): n for n, p in built.model.named_parameters()}
     by_param = {names[id(p)]: g for g in optimizer.param_groups for p in g["params"]}

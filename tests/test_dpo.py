@@ -26,6 +26,7 @@ from vlm_recipes.evaluation.predictions import side_by_side
 from vlm_recipes.evaluation.run_summary import load_run
 from vlm_recipes.files import read_json
 from vlm_recipes.methods.dpo import build_dpo_config, build_dpo_trainer
+from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
 from vlm_recipes.runs.manifest import format_summary
@@ -148,7 +149,7 @@ def _dpo_trainer(tmp_path: Path, model_dir: Path, stage: Stage):
     processor = load_processor(str(model_dir), stage.data, family)
     built = build_stage_model(str(model_dir), stage, "fp32", "cpu", processor=processor)
     data = load_stage_data(stage.data, PREFERENCE)
-    args = build_dpo_config(stage, tmp_path / "checkpoints", "fp32", CPU, has_eval=True)
+    args = build_dpo_config(ConfigInputs(stage, tmp_path / "checkpoints", "fp32", CPU, has_eval=True))
     return build_dpo_trainer(built, stage, args, data), built
 
 

@@ -24,6 +24,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.methods.sft import build_sft_config, build_trainer
+from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model
 from vlm_recipes.model.guards import (
     cast_frozen_to_compute,
@@ -125,7 +126,7 @@ def checkpoint_dir(tmp_path_factory, private_demo_cache) -> Path:
 
 
 def _args_seeing_two_gpus(stage, tmp_path):
-    args = build_sft_config(stage, tmp_path, "fp32", CPU, has_eval=False)
+    args = build_sft_config(ConfigInputs(stage, tmp_path, "fp32", CPU, has_eval=False))
     assert args.n_gpu == 0  # device setup runs here, on CPU
     args._n_gpu = 2  # what Trainer computes when one process sees two GPUs
     return args
@@ -303,7 +304,7 @@ def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir
     plain = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
     SFTTrainer(
         model=plain.model,
-        args=build_sft_config(stage, tmp_path / "a", "bf16", CPU, has_eval=False),
+        args=build_sft_config(ConfigInputs(stage, tmp_path / "a", "bf16", CPU, has_eval=False)),
         train_dataset=data.train,
         processing_class=plain.processor,
     )
@@ -312,7 +313,11 @@ def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir
     built = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
     decisions = []
     trainer = build_trainer(
-        built, stage, build_sft_config(stage, tmp_path / "b", "bf16", CPU, False), data, decisions
+        built,
+        stage,
+        build_sft_config(ConfigInputs(stage, tmp_path / "b", "bf16", CPU, False)),
+        data,
+        decisions,
     )
     assert lora_dtypes(trainer.model) == {torch.float32}
     assert "were bf16" in decisions[-1].reason

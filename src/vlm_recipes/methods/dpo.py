@@ -4,23 +4,23 @@ when the stage trains LoRA: the reference pass is the same model with its adapte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from trl import DPOConfig, DPOTrainer
 
 from vlm_recipes.data.collate import UprightImagesCollator
 from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
 from vlm_recipes.data.rows import StageData
-from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.decisions import Decision
 from vlm_recipes.methods.trainer import (
+    ConfigInputs,
     RecipeTrainerMixin,
     TrainingMethod,
     announce_method_settings,
+    built_from,
     common_training_args,
+    construct_trainer,
     prepare_trainer,
 )
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
 
 REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
@@ -31,19 +31,11 @@ def dpo_max_length(stage: Stage) -> int | None:
     return stage.dpo.max_length if stage.dpo.max_length is not None else stage.data.max_length
 
 
-def build_dpo_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> DPOConfig:
+def build_dpo_config(inputs: ConfigInputs) -> DPOConfig:
     return DPOConfig(
-        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
-        beta=stage.dpo.beta,
-        loss_type=[stage.dpo.loss_type],
+        **common_training_args(inputs),
+        beta=inputs.stage.dpo.beta,
+        loss_type=[inputs.stage.dpo.loss_type],
         # Lengths are checked before training (preference.check_preference_lengths): never cut.
         max_length=None,
     )
@@ -93,19 +85,9 @@ def build_preference_trainer(
     reference = reference_decision(built, stage)
     unused = ("padding_free", "preprocessed_cache")
     announce_method_settings(stage, decisions, reference, unused, "TRL's preference collator")
-    apply_parallelism(args)
-    trainer = trainer_class(
-        model=built.model,
-        ref_model=None,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        callbacks=callbacks,
-    )
+    trainer = construct_trainer(trainer_class, built, args, data, callbacks, ref_model=None)
     trainer.data_collator = UprightImagesCollator(trainer.data_collator)
-    trl_trainer = trainer_class.__bases__[-1].__name__  # DPOTrainer, KTOTrainer
-    return prepare_trainer(trainer, built, stage, decisions, f"after {trl_trainer} was built")
+    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
 
 
 def build_dpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeDPOTrainer:

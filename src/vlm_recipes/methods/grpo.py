@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from pathlib import Path
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -23,14 +22,16 @@ from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.trainer import (
+    ConfigInputs,
     RecipeTrainerMixin,
     TrainingMethod,
     announce_method_settings,
+    built_from,
     common_training_args,
+    construct_trainer,
     prepare_trainer,
 )
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import SAMPLING_METHODS, Stage
 from vlm_recipes.speedups.sampling import (
     inverse_cdf_refusal,
@@ -51,18 +52,10 @@ def sampled_max_prompt_length(stage: Stage) -> int | None:
     return stage.data.max_length - stage.sampling.max_completion_length
 
 
-def sampling_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool,
-    unused_possible: bool,
-) -> dict:
+def sampling_config(inputs: ConfigInputs) -> dict:
     """The keys GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""
-    g = stage.sampling
-    common = common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible)
+    g = inputs.stage.sampling
+    common = common_training_args(inputs)
     # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
     common["per_device_eval_batch_size"] = g.num_generations
     return dict(
@@ -80,18 +73,10 @@ def sampling_config(
     )
 
 
-def build_grpo_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> GRPOConfig:
-    g = stage.grpo
+def build_grpo_config(inputs: ConfigInputs) -> GRPOConfig:
+    g = inputs.stage.grpo
     return GRPOConfig(
-        **sampling_config(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
+        **sampling_config(inputs),
         loss_type=g.loss_type,
         importance_sampling_level=g.importance_sampling_level,
         scale_rewards=g.scale_rewards,
@@ -209,16 +194,7 @@ def build_sampling_trainer(
     announce_method_settings(
         stage, decisions, reference_decision(built, stage), unused, "TRL samples its own batches"
     )
-    apply_parallelism(args)
-    trainer = trainer_class(
-        model=built.model,
-        reward_funcs=rewards,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        callbacks=callbacks,
-    )
+    trainer = construct_trainer(trainer_class, built, args, data, callbacks, reward_funcs=rewards)
     model = trainer.accelerator.unwrap_model(trainer.model)
     forward = type(model.get_base_model() if hasattr(model, "get_base_model") else model).forward
     trainer.counts_images_per_row = "batch_num_images" in inspect.signature(forward).parameters
@@ -226,8 +202,7 @@ def build_sampling_trainer(
         log.info("  %s", decision)
         if decisions is not None:
             decisions.append(decision)
-    trl_trainer = trainer_class.__bases__[-1].__name__  # GRPOTrainer, RLOOTrainer
-    return prepare_trainer(trainer, built, stage, decisions, f"after {trl_trainer} was built")
+    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
 
 
 def build_grpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeGRPOTrainer:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 from trl import KTOConfig, KTOTrainer
 
 from vlm_recipes.data.preference import UNPAIRED, check_unpaired_lengths
-from vlm_recipes.decisions import Environment
 from vlm_recipes.methods.dpo import AdapterOffReferenceMixin, build_preference_trainer
-from vlm_recipes.methods.trainer import RecipeTrainerMixin, TrainingMethod, common_training_args
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainingMethod, common_training_args
 from vlm_recipes.recipes.schema import Stage
 
 
@@ -22,18 +20,10 @@ def kto_max_length(stage: Stage) -> int | None:
     return stage.kto.max_length if stage.kto.max_length is not None else stage.data.max_length
 
 
-def build_kto_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> KTOConfig:
-    k = stage.kto
-    common = common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible)
-    if estimates_kl(stage):  # the rows are shuffled once instead (build_kto_trainer)
+def build_kto_config(inputs: ConfigInputs) -> KTOConfig:
+    k = inputs.stage.kto
+    common = common_training_args(inputs)
+    if estimates_kl(inputs.stage):  # the rows are shuffled once instead (build_kto_trainer)
         common["train_sampling_strategy"] = "sequential"
     return KTOConfig(
         **common,

@@ -7,12 +7,9 @@ the metrics) is methods/grpo.py's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from trl import RLOOConfig, RLOOTrainer
 
 from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
-from vlm_recipes.decisions import Environment
 from vlm_recipes.methods.grpo import (
     SamplingTrainerMixin,
     build_sampling_trainer,
@@ -21,22 +18,13 @@ from vlm_recipes.methods.grpo import (
     sampled_max_prompt_length,
     sampling_config,
 )
-from vlm_recipes.methods.trainer import RecipeTrainerMixin, TrainingMethod
-from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainingMethod
 
 
-def build_rloo_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> RLOOConfig:
+def build_rloo_config(inputs: ConfigInputs) -> RLOOConfig:
     return RLOOConfig(
-        **sampling_config(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
-        normalize_advantages=stage.rloo.normalize_advantages,
+        **sampling_config(inputs),
+        normalize_advantages=inputs.stage.rloo.normalize_advantages,
     )
 
 

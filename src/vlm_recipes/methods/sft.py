@@ -4,7 +4,6 @@ video loader and the batch speed-ups, and the last layer at loss positions only 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from transformers.trainer_utils import unwrap_peft_model
@@ -14,15 +13,17 @@ from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.lengths import check_lengths
 from vlm_recipes.data.rows import MESSAGES, StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
-from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.decisions import Decision
 from vlm_recipes.methods.trainer import (
+    ConfigInputs,
     RecipeTrainerMixin,
     TrainingMethod,
+    built_from,
     common_training_args,
+    construct_trainer,
     prepare_trainer,
 )
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.install import compute_loss_positions_only, wrap_collator
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
@@ -31,17 +32,9 @@ from vlm_recipes.speedups.packing import is_packed
 log = logging.getLogger(__name__)
 
 
-def build_sft_config(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> SFTConfig:
+def build_sft_config(inputs: ConfigInputs) -> SFTConfig:
     return SFTConfig(
-        **common_training_args(stage, output_dir, precision, env, has_eval, distributed, unused_possible),
+        **common_training_args(inputs),
         # Lengths are checked before training (data.check_lengths): the collator must never truncate
         # through image tokens.
         max_length=None,
@@ -95,17 +88,9 @@ def build_trainer(
     callbacks: list | None = None,
 ) -> SFTTrainer:
     """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
-    apply_parallelism(args)
-    trainer = RecipeTrainer(
-        model=built.model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        callbacks=callbacks,
-    )
+    trainer = construct_trainer(RecipeTrainer, built, args, data, callbacks)
     average_the_loss_over_the_global_batch(trainer, decisions)
-    return prepare_trainer(trainer, built, stage, decisions, "after SFTTrainer was built")
+    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
 
 
 def average_the_loss_over_the_global_batch(trainer: SFTTrainer, decisions: list[Decision] | None) -> None:

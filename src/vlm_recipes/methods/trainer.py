@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import TrainingArguments
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import RowFormat
@@ -23,22 +24,29 @@ from vlm_recipes.methods.sharding import (
     fsdp_on_cpu_ranks,
 )
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.model.guards import apply_trainable_dtype
+from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
 
 log = logging.getLogger(__name__)
 
 
-def common_training_args(
-    stage: Stage,
-    output_dir: Path,
-    precision: str,
-    env: Environment,
-    has_eval: bool,
-    distributed: bool = False,
-    unused_possible: bool = True,
-) -> dict:
+@dataclass(frozen=True)
+class ConfigInputs:
+    """What a method's TrainingArguments (SFTConfig, DPOConfig, GRPOConfig, ...) are built from."""
+
+    stage: Stage
+    output_dir: Path  # the stage's checkpoints
+    precision: str  # the precision guard's choice: bf16, fp16 or fp32
+    env: Environment
+    has_eval: bool
+    distributed: bool = False
+    unused_possible: bool = True  # a trained role may get no gradient in a step (DDP must search the graph)
+
+
+def common_training_args(inputs: ConfigInputs) -> dict:
     """The recipe's training settings as TrainingArguments keywords, shared by every method's config."""
+    stage, output_dir, precision, env = inputs.stage, inputs.output_dir, inputs.precision, inputs.env
+    has_eval, distributed, unused_possible = inputs.has_eval, inputs.distributed, inputs.unused_possible
     t = stage.training
     return dict(
         output_dir=str(output_dir),
@@ -145,6 +153,26 @@ def announce_method_settings(
             log.warning("  training.%s is not used by method %s (%s)", key, stage.method, why)
 
 
+def construct_trainer(trainer_class: type, built: BuiltModel, args, data, callbacks, **method_arguments):
+    """The TRL trainer of a stage: its model, config (DataParallel refused first), splits, processor and
+    callbacks, with what the method adds (DPO's `ref_model`, GRPO's `reward_funcs`)."""
+    apply_parallelism(args)
+    return trainer_class(
+        model=built.model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        processing_class=built.processor,
+        callbacks=callbacks,
+        **method_arguments,
+    )
+
+
+def built_from(trainer) -> str:
+    """For the trainable-dtype guard's log: after which TRL trainer was built (the last base of ours)."""
+    return f"after {type(trainer).__bases__[-1].__name__} was built"
+
+
 def prepare_trainer(
     trainer: RecipeTrainerMixin, built: BuiltModel, stage: Stage, decisions: list[Decision] | None, when: str
 ):
@@ -216,8 +244,7 @@ def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family
 class TrainingMethod:
     name: str
     row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
-    # (stage, output_dir, precision, env, has_eval, distributed, unused_possible) -> TrainingArguments
-    build_config: Callable
+    build_config: Callable[[ConfigInputs], TrainingArguments]
     # (built, stage, args, data, decisions, callbacks) -> a RecipeTrainerMixin trainer
     build_trainer: Callable
     # (ds, processor, family, max_length, source, on_bad_sample) -> (ds, lengths, skipped)

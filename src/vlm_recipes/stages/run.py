@@ -33,6 +33,7 @@ from vlm_recipes.methods.grpo import check_generation_backend
 from vlm_recipes.methods.host_memory import host_memory_release, release_freed_host_memory
 from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
 from vlm_recipes.methods.sft import RecipeTrainer
+from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.audit import audit_freeze
 from vlm_recipes.model.boundaries import install_dtype_boundaries
 from vlm_recipes.model.build import BuiltModel, build_stage_model, detect_family, load_processor
@@ -278,13 +279,15 @@ def make_trainer(
     Ctrl-C, step timing) and the speed-ups that change how batches are made."""
     method = method_of(ctx.stage)
     args = method.build_config(
-        ctx.stage,
-        ctx.stage_dir / "checkpoints",
-        precision.choice,
-        ctx.env,
-        data.eval is not None,
-        ctx.distributed,
-        unused_possible=vision_trains(ctx.stage) and has_text_only_rows(data.train),
+        ConfigInputs(
+            ctx.stage,
+            ctx.stage_dir / "checkpoints",
+            precision.choice,
+            ctx.env,
+            data.eval is not None,
+            ctx.distributed,
+            unused_possible=vision_trains(ctx.stage) and has_text_only_rows(data.train),
+        )
     )
     callbacks = {
         "checkpoint": CheckpointCallback(ctx.index),
