@@ -202,7 +202,7 @@ def distance_and_share_beyond(one: dict, other: dict, threshold: float) -> tuple
 
 def model_inputs(processor, rows, **kwargs):
     """A padded batch of model inputs for dataset rows (their images attached to the image parts)."""
-    from vlm_recipes.evaluation.evaluate import attach_images
+    from vlm_recipes.evaluation.generation import attach_images
 
     messages = [attach_images(row["messages"], row["images"]) for row in rows]
     return processor.apply_chat_template(

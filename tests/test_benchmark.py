@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import REPO
 
-from vlm_recipes.evaluation import baseline_trl, bench, bench_tables
-from vlm_recipes.evaluation.flops import STEP_PARTS
+from vlm_recipes.benchmarking import plain_trl_sft, sft_tables, sft_vs_trl
+from vlm_recipes.benchmarking.flops import STEP_PARTS
 
 RESULTS = REPO / "benchmarks" / "results" / "cpu-2-cores.json"  # fp32, every scenario (an older script's)
 RESULTS_BF16 = (
@@ -43,7 +43,7 @@ def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=Non
         "step_time_p90_s": 0.7,
     }
     flops = flops or {"vision": 3e9, "projector": 1e9, "llm": 6e9}
-    return bench_tables.with_throughput(measured, samples, flops, None)
+    return sft_tables.with_throughput(measured, samples, flops, None)
 
 
 def synthetic_report(stages, scenarios, model_name: str = "bench-qwen2-vl") -> dict:
@@ -64,17 +64,15 @@ def synthetic_report(stages, scenarios, model_name: str = "bench-qwen2-vl") -> d
         "flop_shares": {stage: {model_name: shares, "Qwen2-VL-2B": shares} for stage in stages},
     }
     model = {"name": model_name, "parameters": 16_700_000, "family": "qwen2-vl"}
-    about = bench.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
-    ways_of = {
-        c: bench_tables.WAYS_OF.get(c, [bench_tables.BASELINE, bench_tables.SPEEDUPS_ON]) for c in scenarios
-    }
+    about = sft_vs_trl.describe_run(args, scenarios, Environment.detect(), "fp32", model, setup)
+    ways_of = {c: sft_tables.WAYS_OF.get(c, [sft_tables.BASELINE, sft_tables.SPEEDUPS_ON]) for c in scenarios}
     runs = {
         c: {w: [run(20.0, 1.3, 10.0, 6.0, {1: 7.0, 5: 6.5}, samples=8)] for w in ways}
         for c, ways in ways_of.items()
     }
     return {
         "about": about,
-        "stages": {s: {c: bench_tables.compare(runs[c]) for c in scenarios} for s in stages},
+        "stages": {s: {c: sft_tables.compare(runs[c]) for c in scenarios} for s in stages},
     }
 
 
@@ -92,8 +90,8 @@ def test_committed_results_have_the_keys_the_script_writes(results):
     committed = json.loads(results.read_text())
     stages, scenarios = list(committed["stages"]), list(committed["about"]["scenarios"])
     asked = re.search(r"--scenarios (\S+)", committed["about"]["command"])
-    assert stages == list(bench.RECIPES), "every stage"
-    assert scenarios == (asked.group(1).split(",") if asked else list(bench_tables.SCENARIOS)), (
+    assert stages == list(sft_vs_trl.RECIPES), "every stage"
+    assert scenarios == (asked.group(1).split(",") if asked else list(sft_tables.SCENARIOS)), (
         "the scenarios its command asked for (all of them by default)"
     )
     written = synthetic_report(stages, scenarios, committed["about"]["model"]["name"])
@@ -107,7 +105,7 @@ def test_committed_results_have_the_keys_the_script_writes(results):
         for scenario in (s for stage in tree["stages"].values() for s in stage.values()):
             # each run as its process reported it: what the summaries read must be there
             for each in (run for way_runs in scenario.pop("runs").values() for run in way_runs):
-                measured = set(bench_tables.MEASURED) - {"peak_gpu_allocated_gb"}  # on a GPU only
+                measured = set(sft_tables.MEASURED) - {"peak_gpu_allocated_gb"}  # on a GPU only
                 assert {*measured, "loss_curve", "vision_fraction_computed", "flops_skipped"} <= set(each)
         for stage in tree["about"]["flops_per_sample_by_role"]:  # any model: the roles are the keys
             assert set(tree["about"]["flops_per_sample_by_role"][stage]) == {"vision", "projector", "llm"}
@@ -118,9 +116,9 @@ def test_committed_results_have_the_keys_the_script_writes(results):
 @pytest.mark.parametrize("results", ALL_RESULTS, ids=lambda path: path.stem)
 def test_readme_tables_are_generated_from_the_committed_results(results):
     readme, report = (REPO / "docs" / "performance.md").read_text(), json.loads(results.read_text())
-    first, last = bench_tables.readme_markers(report)
+    first, last = sft_tables.readme_markers(report)
     block = readme[readme.index(first) + len(first) : readme.index(last)]
-    assert block.strip() == bench_tables.render_tables(report).strip(), (
+    assert block.strip() == sft_tables.render_tables(report).strip(), (
         f"docs/performance.md's benchmark tables differ from {results.relative_to(REPO)}: "
         f"run `python scripts/benchmark.py --readme {results.relative_to(REPO)}`"
     )
@@ -143,12 +141,12 @@ def test_committed_wide_results_name_the_wide_model_its_peak_and_shares_near_qwe
 def test_summary_is_the_median_and_ratios_are_ours_over_trl():
     baseline = [run(w, 1.0, t, 6.0, {1: 7.0}) for w, t in ((30.0, 10.0), (31.0, 12.0), (90.0, 11.0))]
     ours = [run(w, 0.9, t, 6.03, {1: 7.07}) for w, t in ((15.0, 5.0), (16.0, 4.0), (14.0, 6.0))]
-    compared = bench_tables.compare({bench_tables.BASELINE: baseline, bench_tables.SPEEDUPS_ON: ours})
-    assert compared["summary"][bench_tables.BASELINE]["wall_s"] == 31.0, (
+    compared = sft_tables.compare({sft_tables.BASELINE: baseline, sft_tables.SPEEDUPS_ON: ours})
+    assert compared["summary"][sft_tables.BASELINE]["wall_s"] == 31.0, (
         "the median, not the mean (90 s is an outlier)"
     )
-    assert compared["summary"][bench_tables.BASELINE]["train_runtime_s"] == 11.0
-    versus = compared["versus_trl"][bench_tables.SPEEDUPS_ON]
+    assert compared["summary"][sft_tables.BASELINE]["train_runtime_s"] == 11.0
+    versus = compared["versus_trl"][sft_tables.SPEEDUPS_ON]
     assert versus["wall_s"] == pytest.approx(15.0 / 31.0)
     assert versus["samples_per_s"] == pytest.approx((8 / 5.0) / (8 / 11.0)), "median samples/s over runs"
     assert versus["peak_rss_gb"] == pytest.approx(0.9)
@@ -159,8 +157,8 @@ def test_summary_is_the_median_and_ratios_are_ours_over_trl():
 def test_loss_curve_gap_compares_the_steps_both_logged_whatever_their_key_type():
     ours = {"1": 2.0, "5": 1.1, "10": 9.0}  # as read back from JSON
     baseline = {1: 2.0, 5: 1.0}
-    assert bench_tables.loss_curve_gap(ours, baseline) == pytest.approx(0.1)
-    assert bench_tables.loss_curve_gap({3: 1.0}, baseline) is None
+    assert sft_tables.loss_curve_gap(ours, baseline) == pytest.approx(0.1)
+    assert sft_tables.loss_curve_gap({3: 1.0}, baseline) is None
 
 
 def test_model_flops_count_only_the_tower_work_actually_run():
@@ -173,16 +171,16 @@ def test_model_flops_count_only_the_tower_work_actually_run():
         "cached features: no tower FLOPs"
     )
     assert third["model_tflops_per_s"] == pytest.approx(8 * (6e9 + 4e9 / 3) / 2.0 / 1e12)
-    assert bench_tables.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
-    assert bench_tables.fraction_computed(None) == 1.0
+    assert sft_tables.fraction_computed({"in_training": {"hits": 6, "misses": 2}}) == 0.25
+    assert sft_tables.fraction_computed(None) == 1.0
 
 
 def test_model_flops_leave_out_what_the_last_layer_skipped_at_unlabelled_positions():
     counted = {"in_training": {"labelled": 30, "positions": 130}}
-    assert bench_tables.flops_skipped(counted, 2e6) == 100 * 2e6
-    assert bench_tables.flops_skipped(None, 2e6) == 0.0
+    assert sft_tables.flops_skipped(counted, 2e6) == 100 * 2e6
+    assert sft_tables.flops_skipped(None, 2e6) == 0.0
     whole = run(10, 1, 2.0, 6.0, {1: 7.0})
-    cut = bench_tables.with_throughput(
+    cut = sft_tables.with_throughput(
         {**whole, "flops_skipped": 4e9}, 8, {"vision": 3e9, "projector": 1e9, "llm": 6e9}, None
     )
     assert cut["model_tflops_per_s"] == pytest.approx((8 * 10e9 - 4e9) / 2.0 / 1e12)
@@ -192,8 +190,8 @@ def test_last_layer_flops_per_position_are_its_output_projection_mlp_and_lm_head
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from vlm_recipes.benchmarking.flops import last_layer_flops_per_position
     from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.evaluation.flops import last_layer_flops_per_position
     from vlm_recipes.model.build import detect_family
 
     family, config = detect_family(str(ensure_demo_model()))
@@ -214,9 +212,9 @@ def test_the_wide_bench_model_has_qwen2_vl_2bs_shapes_and_flop_shares():
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from vlm_recipes.benchmarking.bench_model import model_about, reference_model, token_counts
     from vlm_recipes.demo.data import ensure_bench_dataset
     from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.evaluation.bench_model import model_about, reference_model, token_counts
     from vlm_recipes.model.build import detect_family
 
     model_dir = ensure_demo_model("demo:bench-qwen2-vl-wide")
@@ -261,7 +259,7 @@ def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_d
     model = ensure_demo_model("demo:bench-qwen2-vl")
     data = ensure_bench_dataset() / "bench.jsonl"
     args = [f"--stage={stage}", f"--model={model}", f"--data={data}", "--rows=4", "--batch-size=2"]
-    baseline_trl.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
+    plain_trl_sft.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
     measured = json.loads(out.read_text())
     assert measured["steps"] == 2 and math.isfinite(measured["eval_loss"])
     assert measured["step_time_median_s"] > 0 and measured["time_to_first_step_s"] > 0
@@ -307,11 +305,11 @@ def test_step_times_include_loading_the_batch(tmp_path):
 def test_readme_tables_refuse_a_missing_file_or_markers(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["benchmark.py", "--readme", str(tmp_path / "absent.json")])
     with pytest.raises(SystemExit) as refused:
-        bench.main()
+        sft_vs_trl.main()
     assert refused.value.code == 2 and "absent.json: no such results file" in capsys.readouterr().err
     readme = tmp_path / "performance.md"
     readme.write_text("# no tables here\n")
     with pytest.raises(SystemExit) as refused:
-        bench_tables.update_readme(json.loads(RESULTS.read_text()), readme)
+        sft_tables.update_readme(json.loads(RESULTS.read_text()), readme)
     assert refused.value.code == 2 and "mark where the tables go" in capsys.readouterr().err
     assert readme.read_text() == "# no tables here\n", "nothing written"

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 from PIL import Image
 
-from vlm_recipes.evaluation import baseline_trl_grpo, bench_grpo
+from vlm_recipes.benchmarking import grpo_vs_trl, plain_trl_grpo
 
 RESULTS = sorted((REPO / "benchmarks" / "results").glob("grpo-cpu-2-cores*.json"))  # fp32, bf16, bf16 wide
 
@@ -21,9 +21,9 @@ def test_baseline_grpo_script_trains_one_group_a_step_and_logs_the_reward(tmp_pa
     from vlm_recipes.demo.models import ensure_demo_model
 
     out = tmp_path / "baseline.json"
-    model, data = ensure_demo_model("demo:tiny-qwen2-vl"), bench_grpo.ensure_bench_prompts() / "train.jsonl"
+    model, data = ensure_demo_model("demo:tiny-qwen2-vl"), grpo_vs_trl.ensure_bench_prompts() / "train.jsonl"
     args = [f"--model={model}", f"--data={data}", "--rows=2", "--max-completion-length=4", f"--out={out}"]
-    baseline_trl_grpo.main(args)
+    plain_trl_grpo.main(args)
     measured = json.loads(out.read_text())
     assert measured["steps"] == 2 and len(measured["reward_curve"]) == 2
     assert all(0.0 <= reward <= 1.0 for reward in measured["reward_curve"].values())
@@ -33,7 +33,7 @@ def test_baseline_grpo_script_trains_one_group_a_step_and_logs_the_reward(tmp_pa
 def test_bench_prompts_are_the_demo_prompts_with_one_image_each_at_448(private_demo_cache):
     from vlm_recipes.demo.data import ensure_prompt_dataset
 
-    directory = bench_grpo.ensure_bench_prompts()
+    directory = grpo_vs_trl.ensure_bench_prompts()
     rows = [json.loads(line) for line in (directory / "train.jsonl").read_text().splitlines()]
     demo = [json.loads(line) for line in (ensure_prompt_dataset() / "train.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [r["id"] for r in demo if len(r["images"]) == 1]
@@ -55,16 +55,16 @@ def run(samples_per_s: float, rss: float, reward: float) -> dict:
 
 def test_summary_is_the_median_and_ratios_are_ours_over_trl():
     runs = {
-        bench_grpo.BASELINE: [run(2.0, 1.8, 0.1), run(2.2, 1.9, 0.1), run(0.5, 1.8, 0.1)],
-        bench_grpo.CACHE_OFF: [run(2.0, 1.7, 0.1)] * 3,
-        bench_grpo.CACHE_ON: [run(3.0, 1.8, 0.1), run(2.8, 1.8, 0.1), run(9.0, 1.8, 0.1)],
+        grpo_vs_trl.BASELINE: [run(2.0, 1.8, 0.1), run(2.2, 1.9, 0.1), run(0.5, 1.8, 0.1)],
+        grpo_vs_trl.CACHE_OFF: [run(2.0, 1.7, 0.1)] * 3,
+        grpo_vs_trl.CACHE_ON: [run(3.0, 1.8, 0.1), run(2.8, 1.8, 0.1), run(9.0, 1.8, 0.1)],
     }
-    summary = bench_grpo.summarize(runs)
-    assert summary["medians"][bench_grpo.BASELINE]["samples_per_s"] == 2.0, "the median (0.5 is an outlier)"
-    versus = summary["versus_trl"][bench_grpo.CACHE_ON]
+    summary = grpo_vs_trl.summarize(runs)
+    assert summary["medians"][grpo_vs_trl.BASELINE]["samples_per_s"] == 2.0, "the median (0.5 is an outlier)"
+    versus = summary["versus_trl"][grpo_vs_trl.CACHE_ON]
     assert versus["samples_per_s"] == pytest.approx(1.5)
     assert versus["peak_rss_gb"] == pytest.approx(1.8 / 1.8)
-    assert summary["versus_trl"][bench_grpo.CACHE_OFF]["peak_rss_gb"] == pytest.approx(1.7 / 1.8)
+    assert summary["versus_trl"][grpo_vs_trl.CACHE_OFF]["peak_rss_gb"] == pytest.approx(1.7 / 1.8)
 
 
 @pytest.mark.parametrize("results", RESULTS, ids=lambda path: path.stem)
@@ -73,7 +73,7 @@ def test_the_docs_tables_are_generated_from_the_committed_results(results):
     assert report["about"]["git_sha"] and "-dirty" not in report["about"]["git_sha"]
     precision = "bf16" if "-bf16" in results.stem else "fp32"
     assert report["about"]["repeats"] >= 3 and report["about"]["precision"] == precision
-    assert bench_grpo.render(report) in (REPO / "docs" / "performance.md").read_text(), (
+    assert grpo_vs_trl.render(report) in (REPO / "docs" / "performance.md").read_text(), (
         f"docs/performance.md's GRPO table differs from {results.relative_to(REPO)}: paste "
-        f"`vlm-recipes bench-grpo`'s table (bench_grpo.render of that file)"
+        f"`vlm-recipes bench-grpo`'s table (grpo_vs_trl.render of that file)"
     )

@@ -12,15 +12,15 @@ from pathlib import Path
 import matplotlib
 import pytest
 
-from vlm_recipes.evaluation.compare import (
+from vlm_recipes.comparison.answers import format_answers_markdown, format_answers_text, side_by_side
+from vlm_recipes.comparison.plot import comparison_figure
+from vlm_recipes.comparison.run_summary import RunSummary, load_run
+from vlm_recipes.comparison.tables import (
     compare_runs,
     format_comparison,
     format_markdown,
     spread_marks,
 )
-from vlm_recipes.evaluation.comparison_plot import comparison_figure
-from vlm_recipes.evaluation.predictions import format_answers_markdown, format_answers_text, side_by_side
-from vlm_recipes.evaluation.run_summary import RunSummary, load_run
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.runs.manifest import format_summary, stage_summary
 

@@ -12,13 +12,13 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlm_recipes.cli.demo_learns import AT_START, TEACHING_EVAL, run
 from vlm_recipes.cli.train import main
+from vlm_recipes.comparison.teaching import teaching
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import models
 from vlm_recipes.demo.data import VERSION, ensure_pretraining_dataset
 from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, WEIGHTS_ENV, ensure_demo_model
 from vlm_recipes.errors import UnsupportedModelError
-from vlm_recipes.evaluation.evaluate import evaluate_generation
-from vlm_recipes.evaluation.teaching import teaching
+from vlm_recipes.evaluation.generation import evaluate_generation
 from vlm_recipes.files import read_json
 from vlm_recipes.recipes.learning_rates import DEMO_RATE_SCALE, learning_rate_scale, stage_learning_rates
 from vlm_recipes.recipes.load import load_recipe

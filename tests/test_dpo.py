@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
+from vlm_recipes.comparison.answers import side_by_side
+from vlm_recipes.comparison.run_summary import load_run
+from vlm_recipes.comparison.tables import compare_runs, format_comparison
 from vlm_recipes.data.preference import PREFERENCE
 from vlm_recipes.data.rows import load_split, load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.compare import compare_runs, format_comparison
-from vlm_recipes.evaluation.predictions import side_by_side
-from vlm_recipes.evaluation.run_summary import load_run
 from vlm_recipes.files import read_json
 from vlm_recipes.methods.dpo import build_dpo_config, build_dpo_trainer
 from vlm_recipes.methods.trainer import ConfigInputs

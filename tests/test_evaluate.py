@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlm_recipes.evaluation.evaluate import prompts_from_rows
+from vlm_recipes.evaluation.generation import prompts_from_rows
 from vlm_recipes.scoring import (
     exact_match,
     final_answer,

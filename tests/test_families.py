@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from vlm_recipes.benchmarking.flops import flops_per_sample
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import LoraTargetError
-from vlm_recipes.evaluation.flops import flops_per_sample
 from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE

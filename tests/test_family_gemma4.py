@@ -28,11 +28,11 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from trl.chat_template_utils import has_generation_markers
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from vlm_recipes.benchmarking.flops import matmul_params_by_role
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import GuardError
-from vlm_recipes.evaluation.flops import matmul_params_by_role
 from vlm_recipes.families.gemma4 import AUDIO, GEMMA4
 from vlm_recipes.model.build import build_stage_model, load_processor
 from vlm_recipes.recipes.load import load_recipe

@@ -22,9 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from vlm_recipes.benchmarking.flops import matmul_params_by_role
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.lengths import sample_lengths, sample_token_counts
-from vlm_recipes.evaluation.flops import matmul_params_by_role
 from vlm_recipes.families.internvl import (
     INTERNVL,
     INTERNVL_CHAT_TEMPLATE,

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from test_families import TINY_RUN
 from transformers import AutoConfig, AutoModelForImageTextToText
 
+from vlm_recipes.benchmarking.flops import matmul_params_by_role
 from vlm_recipes.cli.train import main
-from vlm_recipes.evaluation.flops import matmul_params_by_role
 from vlm_recipes.families.qwen3_5 import QWEN3_5_MOE
 
 MODEL, MOE = TINY_MODELS["qwen3.5"], TINY_MODELS["qwen3.5-moe"]

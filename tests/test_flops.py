@@ -11,14 +11,14 @@ from conftest import model_inputs, model_torch_can_count, single_image_demo_rows
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoProcessor
 
-from vlm_recipes.data.lengths import sample_token_counts
-from vlm_recipes.data.rows import undecoded
-from vlm_recipes.evaluation.flops import (
+from vlm_recipes.benchmarking.flops import (
     flop_coefficients,
     flops_per_sample,
     linear_attention_flops,
     matmul_params_by_role,
 )
+from vlm_recipes.data.lengths import sample_token_counts
+from vlm_recipes.data.rows import undecoded
 from vlm_recipes.families.base import VisionGeometry
 
 

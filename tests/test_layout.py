@@ -11,9 +11,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "vlm_recipes"
 MAX_LINES = 400
 # The rooms from the top floor down, as one stage's trip takes them: a module imports from its own room
-# or a lower one. Rooms on one floor may import each other (no cycle between their modules).
+# or a lower one. Rooms on one floor may import each other (no cycle between their modules). Comparison
+# (reading finished runs) and benchmarking (timing runs against plain TRL) are the CLI's, beside the trip.
 FLOORS = [
     ["cli", "__main__"],
+    ["comparison", "benchmarking"],
     ["runner"],
     ["launch"],
     ["stages"],

@@ -15,9 +15,9 @@ from PIL import Image
 
 from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
-from vlm_recipes.evaluation.compare import compare_runs
-from vlm_recipes.evaluation.report_page import write_run_page
-from vlm_recipes.evaluation.run_summary import load_run
+from vlm_recipes.comparison.report_page import write_run_page
+from vlm_recipes.comparison.run_summary import load_run
+from vlm_recipes.comparison.tables import compare_runs
 from vlm_recipes.files import read_json
 
 pytestmark = pytest.mark.e2e
@@ -226,7 +226,7 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
 
     from vlm_recipes.data.rows import load_split
     from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.evaluation.evaluate import evaluate_generation
+    from vlm_recipes.evaluation.generation import evaluate_generation
 
     base = ensure_demo_model()
     untrained, _ = evaluate_generation(

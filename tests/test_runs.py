@@ -16,8 +16,8 @@ from conftest import TRAIN
 
 from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
+from vlm_recipes.comparison.run_summary import find_runs
 from vlm_recipes.errors import RunBusyError
-from vlm_recipes.evaluation.run_summary import find_runs
 from vlm_recipes.files import read_json
 from vlm_recipes.runs.lock import LOCK_HELD_ENV, lock_run_dir, release_run_lock
 from vlm_recipes.runs.manifest import run_state

@@ -1,5 +1,5 @@
 """Scoring answers against references: pure functions, tested against hand-computed cases. Used after every
-stage (evaluation/evaluate.py), by GRPO's rewards (methods/rewards.py), and by the comparison, so an answer
+stage (evaluation/generation.py), by GRPO's rewards (methods/rewards.py), and by the comparison, so an answer
 is scored the same way everywhere."""
 
 from __future__ import annotations

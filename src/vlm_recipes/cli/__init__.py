@@ -28,11 +28,11 @@ COMMANDS = {
         "`data check PATH`: a dataset read as a stage reads it, every problem listed",
     ),
     "bench": (
-        "vlm_recipes.evaluation.bench",
+        "vlm_recipes.benchmarking.sft_vs_trl",
         "benchmark against a plain TRL script, in the scenarios a user runs",
     ),
     "bench-grpo": (
-        "vlm_recipes.evaluation.bench_grpo",
+        "vlm_recipes.benchmarking.grpo_vs_trl",
         "benchmark a GRPO stage against plain TRL's GRPOTrainer (the feature cache's speed-up)",
     ),
     "demo-learns": (

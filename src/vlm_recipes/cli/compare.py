@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlm_recipes.comparison.answers import ROWS_SHOWN
+from vlm_recipes.comparison.report_page import write_comparison
+from vlm_recipes.comparison.run_summary import find_runs
+from vlm_recipes.comparison.tables import format_comparison
 from vlm_recipes.errors import BadInput
-from vlm_recipes.evaluation.compare import format_comparison
-from vlm_recipes.evaluation.predictions import ROWS_SHOWN
-from vlm_recipes.evaluation.report_page import write_comparison
-from vlm_recipes.evaluation.run_summary import find_runs
 from vlm_recipes.runs.manifest import run_state
 
 

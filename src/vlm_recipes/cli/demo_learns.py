@@ -19,11 +19,11 @@ import argparse
 import platform
 from pathlib import Path
 
+from vlm_recipes.benchmarking.sft_vs_trl import git_sha, processor_name
 from vlm_recipes.cli.train import main as train
+from vlm_recipes.comparison.teaching import teaching
 from vlm_recipes.decisions import cpu_has_native_bf16
 from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, ensure_demo_model
-from vlm_recipes.evaluation.bench import git_sha, processor_name
-from vlm_recipes.evaluation.teaching import teaching
 from vlm_recipes.files import read_json
 
 TEACHING_EVAL = "demo:teaching-eval"  # 144 rows drawn as demo:eval's (demo/data.py says why)
@@ -31,7 +31,7 @@ AT_START = "1e-12"  # a learning rate that leaves the weights as they were (0 is
 
 
 def stage_metrics(run_dir: Path) -> dict:
-    """The last stage's eval loss and exact match, as evaluation/teaching.py takes them."""
+    """The last stage's eval loss and exact match, as comparison/teaching.py takes them."""
     last = sorted(run_dir.glob("stage-*"))[-1]
     metrics = read_json(last / "metrics.json")
     return {"loss": metrics["eval_loss"], "exact": metrics["eval"]["all"]["exact_match"]}

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from vlm_recipes.data.video import VideoLoader, VideoSampling
     from vlm_recipes.decisions import DTYPES, Environment
     from vlm_recipes.errors import DataError
-    from vlm_recipes.evaluation.evaluate import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.evaluation.generation import Prompt, evaluate_generation, generate_answers
     from vlm_recipes.model.build import detect_family
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.schema import DataSettings

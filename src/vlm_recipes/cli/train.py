@@ -110,8 +110,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code
 
-    from vlm_recipes.evaluation.predictions import format_answers_text, side_by_side
-    from vlm_recipes.evaluation.report_page import write_run_page
+    from vlm_recipes.comparison.answers import format_answers_text, side_by_side
+    from vlm_recipes.comparison.report_page import write_run_page
     from vlm_recipes.launch.launcher import LaunchFailed
     from vlm_recipes.runner import run_recipe
     from vlm_recipes.runs.layout import NodeSettings, RunOptions
@@ -166,8 +166,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
-        from vlm_recipes.evaluation.compare import format_comparison
-        from vlm_recipes.evaluation.report_page import write_comparison
+        from vlm_recipes.comparison.report_page import write_comparison
+        from vlm_recipes.comparison.tables import format_comparison
 
         comparison, markdown, png, page = write_comparison(
             run_dirs, args.output_dir / "comparisons" / base_name

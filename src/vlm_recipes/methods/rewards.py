@@ -1,6 +1,6 @@
 """The rewards of a GRPO stage (method: grpo), as TRL's GRPOTrainer calls them.
 
-The built-ins score a sampled completion exactly as the eval scores a generated answer (evaluate.py's
+The built-ins score a sampled completion exactly as the eval scores a generated answer (scoring.py's
 normalization, JSON parsing and field counts): exact_match, json_f1, format (a regular expression),
 length (completion tokens) and iou (a box against the reference box). A recipe's `module:function` is the
 user's own, imported from the working directory. Every reward is called once on a real row before training (check_rewards) and guarded during

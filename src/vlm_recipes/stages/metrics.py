@@ -13,8 +13,7 @@ import torch
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Environment
-from vlm_recipes.evaluation.evaluate import evaluate_generation
-from vlm_recipes.evaluation.predictions import row_media
+from vlm_recipes.evaluation.generation import evaluate_generation, row_media
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage

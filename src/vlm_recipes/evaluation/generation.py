@@ -1,4 +1,5 @@
-"""Generation-based evaluation: batched greedy answers, exact match, and field-level scores for JSON answers.
+"""Generation-based evaluation: batched greedy answers, exact match, and field-level scores for JSON answers;
+where each eval row's images and videos are (`row_media`), kept beside its answer in predictions.jsonl.
 
 Used after every stage (on the held-out split) and by scripts/predict.py, so both see the same prompts,
 the same decoding and the same scoring.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -189,3 +191,28 @@ def evaluate_generation(
             record["thinking"] = generated.rsplit(THINK_END, 1)[0]
         records.append(record | {"exact_match": exact_match(answer, p.reference or "")})
     return score_predictions(records, tolerance), records
+
+
+def row_media(rows, spill_dir: Path) -> list[dict[str, list[str]]]:
+    """Per eval row, where its images and videos are, for the report page to show beside the answers: an
+    image's file where it has one, else its bytes written to `spill_dir` (a dataset that embeds them)."""
+    from vlm_recipes.data.rows import undecoded
+
+    count = len(rows)
+    images = undecoded(rows)["images"] if "images" in rows.column_names else [[]] * count
+    videos = rows["videos"] if "videos" in rows.column_names else [[]] * count
+    media = []
+    for i, (row_images, row_videos) in enumerate(zip(images, videos, strict=True)):
+        paths = []
+        for k, image in enumerate(row_images or []):
+            path, data = image.get("path"), image.get("bytes")
+            if path and Path(path).is_file():
+                paths.append(str(Path(path).resolve()))
+            elif data:
+                spill_dir.mkdir(parents=True, exist_ok=True)
+                (spill_dir / f"{i}-{k}").write_bytes(data)
+                paths.append(str((spill_dir / f"{i}-{k}").resolve()))
+            else:
+                paths.append(path or "")  # gone: the page shows a marked placeholder
+        media.append({"images": paths, "videos": [str(v) for v in row_videos or []]})
+    return media

@@ -1,11 +1,11 @@
 """The comparison's figure (comparison.png: train curves, eval loss, task metrics, each recipe's mean ± std
-over seeds); the tables are compare.py's, the files a comparison writes report_page.py's."""
+over seeds); the tables are tables.py's, the files a comparison writes report_page.py's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.evaluation.compare import (
+from vlm_recipes.comparison.tables import (
     Comparison,
     RecipeRow,
     mean_std,

@@ -1,10 +1,10 @@
 """The GRPO script a user would write by hand, the way TRL's own VLM GRPO example does it: load the model
 and processor, an exact-match reward, GRPOTrainer with a peft_config, train. The GRPO benchmark's baseline.
 
-    python baseline_trl_grpo.py --model DIR --data PROMPTS.jsonl --rows 16 --out r.json
+    python plain_trl_grpo.py --model DIR --data PROMPTS.jsonl --rows 16 --out r.json
 
 Same model, prompts, seed and GRPOConfig numbers as the vlm-recipes stage it is compared with
-(evaluation/bench_recipes/bench-llm-grpo.yaml). Only the step timer is shared with vlm-recipes; the peak RSS
+(benchmarking/bench_recipes/bench-llm-grpo.yaml). Only the step timer is shared with vlm-recipes; the peak RSS
 is measured by whoever runs it (the whole process), the GPU peak over the training loop as vlm-recipes reads it.
 """
 

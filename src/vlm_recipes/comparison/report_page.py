@@ -23,8 +23,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from vlm_recipes.data.images import upright_rgb
-from vlm_recipes.evaluation.compare import (
+from vlm_recipes.comparison.answers import ROWS_SHOWN, WHEN, RowAnswers
+from vlm_recipes.comparison.plot import draw_train_curves, plot_comparison
+from vlm_recipes.comparison.run_summary import load_run
+from vlm_recipes.comparison.tables import (
     MARKS,
     Comparison,
     RecipeRow,
@@ -36,9 +38,7 @@ from vlm_recipes.evaluation.compare import (
     spread_note,
     table_rows,
 )
-from vlm_recipes.evaluation.comparison_plot import draw_train_curves, plot_comparison
-from vlm_recipes.evaluation.predictions import ROWS_SHOWN, WHEN, RowAnswers
-from vlm_recipes.evaluation.run_summary import load_run
+from vlm_recipes.data.images import upright_rgb
 
 THUMBNAIL_SIDE = 160  # px, the longer side of an image on the page
 CLIP_FRAMES = 4  # frames shown of a clip, evenly spaced
@@ -153,7 +153,7 @@ def _mean_std(values: list[float]) -> str:
 
 
 def curves_svg(rows: list[RecipeRow]) -> str:
-    """Every run's train and eval loss on shared axes (comparison_plot's train-curve panel), as inline SVG."""
+    """Every run's train and eval loss on shared axes (plot.py's train-curve panel), as inline SVG."""
     import matplotlib
 
     matplotlib.use("Agg")

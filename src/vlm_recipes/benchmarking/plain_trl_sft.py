@@ -1,7 +1,7 @@
 """The script a user would write by hand, the way TRL's own VLM SFT example does it: load the model and
 processor, freeze, SFTTrainer with a peft_config, train, save. The benchmark's baseline.
 
-    python benchmarks/baseline_trl.py --stage llm-lora --model DIR --data FILE.jsonl --epochs 1 --out r.json
+    python plain_trl_sft.py --stage llm-lora --model DIR --data FILE.jsonl --epochs 1 --out r.json
 
 Same model, data, seed and SFTConfig numbers as the vlm-recipes stage it is compared with. Only the
 step timer (a TrainerCallback that reads the clock) is shared with vlm-recipes. The process's peak RSS is

@@ -14,14 +14,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from vlm_recipes.evaluation.predictions import (
+from vlm_recipes.comparison.answers import (
     ROWS_SHOWN,
     RowAnswers,
     format_answers_markdown,
     format_answers_text,
     side_by_side,
 )
-from vlm_recipes.evaluation.run_summary import RunSummary
+from vlm_recipes.comparison.run_summary import RunSummary
 from vlm_recipes.recipes.schema import SAMPLING_METHODS
 
 # ---------------------------------------------------------------------------------------------

@@ -193,7 +193,7 @@ def render_tables(report: dict) -> str:
 def peak_and_shares(about: dict) -> list[str]:
     """What MFU is a fraction of, and each stage's FLOP shares, the bench model's beside the real one's
     (results files from before either have neither)."""
-    from vlm_recipes.evaluation.flops import STEP_PARTS
+    from vlm_recipes.benchmarking.flops import STEP_PARTS
 
     lines = []
     if about.get("peak_tflops"):

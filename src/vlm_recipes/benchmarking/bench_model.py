@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vlm_recipes.evaluation.flops import (
+from vlm_recipes.benchmarking.flops import (
     STEP_PARTS,
     flop_shares,
     flops_per_sample_by_role,

@@ -17,7 +17,7 @@ Scenarios, each a row of the table. No run warms up the caches a measured run re
   next seed, recipe or run over the same data.
 - three-epochs: three epochs, caches empty at the start (they fill during the first).
 
-Ways: plain TRL (`evaluation/baseline_trl.py`, the script one writes by hand), vlm-recipes with its speed-ups
+Ways: plain TRL (`benchmarking/plain_trl_sft.py`, the script one writes by hand), vlm-recipes with its speed-ups
 off (first-epoch only: the runner's own overhead, computing what TRL computes), and vlm-recipes with them on.
 Every run is a fresh process, and both ways are measured over the same window and the same work: wall time
 and peak RSS are the whole process's (`os.wait4`), samples/s is samples trained / the training loop's
@@ -41,7 +41,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from vlm_recipes.evaluation.bench_tables import (
+from vlm_recipes.benchmarking.sft_tables import (
     BASELINE,
     SCENARIOS,
     SPEEDUPS_ON,
@@ -57,7 +57,7 @@ from vlm_recipes.evaluation.bench_tables import (
 )
 
 HERE = Path(__file__).resolve().parent
-BASELINE_SCRIPT = HERE / "baseline_trl.py"  # the plain TRL script one writes by hand
+BASELINE_SCRIPT = HERE / "plain_trl_sft.py"  # the plain TRL script one writes by hand
 BENCH_RECIPES = HERE / "bench_recipes"
 RECIPES = {"llm-lora": "bench-llm-lora.yaml", "vision-full": "bench-vision-full.yaml"}
 SPEEDUPS = {  # each switchable; the feature cache only exists for a frozen tower
@@ -243,7 +243,7 @@ def processor_name() -> str:
 
 def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:
     """What the results file says of the run: code, libraries, machine, command, model, data, scenarios."""
-    from vlm_recipes.evaluation.flops import FORMULA
+    from vlm_recipes.benchmarking.flops import FORMULA
 
     return {
         "git_sha": git_sha(),
@@ -303,10 +303,10 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         print(f"{TABLES_DOC}: tables from {args.readme}")
         return 0
 
+    from vlm_recipes.benchmarking.bench_model import device_peak, model_about, render_shares, token_counts
     from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.data import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
-    from vlm_recipes.evaluation.bench_model import device_peak, model_about, render_shares, token_counts
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe
     from vlm_recipes.roles import ROLES

@@ -1,6 +1,6 @@
 """The GRPO benchmark: a GRPO stage through vlm-recipes against plain TRL's GRPOTrainer
-(`evaluation/baseline_trl_grpo.py`, the script one writes by hand), on the same model, prompts, seed and
-settings (`evaluation/bench_recipes/bench-llm-grpo.yaml`).
+(`benchmarking/plain_trl_grpo.py`, the script one writes by hand), on the same model, prompts, seed and
+settings (`benchmarking/bench_recipes/bench-llm-grpo.yaml`).
 
     vlm-recipes bench-grpo                                   # 1 repeat -> benchmark-grpo.json
     vlm-recipes bench-grpo --repeats 3 --out benchmarks/results/grpo-cpu-2-cores-bf16-wide.json
@@ -30,10 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlm_recipes.evaluation.bench import cache_env, git_sha, processor_name, run_process, threads_env
+from vlm_recipes.benchmarking.sft_vs_trl import cache_env, git_sha, processor_name, run_process, threads_env
 
 HERE = Path(__file__).resolve().parent
-BASELINE_SCRIPT = HERE / "baseline_trl_grpo.py"
+BASELINE_SCRIPT = HERE / "plain_trl_grpo.py"
 RECIPE = HERE / "bench_recipes" / "bench-llm-grpo.yaml"
 BASELINE, CACHE_OFF, CACHE_ON = "plain TRL", "vlm-recipes, feature cache off", "vlm-recipes, feature cache on"
 SPEEDUPS_ON = "vlm-recipes, speed-ups on"

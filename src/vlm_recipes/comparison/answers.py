@@ -33,36 +33,11 @@ class RowAnswers:
     reference: str
     answers: list[tuple[str, str | None]] = field(default_factory=list)  # (who, answer; None: not asked)
     right: list[bool | None] = field(default_factory=list)  # per answer: exact match (None: not scored)
-    images: list[str] = field(default_factory=list)  # where the row's images and videos are (row_media)
+    images: list[str] = field(default_factory=list)  # where its images and videos are (generation.row_media)
     videos: list[str] = field(default_factory=list)
 
     def answers_differ(self) -> bool:
         return len({" ".join(a.split()) for _, a in self.answers if a is not None}) > 1
-
-
-def row_media(rows, spill_dir: Path) -> list[dict[str, list[str]]]:
-    """Per eval row, where its images and videos are, for the report page to show beside the answers: an
-    image's file where it has one, else its bytes written to `spill_dir` (a dataset that embeds them)."""
-    from vlm_recipes.data.rows import undecoded
-
-    count = len(rows)
-    images = undecoded(rows)["images"] if "images" in rows.column_names else [[]] * count
-    videos = rows["videos"] if "videos" in rows.column_names else [[]] * count
-    media = []
-    for i, (row_images, row_videos) in enumerate(zip(images, videos, strict=True)):
-        paths = []
-        for k, image in enumerate(row_images or []):
-            path, data = image.get("path"), image.get("bytes")
-            if path and Path(path).is_file():
-                paths.append(str(Path(path).resolve()))
-            elif data:
-                spill_dir.mkdir(parents=True, exist_ok=True)
-                (spill_dir / f"{i}-{k}").write_bytes(data)
-                paths.append(str((spill_dir / f"{i}-{k}").resolve()))
-            else:
-                paths.append(path or "")  # gone: the page shows a marked placeholder
-        media.append({"images": paths, "videos": [str(v) for v in row_videos or []]})
-    return media
 
 
 def stage_predictions(run_dir: Path) -> list[tuple[str, dict[str, dict]]]:
