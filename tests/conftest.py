@@ -130,10 +130,9 @@ TINY_MODELS = {
 @pytest.fixture(scope="session", params=list(TINY_MODELS))
 def tiny_family(request, private_demo_cache):
     """(family, model directory) of one family's tiny model; each is built once per session."""
-    from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.families import family_of_demo_model
+    from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 
-    family, _ = family_of_demo_model(TINY_MODELS[request.param])
+    family = DEMO_MODELS[TINY_MODELS[request.param]].family
     return family, ensure_demo_model(TINY_MODELS[request.param])
 
 
