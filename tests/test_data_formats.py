@@ -19,7 +19,7 @@ from test_speedups import padded_collator
 from test_video import make_clip
 from transformers import AutoProcessor
 
-from vlm_recipes.cli.data import main as data_main
+from vlm_recipes.cli.data_check import main as data_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator, with_upright_images
 from vlm_recipes.data.formats import content_parts

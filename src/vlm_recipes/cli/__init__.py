@@ -22,9 +22,9 @@ COMMANDS = {
         "compare finished runs: table, comparison.md, comparison.png, comparison.html",
     ),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
-    "inspect": ("vlm_recipes.cli.inspect", "print what the guards see in a model directory"),
+    "inspect": ("vlm_recipes.cli.inspect_checkpoint", "print what the guards see in a model directory"),
     "data": (
-        "vlm_recipes.cli.data",
+        "vlm_recipes.cli.data_check",
         "`data check PATH`: a dataset read as a stage reads it, every problem listed",
     ),
     "bench": (

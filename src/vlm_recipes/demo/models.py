@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlm_recipes.demo.data import VERSION, tokenizer_corpus
+from vlm_recipes.demo.dataset import VERSION, tokenizer_corpus
 from vlm_recipes.demo.tiny import (
     gemma3,
     gemma4,

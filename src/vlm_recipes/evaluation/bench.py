@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         return 0
 
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.evaluation.bench_model import device_peak, model_about, render_shares, token_counts
     from vlm_recipes.model.guards import decide_precision

@@ -9,7 +9,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import BadInput
 from vlm_recipes.logs import setup_logging
 from vlm_recipes.model.guards import decide_precision
-from vlm_recipes.model.inspect import format_inspection, inspect_model
+from vlm_recipes.model.inspection import format_inspection, inspect_model
 
 
 def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> int:
