@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from vlm_recipes.errors import EXIT_BAD_INPUT
+
 # command → (module with main(argv, prog), one line of help)
 COMMANDS = {
     "train": ("vlm_recipes.cli.train", "run a recipe: stages, checkpoints, evaluation (`train --help`)"),
@@ -40,7 +42,6 @@ COMMANDS = {
         "does the demo teach? each demo model's eval at a recipe's start and after it, per seed",
     ),
 }
-EXIT_BAD_INPUT = 2
 
 
 def usage() -> str:
