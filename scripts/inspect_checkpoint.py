@@ -3,7 +3,7 @@
 
 import sys
 
-from vlm_recipes.cli.inspect import main
+from vlm_recipes.cli.inspect_checkpoint import main
 
 if __name__ == "__main__":
     sys.exit(main())

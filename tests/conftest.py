@@ -130,10 +130,9 @@ TINY_MODELS = {
 @pytest.fixture(scope="session", params=list(TINY_MODELS))
 def tiny_family(request, private_demo_cache):
     """(family, model directory) of one family's tiny model; each is built once per session."""
-    from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.families import family_of_demo_model
+    from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 
-    family, _ = family_of_demo_model(TINY_MODELS[request.param])
+    family = DEMO_MODELS[TINY_MODELS[request.param]].family
     return family, ensure_demo_model(TINY_MODELS[request.param])
 
 
@@ -236,7 +235,7 @@ def single_image_demo_rows(n: int | None = None):
     """The demo train split's one-image rows (tasks shapes and nutrition), loaded as load_split loads them
     (images decodable). Tests of image mechanics use these; two-image and video rows have their own."""
     from vlm_recipes.data.rows import load_split
-    from vlm_recipes.demo.data import ensure_demo_dataset
+    from vlm_recipes.demo.dataset import ensure_demo_dataset
 
     ds, _ = load_split(str(ensure_demo_dataset() / "train-images.jsonl"), "train", None)
     keep = [i for i, task in enumerate(ds["task"]) if task in ("shapes", "nutrition")]
@@ -248,7 +247,7 @@ def single_image_demo_file(directory: Path, split: str = "train") -> Path:
     refuses on samples of several images (LLaVA-OneVision's feature cache)."""
     import json
 
-    from vlm_recipes.demo.data import ensure_demo_dataset
+    from vlm_recipes.demo.dataset import ensure_demo_dataset
 
     root = ensure_demo_dataset()
     rows = [json.loads(line) for line in (root / f"{split}-images.jsonl").read_text().splitlines()]

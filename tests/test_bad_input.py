@@ -18,7 +18,7 @@ from PIL import Image
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import load_split
-from vlm_recipes.demo.data import ensure_demo_dataset
+from vlm_recipes.demo.dataset import ensure_demo_dataset
 from vlm_recipes.demo.models import ensure_demo_model
 
 ROW = {

@@ -213,7 +213,7 @@ def test_the_wide_bench_model_has_qwen2_vl_2bs_shapes_and_flop_shares():
     from transformers import AutoModelForImageTextToText
 
     from vlm_recipes.benchmarking.bench_model import model_about, reference_model, token_counts
-    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import ensure_demo_model
     from vlm_recipes.model.build import detect_family
 
@@ -252,7 +252,7 @@ def test_the_wide_bench_model_has_qwen2_vl_2bs_shapes_and_flop_shares():
 @pytest.mark.parametrize("stage", ["llm-lora", "vision-full"])
 def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_demo_cache):
     """The plain-TRL baseline stays runnable, the QLoRA one included (its numbers are the benchmark's)."""
-    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import ensure_demo_model
 
     out = tmp_path / "baseline.json"

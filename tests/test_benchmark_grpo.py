@@ -31,7 +31,7 @@ def test_baseline_grpo_script_trains_one_group_a_step_and_logs_the_reward(tmp_pa
 
 
 def test_bench_prompts_are_the_demo_prompts_with_one_image_each_at_448(private_demo_cache):
-    from vlm_recipes.demo.data import ensure_prompt_dataset
+    from vlm_recipes.demo.dataset import ensure_prompt_dataset
 
     directory = grpo_vs_trl.ensure_bench_prompts()
     rows = [json.loads(line) for line in (directory / "train.jsonl").read_text().splitlines()]

@@ -89,7 +89,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
     from PIL import Image
 
     from vlm_recipes.data import lengths, rows
-    from vlm_recipes.demo.data import ensure_demo_dataset
+    from vlm_recipes.demo.dataset import ensure_demo_dataset
 
     copy = tmp_path / "copy"
     shutil.copytree(ensure_demo_dataset(), copy)

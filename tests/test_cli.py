@@ -56,6 +56,32 @@ def test_compare_of_nothing_is_a_clear_error(tmp_path, capsys):
     assert "no run found" in capsys.readouterr().err
 
 
+def test_a_bad_input_exit_is_spelled_one_way():
+    """A command refuses bad input with errors.EXIT_BAD_INPUT, BadInput's own exit code, never a literal 2."""
+    import ast
+
+    from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
+
+    assert BadInput.exit_code == EXIT_BAD_INPUT == 2
+    package = REPO / "src" / "vlm_recipes"
+
+    def literal_two(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 2
+
+    literal = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Return) and path.parent.name == "cli" and literal_two(node.value))
+        or (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "sys.exit"
+            and literal_two(node.args[0] if node.args else None)
+        )
+    ]
+    assert not literal, f"return or exit with EXIT_BAD_INPUT: {literal}"
+
+
 def test_bench_runs_from_the_package(capsys):
     with pytest.raises(SystemExit) as exit_info:
         vlm_recipes(["bench", "--help"])

@@ -19,7 +19,7 @@ from test_speedups import padded_collator
 from test_video import make_clip
 from transformers import AutoProcessor
 
-from vlm_recipes.cli.data import main as data_main
+from vlm_recipes.cli.data_check import main as data_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator, with_upright_images
 from vlm_recipes.data.formats import content_parts
@@ -338,8 +338,7 @@ def test_preference_rows_in_llama_factory_and_ms_swift_form_read_as_trl_preferen
 def test_a_sideways_phone_photo_reaches_the_model_upright(tmp_path):
     """EXIF orientation 6: the length check counts the upright size and the processor gets the upright
     pixels (its image grid is the upright one, the pixels match the upright photo's)."""
-    from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.families import family_of_demo_model
+    from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 
     upright = photo(96, 64)
     write_sideways_jpeg(tmp_path / "phone.jpg", upright)
@@ -349,7 +348,7 @@ def test_a_sideways_phone_photo_reaches_the_model_upright(tmp_path):
         for name in ("phone.jpg", "upright.png")
     ]
     ds, _ = load_split(str(write_jsonl(tmp_path / "photos.jsonl", rows)), "train", None)
-    family, _ = family_of_demo_model(TINY_MODELS["qwen2-vl"])
+    family = DEMO_MODELS[TINY_MODELS["qwen2-vl"]].family
     processor = AutoProcessor.from_pretrained(ensure_demo_model(TINY_MODELS["qwen2-vl"]))
     phone, png = sample_token_counts(undecoded(ds), processor, family)
     assert phone == png, "the sideways file is counted as the upright photo"

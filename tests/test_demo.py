@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageChops
 
 from vlm_recipes import files
-from vlm_recipes.demo import data as demo_data
+from vlm_recipes.demo import dataset as demo_dataset
 from vlm_recipes.demo import models as demo_models
 from vlm_recipes.demo import samples as demo_samples
 
@@ -33,7 +33,7 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def data_dir(demo_cache: Path) -> Path:
-    return demo_data.ensure_demo_dataset()
+    return demo_dataset.ensure_demo_dataset()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_cache_dir_env_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
-    assert data_dir == demo_cache / demo_data.VERSION / "data"
+    assert data_dir == demo_cache / demo_dataset.VERSION / "data"
     info = json.loads((data_dir / "dataset_info.json").read_text())
     assert (data_dir / "README.md").is_file()
     for split, n in (("train", 192), ("eval", 48)):
@@ -108,8 +108,8 @@ def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
 def test_the_teaching_eval_set_is_demo_evals_kind_of_rows_three_times_over(demo_cache: Path, data_dir: Path):
     """demo:teaching-eval, what `demo-learns` scores on: demo:eval's task mix three times over, rows of their
     own (no image of demo:eval's), pair answers alternating; without video, its rows less the clips."""
-    path = Path(demo_data.resolve_data_source("demo:teaching-eval"))
-    assert path == demo_cache / demo_data.VERSION / "teaching-data" / "eval.jsonl"
+    path = Path(demo_dataset.resolve_data_source("demo:teaching-eval"))
+    assert path == demo_cache / demo_dataset.VERSION / "teaching-data" / "eval.jsonl"
     rows, evals = _rows(path), _rows(data_dir / "eval.jsonl")
     assert len(rows) == 3 * len(evals) == 144
     assert [r["id"] for r in rows] == [f"teaching-{i:05d}" for i in range(144)]
@@ -120,7 +120,7 @@ def test_the_teaching_eval_set_is_demo_evals_kind_of_rows_three_times_over(demo_
     assert pairs == ["yes", "no"] * (len(pairs) // 2)
     images = {(path.parent / image).read_bytes() for r in rows for image in r["images"]}
     assert not images & {(data_dir / image).read_bytes() for r in evals for image in r["images"]}
-    without_video = demo_data.resolve_data_source("demo:teaching-eval", with_videos=False)
+    without_video = demo_dataset.resolve_data_source("demo:teaching-eval", with_videos=False)
     assert _rows(Path(without_video)) == [r for r in rows if r["task"] != "motion"]
 
 
@@ -190,7 +190,7 @@ def test_dataset_build_is_deterministic(
     data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
-    other = demo_data.ensure_demo_dataset()
+    other = demo_dataset.ensure_demo_dataset()
     assert other != data_dir
     clip = next(r["videos"][0] for r in _rows(data_dir / "train.jsonl") if r["videos"])
     for name in ("train.jsonl", "eval.jsonl", "dataset_info.json", "images/train-00003.png", clip):
@@ -283,19 +283,19 @@ def test_resolve_sources(model_dir: Path, data_dir: Path) -> None:
     assert demo_models.resolve_model_source(demo_models.DEMO_MODEL_ID) == str(model_dir)
     for other in ("Qwen/Qwen2-VL-2B-Instruct", "/models/local", "runs/stage1/checkpoint-10"):
         assert demo_models.resolve_model_source(other) == other
-    assert demo_data.resolve_data_source("demo:train") == str(data_dir / "train.jsonl")
-    assert demo_data.resolve_data_source("demo:eval") == str(data_dir / "eval.jsonl")
+    assert demo_dataset.resolve_data_source("demo:train") == str(data_dir / "train.jsonl")
+    assert demo_dataset.resolve_data_source("demo:eval") == str(data_dir / "eval.jsonl")
     for other in ("data/train.jsonl", "HuggingFaceM4/ChartQA", ""):
-        assert demo_data.resolve_data_source(other) == other
+        assert demo_dataset.resolve_data_source(other) == other
     with pytest.raises(ValueError, match=r"demo:train.*demo:eval"):
-        demo_data.resolve_data_source("demo:test")
+        demo_dataset.resolve_data_source("demo:test")
 
 
 def test_interrupted_build_is_rebuilt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
-    parent = tmp_path / demo_data.VERSION
+    parent = tmp_path / demo_dataset.VERSION
     # A build killed half-way leaves only its temp dir; it must neither count as the dataset nor block.
     dead = parent / ".data.tmp-killed"
     dead.mkdir(parents=True)
@@ -306,18 +306,18 @@ def test_interrupted_build_is_rebuilt(
     live.mkdir()
 
     with caplog.at_level(logging.INFO, logger="vlm_recipes.files"):
-        target = demo_data.ensure_demo_dataset()
+        target = demo_dataset.ensure_demo_dataset()
     assert [r.getMessage() for r in caplog.records] == [f"Building demo dataset in {target}"]
     assert not dead.exists() and live.exists()
     expected = (target / "eval.jsonl").read_bytes()
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vlm_recipes.files"):
-        assert demo_data.ensure_demo_dataset() == target
+        assert demo_dataset.ensure_demo_dataset() == target
     assert caplog.records == [], "a complete cache must not be rebuilt"
 
     (target / "eval.jsonl").unlink()  # cache damaged after the fact
-    assert demo_data.ensure_demo_dataset() == target
+    assert demo_dataset.ensure_demo_dataset() == target
     assert (target / "eval.jsonl").read_bytes() == expected
     assert sorted(p.name for p in parent.iterdir()) == [".data.tmp-live", "data"]
 
@@ -333,8 +333,8 @@ def test_damaged_model_is_rebuilt(model_dir: Path, tmp_path: Path, monkeypatch: 
 def test_concurrent_builders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda _: demo_data.ensure_demo_dataset(), range(4)))
+        results = list(pool.map(lambda _: demo_dataset.ensure_demo_dataset(), range(4)))
     assert len(set(results)) == 1
     assert len(_rows(results[0] / "train.jsonl")) == 192
     # Losers discard their temp dirs; only the published dataset remains.
-    assert [p.name for p in (tmp_path / demo_data.VERSION).iterdir()] == ["data"]
+    assert [p.name for p in (tmp_path / demo_dataset.VERSION).iterdir()] == ["data"]

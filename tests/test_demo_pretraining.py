@@ -15,7 +15,7 @@ from vlm_recipes.cli.train import main
 from vlm_recipes.comparison.teaching import teaching
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.demo import models
-from vlm_recipes.demo.data import VERSION, ensure_pretraining_dataset
+from vlm_recipes.demo.dataset import VERSION, ensure_pretraining_dataset
 from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, WEIGHTS_ENV, ensure_demo_model
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.evaluation.generation import evaluate_generation

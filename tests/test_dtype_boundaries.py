@@ -83,10 +83,9 @@ def test_roles_of_any_dtypes_meet_with_autocast_on_and_off_and_in_generate(tiny_
 def test_the_failures_the_guard_exists_for_without_it(model, modes, left_out, error, monkeypatch):
     from conftest import TINY_MODELS
 
-    from vlm_recipes.demo.models import ensure_demo_model
-    from vlm_recipes.families import family_of_demo_model
+    from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 
-    family, _ = family_of_demo_model(TINY_MODELS[model])
+    family = DEMO_MODELS[TINY_MODELS[model]].family
     model_dir = ensure_demo_model(TINY_MODELS[model])
     processor = load_processor(str(model_dir), DataSettings(max_pixels=200704), family)
     inputs = model_inputs(processor, single_image_demo_rows(2))

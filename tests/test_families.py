@@ -801,9 +801,12 @@ def test_flop_formula_gives_positive_counts(published):
 
 
 def test_every_family_has_a_tiny_model_and_model_types_do_not_overlap():
+    from vlm_recipes.demo.models import DEMO_MODELS
+
     assert {family.name for family in FAMILIES} == set(TINY_MODELS)
     for family in FAMILIES:
-        assert TINY_MODELS[family.name] in family.demo_models
+        assert DEMO_MODELS[TINY_MODELS[family.name]].family is family
+    assert all(any(demo.family is family for family in FAMILIES) for demo in DEMO_MODELS.values())
     model_types = [t for family in FAMILIES for t in family.model_types]
     assert len(model_types) == len(set(model_types)) and "qwen2_5_vl" in model_types
 

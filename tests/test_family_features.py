@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY_MODELS, run_train
 
 from vlm_recipes.cli.compare import main as compare_main
-from vlm_recipes.cli.inspect import main as doctor_main
+from vlm_recipes.cli.inspect_checkpoint import main as doctor_main
 from vlm_recipes.cli.train import main as train_main
 from vlm_recipes.files import read_json
 

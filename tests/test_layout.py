@@ -113,6 +113,20 @@ def test_no_module_is_too_long():
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
 
 
+def test_no_module_is_named_after_the_standard_library_or_a_room():
+    """A module's name says what it is, once: `cli/inspect.py` read as the standard library's `inspect`, and a
+    `cli/data.py` beside the data/ room as that room."""
+    import sys
+
+    rooms = {room for floor in FLOORS for room in floor}
+    clashes = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.stem in sys.stdlib_module_names or (p.parent != PACKAGE and p.stem in rooms)
+    )
+    assert not clashes, f"rename these modules: {clashes}"
+
+
 def test_run_stage_reads_as_a_short_list_of_steps():
     tree = ast.parse((PACKAGE / "stages" / "run.py").read_text())
     run_stage = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run_stage")

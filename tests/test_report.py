@@ -176,7 +176,7 @@ def test_notebook_runs_top_to_bottom_on_demo_runs(sweep, monkeypatch, capsys):
 
 def test_predict_script_answers_an_image_and_scores_a_file(sweep, capsys, tmp_path):
     from vlm_recipes.cli.predict import main as predict_main
-    from vlm_recipes.demo.data import ensure_demo_dataset
+    from vlm_recipes.demo.dataset import ensure_demo_dataset
 
     run = sweep / "r2-vision-only" / "s-seed0"
     image = next((ensure_demo_dataset() / "images").glob("*.png"))

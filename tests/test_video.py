@@ -28,9 +28,9 @@ from vlm_recipes.data.lengths import sample_token_counts
 from vlm_recipes.data.preference import PREFERENCE
 from vlm_recipes.data.rows import VideoRules, load_split, undecoded
 from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
-from vlm_recipes.demo.models import ensure_demo_model
+from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 from vlm_recipes.errors import DataError
-from vlm_recipes.families import FAMILIES, family_of_demo_model
+from vlm_recipes.families import FAMILIES
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
@@ -117,7 +117,7 @@ def write_media(root: Path) -> Path:
 def qwen(request, private_demo_cache):
     """(family, model directory, processor) of the tiny model of one family taking video, the processor as a
     stage loads it (GLM-4V's with its training chat template, the one the length check counts with)."""
-    family, _ = family_of_demo_model(TINY_MODELS[request.param])
+    family = DEMO_MODELS[TINY_MODELS[request.param]].family
     model_dir = ensure_demo_model(TINY_MODELS[request.param])
     return family, model_dir, load_processor(str(model_dir), DataSettings(), family)
 
@@ -299,7 +299,7 @@ def test_bad_videos_are_refused_at_the_data_check(media, tmp_path):
 def test_video_rows_where_videos_are_not_taken_are_refused(media, tmp_path):
     """A DPO stage (TRL's collator takes images only) refuses a preference row with a video."""
     model_dir = ensure_demo_model(TINY_MODELS["qwen2-vl"])
-    family, _ = family_of_demo_model(TINY_MODELS["qwen2-vl"])
+    family = DEMO_MODELS[TINY_MODELS["qwen2-vl"]].family
     stage = load_recipe("r5-sft-then-dpo").stages[-1]
     assert stage.method == "dpo"
     rules = video_rules(stage, family, AutoProcessor.from_pretrained(model_dir))
@@ -464,7 +464,7 @@ def test_preprocessed_video_samples_are_not_read_by_another_processor(media, tmp
     video timing), so it must not read Qwen2-VL's."""
     batches = {}
     for name in ("qwen2-vl", "qwen2.5-vl"):
-        family, _ = family_of_demo_model(TINY_MODELS[name])
+        family = DEMO_MODELS[TINY_MODELS[name]].family
         processor = AutoProcessor.from_pretrained(ensure_demo_model(TINY_MODELS[name]))
         _, rows = load_rows(media, family, processor)
         collator = video_collator(family, processor)

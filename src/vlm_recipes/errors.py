@@ -12,11 +12,15 @@ Everything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+# What the command line returns for bad input: every command's refusal, caught BadInput or not (an
+# unknown command, a missing file, a dataset with problems)
+EXIT_BAD_INPUT = 2
+
 
 class BadInput(Exception):
     """Input that cannot be used as given; the message says where and how to fix it."""
 
-    exit_code = 2
+    exit_code = EXIT_BAD_INPUT
 
 
 class GuardError(BadInput, RuntimeError):

@@ -2,8 +2,8 @@
 finished stages, resume an interrupted one, and keep run.json current, to the end: a run that stops early
 records `failed` (with the error) or `interrupted` (Ctrl-C) in run.json, written by the process that stops.
 
-The run directory's layout and its one-writer lock are in `runs.py`; one stage's work is
-`stages.run.run_stage`.
+The run directory's layout and its one-writer lock are in `runs/` (layout.py, lock.py; run.json in
+manifest.py); one stage's work is `stages.run.run_stage`.
 """
 
 from __future__ import annotations

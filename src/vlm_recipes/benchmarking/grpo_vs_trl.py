@@ -55,7 +55,7 @@ MEASURED = ("samples_per_s", "wall_s", "peak_rss_gb", "train_runtime_s", "mean_r
 def ensure_bench_prompts(side: int = IMAGE_SIDE) -> Path:
     """The demo's one-image prompt rows, each image scaled to side x side (0: as the demo drew it; built once,
     cached)."""
-    from vlm_recipes.demo.data import VERSION, ensure_prompt_dataset
+    from vlm_recipes.demo.dataset import VERSION, ensure_prompt_dataset
     from vlm_recipes.files import build_dir_atomically, cache_dir
 
     def build(out: Path) -> None:

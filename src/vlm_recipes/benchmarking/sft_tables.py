@@ -7,6 +7,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from vlm_recipes.errors import EXIT_BAD_INPUT
+
 STAGE_TITLES = {"llm-lora": "r1 `llm-lora` (QLoRA)", "vision-full": "r2 `vision-full`"}
 SCENARIOS = {  # name: (epochs, seed, caches: "empty" or "left by first-epoch", title)
     "first-epoch": (1, 0, "empty", "first epoch, empty caches"),
@@ -217,6 +219,6 @@ def update_readme(report: dict, readme: Path = TABLES_DOC) -> None:
     first, last = readme_markers(report)
     if first not in text or last not in text:
         print(f"{readme}: the lines {first} and {last} mark where the tables go; add them", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
     begin, end = text.index(first) + len(first), text.index(last)
     readme.write_text(text[:begin] + "\n" + render_tables(report) + "\n" + text[end:])

@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
 
     from vlm_recipes.benchmarking.bench_model import device_peak, model_about, render_shares, token_counts
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.demo.data import ensure_bench_dataset
+    from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from vlm_recipes.errors import EXIT_BAD_INPUT
+
 # command → (module with main(argv, prog), one line of help)
 COMMANDS = {
     "train": ("vlm_recipes.cli.train", "run a recipe: stages, checkpoints, evaluation (`train --help`)"),
@@ -22,9 +24,9 @@ COMMANDS = {
         "compare finished runs: table, comparison.md, comparison.png, comparison.html",
     ),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
-    "inspect": ("vlm_recipes.cli.inspect", "print what the guards see in a model directory"),
+    "inspect": ("vlm_recipes.cli.inspect_checkpoint", "print what the guards see in a model directory"),
     "data": (
-        "vlm_recipes.cli.data",
+        "vlm_recipes.cli.data_check",
         "`data check PATH`: a dataset read as a stage reads it, every problem listed",
     ),
     "bench": (
@@ -40,7 +42,6 @@ COMMANDS = {
         "does the demo teach? each demo model's eval at a recipe's start and after it, per seed",
     ),
 }
-EXIT_BAD_INPUT = 2
 
 
 def usage() -> str:

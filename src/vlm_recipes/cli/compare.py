@@ -12,7 +12,7 @@ from vlm_recipes.comparison.answers import ROWS_SHOWN
 from vlm_recipes.comparison.report_page import write_comparison
 from vlm_recipes.comparison.run_summary import find_runs
 from vlm_recipes.comparison.tables import format_comparison
-from vlm_recipes.errors import BadInput
+from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.runs.manifest import run_state
 
 
@@ -52,20 +52,20 @@ def main(argv: list[str] | None = None, prog: str = "compare_recipes.py") -> int
     if missing or not run_dirs:
         where = ", ".join(map(str, missing)) if missing else f"finished runs under {args.output_dir}"
         print(f"error: no run found: {where} (a run directory holds run.json)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     unfinished = [why for why in (_not_comparable(d) for d in run_dirs) if why]
     if unfinished:  # named runs: refused, all of them listed
         print(
             "error: only finished runs can be compared:\n" + "\n".join(f"  - {w}" for w in unfinished),
             file=sys.stderr,
         )
-        return 2
+        return EXIT_BAD_INPUT
     out = args.out or args.output_dir / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
     try:
         comparison, markdown, png, page = write_comparison(run_dirs, out, args.answers)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return EXIT_BAD_INPUT
     print(format_comparison(comparison, args.answers))
     print(f"\nComparison: {markdown}\nPlot:       {png}\nPage:       {page}")
     return 0

@@ -8,7 +8,7 @@ docs/families.md shows.
 
 A stage teaches when its eval loss falls, and its exact match rises, by more than the spread between the
 seeds (max - min), on demo:teaching-eval (144 rows drawn as demo:eval's 48: on those, one row decided the
-weakest towers' verdicts, demo/data.py); the table says which, and the command exits 1 when a model's stage
+weakest towers' verdicts, demo/dataset.py); the table says which, and the command exits 1 when a model's stage
 did not teach on either metric: the per-family check behind the suite's two-family teaching tests (13
 pretrainings are 20-30 min on 2 cores, beyond CI's budget). The runs are kept under --output-dir.
 """
@@ -26,7 +26,7 @@ from vlm_recipes.decisions import cpu_has_native_bf16
 from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, ensure_demo_model
 from vlm_recipes.files import read_json
 
-TEACHING_EVAL = "demo:teaching-eval"  # 144 rows drawn as demo:eval's (demo/data.py says why)
+TEACHING_EVAL = "demo:teaching-eval"  # 144 rows drawn as demo:eval's (demo/dataset.py says why)
 AT_START = "1e-12"  # a learning rate that leaves the weights as they were (0 is refused)
 
 

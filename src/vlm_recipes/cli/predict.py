@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlm_recipes.errors import BadInput
+from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.files import read_json, write_jsonl
 from vlm_recipes.runs.layout import FINAL_DIR
 from vlm_recipes.runs.manifest import run_state
@@ -116,4 +116,4 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
         return 0
     except (OSError, BadInput) as exc:  # a missing file is bad input too
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT

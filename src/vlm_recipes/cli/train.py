@@ -92,7 +92,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(describe_schema())
         return 0
 
-    from vlm_recipes.errors import BadInput, DiskFull, StageInterrupted, StageStopped
+    from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput, DiskFull, StageInterrupted, StageStopped
     from vlm_recipes.recipes.load import available_recipes
 
     if isinstance(args.resume, str):
@@ -108,7 +108,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         jobs = build_jobs(args, names, base_name)
     except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return EXIT_BAD_INPUT
 
     from vlm_recipes.comparison.answers import format_answers_text, side_by_side
     from vlm_recipes.comparison.report_page import write_run_page
@@ -147,7 +147,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
                 print(f"\nReport page (the image beside every answer): {write_run_page(run_dirs[-1])}")
     except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return EXIT_BAD_INPUT
     except LaunchFailed as exc:  # the launched processes printed their own error
         # torchrun reports any failed child as its own failure (exit 1): the exit code a child recorded
         # in run.json is the one a single process would have returned

@@ -32,7 +32,7 @@ from PIL import Image
 
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
-from vlm_recipes.demo.data import resolve_data_source
+from vlm_recipes.demo.dataset import resolve_data_source
 from vlm_recipes.errors import DataError, VideoError
 from vlm_recipes.recipes.schema import DataSettings
 

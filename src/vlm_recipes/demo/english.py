@@ -1,5 +1,5 @@
 """Everyday English words the demo's tiny tokenizers are trained on beside the demo rows' own texts
-(demo/data.py: tokenizer_corpus)."""
+(demo/dataset.py: tokenizer_corpus)."""
 
 ENGLISH_WORDS = (
     "the a an of and to in is it that this what which how many where there are was be on at for with "

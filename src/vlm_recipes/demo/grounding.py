@@ -45,7 +45,7 @@ def relative_1000(box: tuple[int, int, int, int], size: tuple[int, int]) -> str:
 
 
 def ensure_grounding_dataset(version: str) -> Path:
-    """The rows' directory under the demo data's `version` (demo/data.py's VERSION); built once."""
+    """The rows' directory under the demo data's `version` (demo/dataset.py's VERSION); built once."""
     return build_dir_atomically(
         cache_dir() / version / "grounding-data", FILES, _build, "demo grounding rows"
     )

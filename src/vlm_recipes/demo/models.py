@@ -1,9 +1,10 @@
 """The `demo:` registry: tiny offline models (one or more per family) and the synthetic datasets.
 
 Recipes name ``demo:tiny-qwen2-vl`` as their model and ``demo:train`` / ``demo:eval`` as their data, so
-every recipe runs end to end on a laptop CPU without a model hub. Each model is built by its family's
-``build_tiny`` on first use, deterministically (fixed seeds, no network), and cached under
-``cache_dir() / VERSION``; later calls only check that the files are there.
+every recipe runs end to end on a laptop CPU without a model hub. ``DEMO_MODELS`` lists them: each id's
+family, its builder in ``demo/tiny/`` and the settings it builds. A model is built on first use,
+deterministically (fixed seeds, no network), and cached under ``cache_dir() / VERSION``; later calls only
+check that the files are there. The families know nothing of these models: the table is the demo's.
 
 The ``demo:tiny-*`` models are then pretrained once (demo/pretraining.yaml: shapes asked their colour, kind
 and place, in words, yes/no and JSON), so that a recipe starts from a small model that sees and says
@@ -21,17 +22,77 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from vlm_recipes.demo.data import VERSION, tokenizer_corpus
+from vlm_recipes.demo.dataset import VERSION, tokenizer_corpus
+from vlm_recipes.demo.tiny import (
+    gemma3,
+    gemma4,
+    glm4v,
+    internvl,
+    llava_onevision,
+    mistral3,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_5,
+    qwen3_vl,
+    smolvlm,
+)
 from vlm_recipes.errors import UnsupportedModelError
-from vlm_recipes.families import FAMILIES, family_of_demo_model
+from vlm_recipes.families.base import Family
+from vlm_recipes.families.gemma3 import GEMMA3
+from vlm_recipes.families.gemma4 import GEMMA4
+from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
+from vlm_recipes.families.internvl import INTERNVL
+from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
+from vlm_recipes.families.mistral3 import MISTRAL3
+from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
+from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
+from vlm_recipes.families.qwen3_vl import QWEN3_VL
+from vlm_recipes.families.smolvlm import SMOLVLM
 from vlm_recipes.files import build_dir_atomically, cache_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A demo:… model: the family it is a model of, its builder (real processor class, special tokens and
+    chat template, a tokenizer trained on the demo texts, random weights) and the settings it builds."""
+
+    family: Family
+    build: Callable[[Path, dict, list[str]], None]  # (out, dims, tokenizer corpus)
+    dims: dict
+
+
+DEMO_MODELS: dict[str, DemoModel] = {
+    "demo:tiny-qwen2-vl": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.TINY),
+    # ~16M parameters, for scripts/benchmark.py
+    "demo:bench-qwen2-vl": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.BENCH),
+    # Qwen2-VL-2B's widths, 1/7 of its depth (CPU bench)
+    "demo:bench-qwen2-vl-wide": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.BENCH_WIDE),
+    # Qwen2-VL-2B's dimensions, random weights (GPU bench)
+    "demo:qwen2-vl-2b-shaped": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.QWEN2_VL_2B_SHAPED),
+    "demo:tiny-qwen2.5-vl": DemoModel(QWEN2_5_VL, qwen2_5_vl.build_tiny_qwen2_5_vl, qwen2_5_vl.TINY),
+    "demo:tiny-qwen3-vl": DemoModel(QWEN3_VL, qwen3_vl.build_tiny_qwen3_vl, qwen3_vl.TINY),
+    "demo:tiny-qwen3.5": DemoModel(QWEN3_5, qwen3_5.build_tiny_qwen3_5, qwen3_5.TINY),
+    "demo:tiny-qwen3.5-moe": DemoModel(QWEN3_5_MOE, qwen3_5.build_tiny_qwen3_5, qwen3_5.TINY_MOE),
+    "demo:tiny-smolvlm": DemoModel(SMOLVLM, smolvlm.build_tiny_smolvlm, smolvlm.TINY),
+    "demo:tiny-gemma3": DemoModel(GEMMA3, gemma3.build_tiny_gemma3, gemma3.TINY),
+    "demo:tiny-gemma4": DemoModel(GEMMA4, gemma4.build_tiny_gemma4, gemma4.TINY),
+    "demo:tiny-llava-onevision": DemoModel(
+        LLAVA_ONEVISION, llava_onevision.build_tiny_llava_onevision, llava_onevision.TINY
+    ),
+    "demo:tiny-mistral3": DemoModel(MISTRAL3, mistral3.build_tiny_mistral3, mistral3.TINY),
+    "demo:tiny-glm4v": DemoModel(GLM4V, glm4v.build_tiny_glm4v, glm4v.TINY),
+    "demo:tiny-glm4v-moe": DemoModel(GLM4V_MOE, glm4v.build_tiny_glm4v, glm4v.TINY_MOE),
+    "demo:tiny-internvl": DemoModel(INTERNVL, internvl.build_tiny_internvl, internvl.TINY),
+}
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"  # the embedded default's model
-DEMO_MODEL_IDS = tuple(model_id for family in FAMILIES for model_id in family.demo_models)
+DEMO_MODEL_IDS = tuple(DEMO_MODELS)
 WEIGHTS_ENV = "VLM_RECIPES_DEMO_WEIGHTS"  # pretrained (default) or untrained
 PRETRAINED_PREFIX = "demo:tiny-"  # the benchmark's bench-* and *-shaped models keep random weights
 PRETRAINING_RECIPE = Path(__file__).with_name("pretraining.yaml")
@@ -51,17 +112,16 @@ def ensure_demo_model(model_id: str = DEMO_MODEL_ID, weights: str | None = None)
     """The directory of a demo model (weights, processor, tokenizer, chat template); built on first use, and
     for a ``demo:tiny-*`` model pretrained on first use unless VLM_RECIPES_DEMO_WEIGHTS (or `weights`) is
     `untrained`."""
-    found = family_of_demo_model(model_id)
-    if found is None:
+    demo = DEMO_MODELS.get(model_id)
+    if demo is None:
         raise UnsupportedModelError(
             f"unknown demo model {model_id!r}; demo models: {', '.join(DEMO_MODEL_IDS)}"
         )
-    family, dims = found
     name = model_id.removeprefix("demo:")
     untrained = build_dir_atomically(
         cache_dir() / VERSION / name,
         _MODEL_FILES,
-        lambda out: family.build_tiny(out, dims, tokenizer_corpus()),
+        lambda out: demo.build(out, demo.dims, tokenizer_corpus()),
         f"demo model {name}",
     )
     if not model_id.startswith(PRETRAINED_PREFIX) or (weights or demo_weights()) == "untrained":

@@ -1,6 +1,6 @@
 """One synthetic demo sample at a time: the images (shapes, a nutrition label, a pair of shapes, a
 description grid) or the clip (a moving dot) and its question and answer, each readable off the pixels.
-data/demo_data.py assembles them into the demo datasets."""
+demo/dataset.py assembles them into the demo datasets."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Model families: everything the runner knows about a family, one module each.
 
-Adding a family means adding one module here (its `Family` instance: what the family is) and one in
-`tiny/` (its tiny offline builder), and its tests; `FAMILIES` lists the supported ones.
+Adding a family means adding one module here (its `Family` instance: what the family is), its tiny offline
+builder in `demo/tiny/` with its line in `demo/models.py`'s DEMO_MODELS, and its tests; `FAMILIES` lists
+the supported ones.
 """
 
 from __future__ import annotations
@@ -48,11 +49,3 @@ def family_for_model_type(model_type: str) -> Family:
         f"model type `{model_type}` is not supported. Supported families: {supported}. "
         "A new family is one module in vlm_recipes/families/."
     )
-
-
-def family_of_demo_model(model_id: str) -> tuple[Family, dict] | None:
-    """The family and dimensions of a demo:… model id (None: not a demo model)."""
-    for family in FAMILIES:
-        if model_id in family.demo_models:
-            return family, family.demo_models[model_id]
-    return None

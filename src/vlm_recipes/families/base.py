@@ -1,8 +1,9 @@
 """What the runner asks of a model family, in one place.
 
 A family module (``families/qwen2_vl.py``, ...) defines one ``Family`` instance; the registry in
-``families/__init__.py`` lists them; its tiny offline builder is in ``families/tiny/``. Nothing outside
-``families/`` names a family's modules: the speed-ups and caches ask the family (``rope_index_keys``,
+``families/__init__.py`` lists them. Its tiny offline demo models are the demo's (``demo/tiny/``, listed in
+``demo/models.py``): a family knows its real models only. Nothing outside ``families/`` names a family's
+modules: the speed-ups and caches ask the family (``rope_index_keys``,
 ``image_padding``, ``decoder_layer``).
 
 Roles: each role is a set of module-name prefixes, and a parameter belongs to the role with the longest
@@ -12,8 +13,7 @@ matching prefix, so ``model.visual.merger.*`` is the projector although it sits 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -137,8 +137,6 @@ class Family:
     model_types: tuple[str, ...]  # config.model_type values this family handles
     role_prefixes: dict[str, tuple[str, ...]]  # role → module-name prefixes
     lm_head_prefixes: tuple[str, ...]  # the output head (part of llm; kept out of 4-bit by default)
-    # demo:… ids of this family's tiny offline models → their dimensions (see build_tiny)
-    demo_models: dict[str, dict] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ what the speed-ups and caches ask
     # (class attributes: a family class that differs sets its own)
@@ -340,10 +338,4 @@ class Family:
         return self.role_prefixes["projector"]
 
     def vision_geometry(self, config) -> VisionGeometry:
-        raise NotImplementedError
-
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        """Save a tiny model of this family (real processor class, special tokens and chat template,
-        a tokenizer trained on `corpus`, random weights) to `out`: a call into its builder in
-        ``families/tiny/``."""
         raise NotImplementedError

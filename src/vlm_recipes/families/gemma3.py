@@ -1,5 +1,5 @@
 """Gemma 3: roles, image features, token counts, FLOP geometry (the tiny offline builder of
-`demo:tiny-gemma3`: `tiny/gemma3.py`).
+`demo:tiny-gemma3`: `demo/tiny/gemma3.py`).
 
 What differs from the Qwen line (transformers' models/gemma3):
 - a SigLIP tower (`model.vision_tower`) sees every image resized to one fixed square (`size`, 896x896 on
@@ -29,13 +29,11 @@ What differs from the Qwen line (transformers' models/gemma3):
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny.gemma3 import build_tiny_gemma3
 
 PADDING_FREE_REFUSAL = (
     "gemma3 attends bidirectionally among each image's tokens (token_type_ids). In a packed row "
@@ -152,9 +150,6 @@ class Gemma3Family(Family):
             layers=vision.num_hidden_layers,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_gemma3(out, dims, corpus)
-
 
 def pan_and_scan_settings(processor) -> dict:
     """The pan-and-scan settings a processor call applies: Gemma3Processor passes its own `images_kwargs`
@@ -163,23 +158,6 @@ def pan_and_scan_settings(processor) -> dict:
     settings = {key: getattr(ip, key, None) for key in Gemma3Family.PAN_AND_SCAN_KEYS}
     settings.update({k: v for k, v in getattr(processor, "images_kwargs", {}).items() if k in settings})
     return settings
-
-
-_TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    "layers": 2,  # one sliding-window layer, one global layer (the real pattern: 5 sliding, 1 global)
-    "heads": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    "sliding_window": 32,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
-    "tokens_per_image": 4,
-}
 
 
 GEMMA3 = Gemma3Family(
@@ -191,5 +169,4 @@ GEMMA3 = Gemma3Family(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-gemma3": _TINY},
 )

@@ -1,5 +1,5 @@
 """Gemma 4: roles, image features, pixel bounds, exact token counts, the training chat template, FLOP
-geometry (the tiny offline builder of `demo:tiny-gemma4`: `tiny/gemma4.py`).
+geometry (the tiny offline builder of `demo:tiny-gemma4`: `demo/tiny/gemma4.py`).
 
 What differs from Gemma 3 (transformers' models/gemma4):
 - a variable-resolution tower (`model.vision_tower`): each image is resized, keeping its aspect ratio, to
@@ -42,7 +42,6 @@ What differs from Gemma 3 (transformers' models/gemma4):
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,8 +50,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.base import Family, VisionGeometry
 from vlm_recipes.families.gemma4_template import has_generation_markers, looks_like_gemma4, training_template
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.gemma4 import build_tiny_gemma4
 
 log = logging.getLogger(__name__)
 
@@ -190,38 +187,10 @@ class Gemma4Family(Family):
             layers=vision.num_hidden_layers,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        from trl.chat_template_utils import gemma4_v5_chat_template
-
-        # the current google/gemma-4-*-it template (TRL's gemma4_v5)
-        build_tiny_gemma4(out, dims, corpus, gemma4_v5_chat_template)
-
 
 def _is_audio(name: str) -> bool:
     name = name.removeprefix("base_model.model.")
     return any(name == prefix or name.startswith(prefix + ".") for prefix in AUDIO)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "head_dim": 16,
-    "global_head_dim": 32,  # the global layers' heads twice as wide, as the real 512 to 256
-    "global_kv_heads": 1,
-    # the real proportion: E2B's 512-token window holds an image at its 280-token budget and the question
-    # after it. A 32-token window behind a 70-token image left the tiny model's sliding layer (1 of its 2)
-    # blind to the image at the answer: its pretraining answered 0.67 of its colour questions (0.83 with
-    # 128), and r1 from it 0.27 of the demo's shapes rows over seeds 0-5 (0.32). Two-image rows (~140
-    # tokens) still pass the window.
-    "sliding_window": 128,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "vision_positions": 1024,  # rows and columns of patches the position table covers (the real: 10240)
-    "patch_size": 16,  # the real geometry: a token is 3x3 patches of 16 px, so data.max_pixels means the same
-    "pooling": 3,
-    "soft_tokens": 70,  # the smallest budget (the real default: 280)
-}
 
 
 GEMMA4 = Gemma4Family(
@@ -233,5 +202,4 @@ GEMMA4 = Gemma4Family(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-gemma4": _TINY},
 )

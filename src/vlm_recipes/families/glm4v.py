@@ -1,6 +1,6 @@
 """GLM-4.1V and GLM-4.6V-Flash (`glm4v`; `glm46v`, transformers' class for the GLM-4.6V processor, the same
 model): roles, token counts, positions for packing, the decoder layer, the training chat template, FLOP
-geometry, and its demo model's dimensions (the tiny offline builder: `tiny/glm4v.py`).
+geometry (the tiny offline builder of `demo:tiny-glm4v` and `demo:tiny-glm4v-moe`: `demo/tiny/glm4v.py`).
 
 Built from Qwen2.5-VL's design, so `Glm4vFamily` is a `Qwen2VLFamily`: the inner model's `visual` and
 `language_model`, the image and video patches end to end (t*h*w per image or video), `get_image_features` /
@@ -38,14 +38,10 @@ and GLM-4.5-Air's language model (transformers' models/glm4v_moe):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlm_recipes.families import glm4v_masks
 from vlm_recipes.families.base import DecoderLayer, VisionGeometry
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE, GLM4V_TRAINING_CHAT_TEMPLATE
 from vlm_recipes.families.qwen2_vl import Qwen2VLFamily
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.glm4v import build_tiny_glm4v
 
 glm4v_masks.install()
 
@@ -106,9 +102,6 @@ class Glm4vFamily(Qwen2VLFamily):
             layers=vision.depth,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_glm4v(out, dims, corpus, GLM4V_CHAT_TEMPLATE)
-
 
 class Glm4vMoeFamily(Glm4vFamily):
     """GLM-4.5V / GLM-4.6V: GLM-4.1V's processor, tower and projector, GLM-4.5-Air's pre-norm MoE layers."""
@@ -117,34 +110,6 @@ class Glm4vMoeFamily(Glm4vFamily):
     # its text model hands the layers the 3-D positions, not the text ones (transformers 5.24, glm4v_moe)
     text_positions_reach_attention = False
 
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    # 2 heads of 32 (the real 32 of 128): half of each rotates, 8 frequencies over (t, h, w), the real
-    # [8, 12, 12] of 32 scaled
-    "heads": 2,
-    "kv_heads": 1,
-    "mrope": [2, 3, 3],
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_heads": 2,
-    "vision_intermediate": 64,
-    "vision_image_size": 112,  # an 8x8 learned position grid (the real one: 336 px, 24x24)
-    # 4 to 16 merged tokens an image (the bounds count an image as 2 frames): fast on CPU
-    "min_pixels": 2 * 28 * 28 * 4,
-    "max_pixels": 2 * 28 * 28 * 16,
-}
-
-
-# a dense first layer, then two MoE layers (the real: 1 dense, 45 MoE), so the last layer is routed
-_TINY_MOE = {
-    **_TINY,
-    "layers": 3,
-    "dense_layers": 1,
-    "experts": 4,  # routed experts, two of them per token (the real: 128, eight), and one shared expert
-    "experts_per_token": 2,
-    "expert_intermediate": 32,
-}
 
 GLM4V_ROLES = {
     "vision": ("model.visual",),
@@ -158,12 +123,10 @@ GLM4V = Glm4vFamily(
     model_types=("glm4v", "glm46v"),
     role_prefixes=GLM4V_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-glm4v": _TINY},
 )
 GLM4V_MOE = Glm4vMoeFamily(
     name="glm4v-moe",
     model_types=("glm4v_moe",),
     role_prefixes=GLM4V_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-glm4v-moe": _TINY_MOE},
 )

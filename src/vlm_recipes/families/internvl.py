@@ -1,6 +1,6 @@
 """InternVL 3.5 (model_type `internvl`: OpenGVLab/InternVL3_5-*-HF, and the InternVL3-*-hf checkpoints of the same
 classes): roles, image features, pixel bounds, exact token counts, FLOP geometry (the tiny offline builder of
-`demo:tiny-internvl`: `tiny/internvl.py`).
+`demo:tiny-internvl`: `demo/tiny/internvl.py`).
 
 Modules (transformers 5.24): an InternViT tower `model.vision_tower` (a patch convolution, a CLS token, learned
 positions, pre-norm layers with layer scale), the projector `model.multi_modal_projector` (LayerNorm and two
@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.internvl import build_tiny_internvl
 
 log = logging.getLogger(__name__)
 
@@ -175,21 +172,6 @@ class InternVLFamily(Family):
             full_attention_layers=0,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_internvl(out, dims, corpus, INTERNVL_CHAT_TEMPLATE)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "tile": 56,  # 4x4 patches of 14 px, shuffled to 2x2 = 4 tokens a tile (the real: 448 px, 256 tokens)
-    "patch": 14,
-    "max_patches": 6,  # up to 6 tiles and a thumbnail (the real: 12): at most 28 tokens an image
-}
-
 
 INTERNVL = InternVLFamily(
     name="internvl",
@@ -200,5 +182,4 @@ INTERNVL = InternVLFamily(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-internvl": _TINY},
 )

@@ -1,6 +1,6 @@
 """LLaVA-OneVision (model_type `llava_onevision`, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf): roles, image
 features, pixel bounds, exact token counts, FLOP geometry (the tiny offline builder of
-`demo:tiny-llava-onevision`: `tiny/llava_onevision.py`).
+`demo:tiny-llava-onevision`: `demo/tiny/llava_onevision.py`).
 
 Modules (transformers 5.23): a SigLIP tower `model.vision_tower`, a two-layer MLP projector
 `model.multi_modal_projector` plus the learned `model.image_newline` vector (both the projector role), a
@@ -37,15 +37,12 @@ which the cache's lookup does not see) is refused when the cache meets it.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.llava_onevision import build_tiny_llava_onevision
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf's chat_template (transformers' convert_llava_onevision_weights_to_hf.py
 # writes it), byte for byte. TRL ships no variant of it: it already has {% generation %} markers, but they
@@ -203,23 +200,6 @@ class LlavaOnevisionFamily(Family):
             full_attention_layers=0,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_llava_onevision(out, dims, corpus, LLAVA_ONEVISION_CHAT_TEMPLATE)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "tile": 28,  # 2x2 patches of 14 px: 4 tokens per tile (the real: 384 px, 27x27 = 729)
-    # up to 2x2 tiles (the real: up to 6x6 of 384 px); anyres_max_2 (the real: 9) so that a 2x2 grid is
-    # scaled down and the interpolation branch runs too. An image: 4 + at most 16 + 4 tokens.
-    "pinpoints": [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]],
-    "aspect_ratio": "anyres_max_2",
-}
-
 
 LLAVA_ONEVISION = LlavaOnevisionFamily(
     name="llava-onevision",
@@ -230,5 +210,4 @@ LLAVA_ONEVISION = LlavaOnevisionFamily(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-llava-onevision": _TINY},
 )

@@ -1,6 +1,6 @@
 """Mistral 3 (model_type `mistral3`: Mistral-Small-3.1/3.2-24B, Ministral-3, Magistral-Small with vision): roles,
 image features, pixel bounds, exact token counts, FLOP geometry (the tiny offline builder of
-`demo:tiny-mistral3`: `tiny/mistral3.py`; the chat template: `mistral3_template.py`).
+`demo:tiny-mistral3`: `demo/tiny/mistral3.py`; the chat template: `mistral3_template.py`).
 
 Modules (transformers 5.24): a Pixtral tower `model.vision_tower` (a patch convolution, RMSNorm, attention
 layers with 2-D RoPE over each image's own patch rows and columns), the projector
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,12 +39,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
 from vlm_recipes.families.mistral3_template import (
-    DEFAULT_SYSTEM_PROMPT_EXAMPLE,
     MISTRAL3_CHAT_TEMPLATE,
     MISTRAL3_TRAINING_CHAT_TEMPLATE,
 )
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.mistral3 import build_tiny_mistral3
 
 log = logging.getLogger(__name__)
 # every mistral3 checkpoint merges 2x2 patches (config `spatial_merge_size`); a longest edge in multiples of
@@ -158,25 +154,6 @@ class Mistral3Family(Family):
             layers=vision.num_hidden_layers,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        # the template writes the default system prompt into every conversation without one: its words are
-        # learned as the real tokenizer has them, a few tokens each
-        build_tiny_mistral3(
-            out, dims, [*corpus, *[DEFAULT_SYSTEM_PROMPT_EXAMPLE] * 20], MISTRAL3_CHAT_TEMPLATE
-        )
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "patch": 14,  # the real tower's 14 px patches, merged 2x2: one token per 28x28 px
-    "merge": 2,
-    "longest_edge": 112,  # at most 4x4 tokens an image (the real: 1540 px, 55x55)
-}
-
 
 MISTRAL3 = Mistral3Family(
     name="mistral3",
@@ -187,5 +164,4 @@ MISTRAL3 = Mistral3Family(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-mistral3": _TINY},
 )

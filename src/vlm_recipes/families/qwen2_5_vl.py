@@ -1,5 +1,5 @@
 """Qwen2.5-VL: Qwen2-VL's layout, processor and 3-D RoPE, with a different vision tower (the tiny offline
-builder of `demo:tiny-qwen2.5-vl`: `tiny/qwen2_5_vl.py`).
+builder of `demo:tiny-qwen2.5-vl`: `demo/tiny/qwen2_5_vl.py`).
 
 What differs from Qwen2-VL (transformers' models/qwen2_5_vl):
 - the tower (`Qwen2_5_VisionTransformerPretrainedModel`): RMSNorm, a gated (SwiGLU) MLP, and windowed
@@ -14,12 +14,8 @@ processor (Qwen2VLImageProcessor, 14 px patches, 2x2 merge) and the chat templat
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlm_recipes.families.base import VisionGeometry
 from vlm_recipes.families.qwen2_vl import QWEN_VL_ROLES, Qwen2VLFamily
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.qwen2_5_vl import build_tiny_qwen2_5_vl
 
 
 class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
@@ -39,29 +35,10 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
             full_attention_layers=len({i for i in vision.fullatt_block_indexes if 0 <= i < vision.depth}),
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_qwen2_5_vl(out, dims, corpus)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "mrope": [2, 3, 3],  # head_dim 16: 8 rotary frequencies over (t, h, w), Qwen2.5-VL's [16, 24, 24] scaled
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    # 56 px windows (2x2 merged tokens) so the tiny images (up to 4x4 tokens) really are split in windows;
-    # layer 0 windowed, layer 1 full, like each group of 8 in the real tower (full at 7, 15, 23, 31)
-    "window_size": 56,
-    "fullatt_block_indexes": [1],
-    "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
-}
-
 
 QWEN2_5_VL = Qwen2_5_VLFamily(
     name="qwen2.5-vl",
     model_types=("qwen2_5_vl",),
     role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-qwen2.5-vl": _TINY},
 )

@@ -1,5 +1,5 @@
-"""Qwen2-VL: roles, image features, pixel bounds, token counts, positions for packing, FLOP geometry, and
-its demo models' dimensions (the tiny offline builder: `tiny/qwen2_vl.py`).
+"""Qwen2-VL: roles, image features, pixel bounds, token counts, positions for packing, FLOP geometry (the
+tiny offline builder of `demo:tiny-qwen2-vl` and the benchmark's models: `demo/tiny/qwen2_vl.py`).
 
 `Qwen2VLFamily` is also the base of Qwen2.5-VL and Qwen3-VL (`qwen2_5_vl.py`, `qwen3_vl.py`): the three
 share the processor (Qwen2VLImageProcessor: patches end to end, t*h*w per image, smart_resize), the
@@ -9,15 +9,12 @@ what differs."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import Family, VisionGeometry
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.qwen2_vl import build_tiny_qwen2_vl
 
 # The batch keys the Qwen-VL `get_rope_index` takes (Qwen2.5-VL's also second_per_grid_ts, video timing;
 # the others ignore it): the image and video grids and the token types place the 3-D positions.
@@ -121,59 +118,6 @@ class Qwen2VLFamily(Family):
             layers=getattr(vision, "depth", None) or vision.num_hidden_layers,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_qwen2_vl(out, dims, corpus)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "mrope": [2, 3, 3],
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_heads": 2,
-    "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
-}
-_BENCH = {
-    "hidden": 512,
-    "intermediate": 1376,
-    "layers": 4,
-    "heads": 8,
-    "kv_heads": 4,
-    "mrope": [8, 12, 12],
-    "vision_depth": 4,
-    "vision_dim": 256,
-    "vision_heads": 4,
-    "max_pixels": 28 * 28 * 64,
-}
-_QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
-    "hidden": 1536,
-    "intermediate": 8960,
-    "layers": 28,
-    "heads": 12,
-    "kv_heads": 2,
-    "mrope": [16, 24, 24],
-    "vision_depth": 32,
-    "vision_dim": 1280,
-    "vision_heads": 16,
-    "vision_mlp_ratio": 4,
-    "vocab": 151936,  # rows past the local tokenizer's are never produced, but cost what they cost
-    "tie_embeddings": True,
-    "dtype": "bfloat16",
-    "max_pixels": 28 * 28 * 256,
-}
-
-# Qwen2-VL-2B's widths with its depths and vocabulary cut in proportion (1/7: 28 -> 4 decoder layers,
-# 151,936 -> 21,760 vocabulary rows, 32 -> 5 tower blocks), so that each role keeps its share of a training
-# step's FLOPs (tests/test_benchmark.py bounds them within 10 points of the real model's, `vlm-recipes bench`
-# prints both) in ~1/7 of its time. Keeping the real vocabulary would need all 28 layers: with 4, the LM
-# head alone would be 5/9 of the language model and every speed-up that skips it would look better than it is.
-_BENCH_WIDE = {
-    **{k: v for k, v in _QWEN2_VL_2B_SHAPED.items() if k not in ("layers", "vision_depth", "vocab")},
-    "layers": 4,
-    "vision_depth": 5,
-    "vocab": 21760,  # 151,936 x 4/28, rounded up to a multiple of 64; the local tokenizer's rows come first
-}
-
 
 # Qwen2-VL and Qwen2.5-VL name their modules alike (Qwen3-VL adds DeepStack mergers to the projector)
 QWEN_VL_ROLES = {
@@ -187,10 +131,4 @@ QWEN2_VL = Qwen2VLFamily(
     model_types=("qwen2_vl",),
     role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={
-        "demo:tiny-qwen2-vl": _TINY,
-        "demo:bench-qwen2-vl": _BENCH,  # ~16M parameters, for scripts/benchmark.py
-        "demo:bench-qwen2-vl-wide": _BENCH_WIDE,  # Qwen2-VL-2B's widths, 1/7 of its depth (CPU bench)
-        "demo:qwen2-vl-2b-shaped": _QWEN2_VL_2B_SHAPED,  # Qwen2-VL-2B's dimensions, random weights (GPU bench)
-    },
 )

@@ -1,5 +1,5 @@
 """Qwen3.5: natively multimodal, a hybrid language model (the tiny offline builder of `demo:tiny-qwen3.5`
-and `demo:tiny-qwen3.5-moe`: `tiny/qwen3_5.py`).
+and `demo:tiny-qwen3.5-moe`: `demo/tiny/qwen3_5.py`).
 
 What differs from Qwen3-VL (transformers' models/qwen3_5, models/qwen3_5_moe):
 - the language model is hybrid: three Gated DeltaNet layers (`linear_attn`: linear attention with a
@@ -17,10 +17,7 @@ What differs from Qwen3-VL (transformers' models/qwen3_5, models/qwen3_5_moe):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from vlm_recipes.families.qwen2_vl import QWEN_VL_ROLES, Qwen2VLFamily
-from vlm_recipes.families.tiny.qwen3_5 import build_tiny_qwen3_5
 
 # transformers#46093, ms-swift#9565: packed Qwen3.5 rows leaked the linear-attention state across samples.
 LINEAR_ATTENTION_PACKING = (
@@ -40,49 +37,16 @@ class Qwen3_5Family(Qwen2VLFamily):
     def padding_free_refusal(self) -> str | None:
         return LINEAR_ATTENTION_PACKING
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_qwen3_5(out, dims, corpus)
-
-
-_TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    # Gated DeltaNet, Gated DeltaNet, full attention: the real 3:1 pattern cut to one full layer, which is
-    # last as in every published size (the loss-positions speed-up cuts a full-attention layer)
-    "layers": 3,
-    "layer_types": ["linear_attention", "linear_attention", "full_attention"],
-    "heads": 4,
-    "kv_heads": 2,
-    "head_dim": 32,  # a quarter of it rotary: 8 dimensions, 4 frequencies
-    "mrope": [2, 1, 1],
-    "linear_key_heads": 2,
-    "linear_value_heads": 4,
-    "linear_head_dim": 16,
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "vision_positions": 64,  # an 8x8 learned grid (the real one: 48x48 = 2304)
-    "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
-}
-_TINY_MOE = {
-    **_TINY,
-    "experts": 4,  # routed experts, two of them per token (the real: 256, eight), and one shared expert
-    "experts_per_token": 2,
-    "expert_intermediate": 32,
-}
 
 QWEN3_5 = Qwen3_5Family(
     name="qwen3.5",
     model_types=("qwen3_5",),
     role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-qwen3.5": _TINY},
 )
 QWEN3_5_MOE = Qwen3_5Family(
     name="qwen3.5-moe",
     model_types=("qwen3_5_moe",),
     role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-qwen3.5-moe": _TINY_MOE},
 )

@@ -1,5 +1,5 @@
 """Qwen3-VL: Qwen2-VL's layout with a new tower, DeepStack and interleaved mRoPE (the tiny offline builder
-of `demo:tiny-qwen3-vl`: `tiny/qwen3_vl.py`).
+of `demo:tiny-qwen3-vl`: `demo/tiny/qwen3_vl.py`).
 
 What differs from Qwen2-VL (transformers' models/qwen3_vl):
 - 16 px patches (Qwen2-VL: 14), so images are resized to multiples of 32 px; image mean/std 0.5;
@@ -16,12 +16,9 @@ What differs from Qwen2-VL (transformers' models/qwen3_vl):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from vlm_recipes.families.qwen2_vl import Qwen2VLFamily
-from vlm_recipes.families.tiny.qwen3_vl import build_tiny_qwen3_vl
 
 _DEEPSTACK = "deepstack."  # cache key prefix of a DeepStack level's features: deepstack.0, deepstack.1, ...
 
@@ -55,31 +52,6 @@ class Qwen3VLFamily(Qwen2VLFamily):
             ],
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_qwen3_vl(out, dims, corpus)
-
-
-_TINY = {
-    "hidden": 64,
-    "intermediate": 128,
-    # 3 layers: a DeepStack level is added after text layer N, and one added after the last layer would
-    # reach only the (unlabelled) image positions' logits, so it would never get a gradient
-    "layers": 3,
-    "heads": 4,
-    "kv_heads": 2,
-    "head_dim": 16,
-    # 8 rotary frequencies, interleaved t/h/w: Qwen3-VL's [24, 20, 20] of 64, scaled
-    "mrope": [4, 2, 2],
-    "vision_depth": 3,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "vision_positions": 64,  # an 8x8 learned grid (the real one: 48x48 = 2304)
-    # two levels after intermediate layers, never the last, like the real [5, 11, 17] of 24 layers
-    "deepstack": [0, 1],
-    "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
-}
-
 
 QWEN3_VL = Qwen3VLFamily(
     name="qwen3-vl",
@@ -91,5 +63,4 @@ QWEN3_VL = Qwen3VLFamily(
         "llm": ("model.language_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-qwen3-vl": _TINY},
 )

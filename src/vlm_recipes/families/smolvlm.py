@@ -1,6 +1,6 @@
 """SmolVLM (SmolVLM2, model_type `smolvlm`) and Idefics3 (SmolVLM v1 checkpoints such as
 HuggingFaceTB/SmolVLM-Instruct, model_type `idefics3`): roles, image features, pixel bounds, exact token
-counts, FLOP geometry (the tiny offline builder of `demo:tiny-smolvlm`: `tiny/smolvlm.py`).
+counts, FLOP geometry (the tiny offline builder of `demo:tiny-smolvlm`: `demo/tiny/smolvlm.py`).
 
 Both name their modules alike (transformers 5.23): a SigLIP tower `model.vision_model`, a connector
 `model.connector` (pixel shuffle by `scale_factor`, then one linear layer: the projector), a Llama text
@@ -33,14 +33,11 @@ each tile on its own.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry, count_expanded_tokens
-from vlm_recipes.families.tiny import TINY_TEXT_DIMS
-from vlm_recipes.families.tiny.smolvlm import build_tiny_smolvlm
 
 _TILE_KEY = 3  # the pixel mask rides along as a 4th channel of a cached tile (see image_units)
 
@@ -179,22 +176,6 @@ class SmolVLMFamily(Family):
             full_attention_layers=0,
         )
 
-    def build_tiny(self, out: Path, dims: dict, corpus: list[str]) -> None:
-        build_tiny_smolvlm(out, dims, corpus)
-
-
-_TINY = {
-    **TINY_TEXT_DIMS,
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
-    "tile": 64,  # 64 px tiles of 16 px patches: 4x4 patches, pixel-shuffled 2x2 into 4 tokens per tile
-    "patch": 16,
-    "scale_factor": 2,
-    "longest_edge": 128,  # at most 2x2 tiles + the global view: 20 <image> tokens per image
-}
-
 
 SMOLVLM = SmolVLMFamily(
     name="smolvlm",
@@ -205,5 +186,4 @@ SMOLVLM = SmolVLMFamily(
         "llm": ("model.text_model", "lm_head"),
     },
     lm_head_prefixes=("lm_head",),
-    demo_models={"demo:tiny-smolvlm": _TINY},
 )

@@ -49,7 +49,7 @@ from vlm_recipes.model.guards import (
     place_tensors,
     verify_quantization_scope,
 )
-from vlm_recipes.model.inspect import inspect_model
+from vlm_recipes.model.inspection import inspect_model
 from vlm_recipes.plan import batch_decision
 from vlm_recipes.ranks import broadcast_from_main
 from vlm_recipes.recipes.schema import Stage

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model, tiny_text_config
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    qwen_generation,
+    qwen_tokenizer,
+    save_tiny_model,
+    tiny_text_config,
+)
+from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 
 # Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 
 
-def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
-    """`chat_template`: the published checkpoints' (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
+def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None:
+    """With the published checkpoints' chat template (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -22,7 +29,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_te
     )
 
     tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
-    tok.chat_template = chat_template
+    tok.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
     side = dims["tile"]
     size = {"height": side, "width": side}
     processor = LlavaOnevisionProcessor(
@@ -31,7 +38,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_te
         video_processor=LlavaOnevisionVideoProcessor(size=size),
         num_image_tokens=(side // 14) ** 2,
         vision_feature_select_strategy="full",
-        chat_template=chat_template,
+        chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
         vision_aspect_ratio=dims["aspect_ratio"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
@@ -68,3 +75,18 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str], chat_te
     save_tiny_model(
         out, LlavaOnevisionForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
     )
+
+
+# What build_tiny_llava_onevision builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "tile": 28,  # 2x2 patches of 14 px: 4 tokens per tile (the real: 384 px, 27x27 = 729)
+    # up to 2x2 tiles (the real: up to 6x6 of 384 px); anyres_max_2 (the real: 9) so that a 2x2 grid is
+    # scaled down and the interpolation branch runs too. An image: 4 + at most 16 + 4 tokens.
+    "pinpoints": [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]],
+    "aspect_ratio": "anyres_max_2",
+}

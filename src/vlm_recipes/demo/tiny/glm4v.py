@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
 # 151344; the model config's image_token_id 151343 and video_token_id 151344). The added tokens after them
@@ -65,8 +66,8 @@ def glm4_tokenizer(corpus: list[str]):
     )
 
 
-def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
-    """`chat_template`: the published checkpoint's (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
+def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
+    """With the published checkpoint's chat template (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
     GLM-4.5V's Glm4vMoeForConditionalGeneration (same processor and tower)."""
     from transformers import (
         Glm4vConfig,
@@ -79,14 +80,14 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: st
     )
 
     tok = glm4_tokenizer(corpus)
-    tok.chat_template = chat_template
+    tok.chat_template = GLM4V_CHAT_TEMPLATE
     # the processor compares temporal_patch_size x height x width with these bounds (an image is two frames)
     size = {"shortest_edge": dims["min_pixels"], "longest_edge": dims["max_pixels"]}
     processor = Glm4vProcessor(
         image_processor=Glm4vImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
         tokenizer=tok,
         video_processor=Glm4vVideoProcessor(size=size),
-        chat_template=chat_template,
+        chat_template=GLM4V_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
     stops = [ids[t] for t in STOP_TOKENS]
@@ -154,3 +155,33 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str], chat_template: st
         eos_token_id=stops,
         pad_token_id=ids["<|endoftext|>"],
     )
+
+
+# What build_tiny_glm4v builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    # 2 heads of 32 (the real 32 of 128): half of each rotates, 8 frequencies over (t, h, w), the real
+    # [8, 12, 12] of 32 scaled
+    "heads": 2,
+    "kv_heads": 1,
+    "mrope": [2, 3, 3],
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_heads": 2,
+    "vision_intermediate": 64,
+    "vision_image_size": 112,  # an 8x8 learned position grid (the real one: 336 px, 24x24)
+    # 4 to 16 merged tokens an image (the bounds count an image as 2 frames): fast on CPU
+    "min_pixels": 2 * 28 * 28 * 4,
+    "max_pixels": 2 * 28 * 28 * 16,
+}
+
+
+# a dense first layer, then two MoE layers (the real: 1 dense, 45 MoE), so the last layer is routed
+TINY_MOE = {
+    **TINY,
+    "layers": 3,
+    "dense_layers": 1,
+    "experts": 4,  # routed experts, two of them per token (the real: 128, eight), and one shared expert
+    "experts_per_token": 2,
+    "expert_intermediate": 32,
+}

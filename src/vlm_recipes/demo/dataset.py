@@ -39,7 +39,7 @@ from vlm_recipes.files import build_dir_atomically, cache_dir
 log = logging.getLogger(__name__)
 
 DEMO_DATA_PREFIX = "demo:"
-VERSION = "demo-v5"  # v5: pair rows half yes, half no; the tiny Gemma 4's sliding window (families/gemma4.py)
+VERSION = "demo-v5"  # v5: pair rows half yes, half no; the tiny Gemma 4's sliding window (tiny/gemma4.py)
 _DATA_DIRNAME = "data"
 _SPLITS = {"train": 192, "eval": 48}
 _SPLIT_SEEDS = {"train": 1234, "eval": 5678}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model
-from vlm_recipes.families.tiny.gemma3 import SENTENCEPIECE_PIECES
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model
+from vlm_recipes.demo.tiny.gemma3 import SENTENCEPIECE_PIECES
 
 # Gemma 4's special tokens, in the order the real tokenizer numbers them: pad, eos, bos, unk, mask; the tool
 # declarations, calls and responses and the string escape (<|tool_response> is 50 there, a stop token of
@@ -78,7 +78,7 @@ def gemma4_tokenizer(corpus: list[str]):
     return tok
 
 
-def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
+def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
     from transformers import (
         Gemma4AudioFeatureExtractor,
         Gemma4Config,
@@ -87,16 +87,18 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str], chat_template: s
         Gemma4Processor,
         Gemma4VideoProcessor,
     )
+    from trl.chat_template_utils import gemma4_v5_chat_template
 
     tok = gemma4_tokenizer(corpus)
-    tok.chat_template = chat_template
+    # the current google/gemma-4-*-it template (TRL's gemma4_v5)
+    tok.chat_template = gemma4_v5_chat_template
     vision = {"patch_size": dims["patch_size"], "pooling_kernel_size": dims["pooling"]}
     processor = Gemma4Processor(
         feature_extractor=Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
         image_processor=Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
         tokenizer=tok,
         video_processor=Gemma4VideoProcessor(max_soft_tokens=70, **vision),
-        chat_template=chat_template,
+        chat_template=gemma4_v5_chat_template,
         image_seq_length=dims["soft_tokens"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA4_SPECIAL_TOKENS, *GEMMA4_CONTROL_TOKENS.values())}
@@ -159,3 +161,26 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str], chat_template: s
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<bos>"],
     )
+
+
+# What build_tiny_gemma4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "head_dim": 16,
+    "global_head_dim": 32,  # the global layers' heads twice as wide, as the real 512 to 256
+    "global_kv_heads": 1,
+    # the real proportion: E2B's 512-token window holds an image at its 280-token budget and the question
+    # after it. A 32-token window behind a 70-token image left the tiny model's sliding layer (1 of its 2)
+    # blind to the image at the answer: its pretraining answered 0.67 of its colour questions (0.83 with
+    # 128), and r1 from it 0.27 of the demo's shapes rows over seeds 0-5 (0.32). Two-image rows (~140
+    # tokens) still pass the window.
+    "sliding_window": 128,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "vision_positions": 1024,  # rows and columns of patches the position table covers (the real: 10240)
+    "patch_size": 16,  # the real geometry: a token is 3x3 patches of 16 px, so data.max_pixels means the same
+    "pooling": 3,
+    "soft_tokens": 70,  # the smallest budget (the real default: 280)
+}

@@ -2,10 +2,10 @@
 byte-level BPE trained locally on the demo texts, the Qwen tokenizer, saving random weights.
 
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
-processor class, special tokens and chat template, a small tokenizer trained here, random weights. A
-family's ``build_tiny`` calls its builder here; its demo models' dimensions stay in its family module
-(``Family.demo_models``). The builders import nothing from the family modules: a family passes what its
-builder needs.
+processor class, special tokens and chat template, a small tokenizer trained here, random weights. Each
+module holds its builder and the settings of its demo models (``TINY``, ...); ``demo/models.py``'s
+``DEMO_MODELS`` names them (demo id → family, builder, settings). A builder may read its family's module
+(its published chat template); no family module imports anything here.
 """
 
 from __future__ import annotations

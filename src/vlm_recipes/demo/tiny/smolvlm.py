@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
 # as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
@@ -116,3 +116,17 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["<|im_end|>"],
         bos_token_id=None,
     )
+
+
+# What build_tiny_smolvlm builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "tile": 64,  # 64 px tiles of 16 px patches: 4x4 patches, pixel-shuffled 2x2 into 4 tokens per tile
+    "patch": 16,
+    "scale_factor": 2,
+    "longest_edge": 128,  # at most 2x2 tiles + the global view: 20 <image> tokens per image
+}

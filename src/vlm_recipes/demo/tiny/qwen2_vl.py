@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, qwen_generation, qwen_tokenizer, save_tiny_model
 
 # The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
 QWEN_VL_SPECIAL_TOKENS = (
@@ -101,3 +101,59 @@ def qwen_vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
     }
+
+
+# What build_tiny_qwen2_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "mrope": [2, 3, 3],
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_heads": 2,
+    "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}
+
+
+BENCH = {
+    "hidden": 512,
+    "intermediate": 1376,
+    "layers": 4,
+    "heads": 8,
+    "kv_heads": 4,
+    "mrope": [8, 12, 12],
+    "vision_depth": 4,
+    "vision_dim": 256,
+    "vision_heads": 4,
+    "max_pixels": 28 * 28 * 64,
+}
+
+
+QWEN2_VL_2B_SHAPED = {  # Qwen/Qwen2-VL-2B-Instruct's config.json
+    "hidden": 1536,
+    "intermediate": 8960,
+    "layers": 28,
+    "heads": 12,
+    "kv_heads": 2,
+    "mrope": [16, 24, 24],
+    "vision_depth": 32,
+    "vision_dim": 1280,
+    "vision_heads": 16,
+    "vision_mlp_ratio": 4,
+    "vocab": 151936,  # rows past the local tokenizer's are never produced, but cost what they cost
+    "tie_embeddings": True,
+    "dtype": "bfloat16",
+    "max_pixels": 28 * 28 * 256,
+}
+
+
+# Qwen2-VL-2B's widths with its depths and vocabulary cut in proportion (1/7: 28 -> 4 decoder layers,
+# 151,936 -> 21,760 vocabulary rows, 32 -> 5 tower blocks), so that each role keeps its share of a training
+# step's FLOPs (tests/test_benchmark.py bounds them within 10 points of the real model's, `vlm-recipes bench`
+# prints both) in ~1/7 of its time. Keeping the real vocabulary would need all 28 layers: with 4, the LM
+# head alone would be 5/9 of the language model and every speed-up that skips it would look better than it is.
+BENCH_WIDE = {
+    **{k: v for k, v in QWEN2_VL_2B_SHAPED.items() if k not in ("layers", "vision_depth", "vocab")},
+    "layers": 4,
+    "vision_depth": 5,
+    "vocab": 21760,  # 151,936 x 4/28, rounded up to a multiple of 64; the local tokenizer's rows come first
+}

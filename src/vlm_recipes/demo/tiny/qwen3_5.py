@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.families.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config, qwen3_vl_processor
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config, qwen3_vl_processor
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
@@ -69,3 +69,35 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
+
+
+# What build_tiny_qwen3_5 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    # Gated DeltaNet, Gated DeltaNet, full attention: the real 3:1 pattern cut to one full layer, which is
+    # last as in every published size (the loss-positions speed-up cuts a full-attention layer)
+    "layers": 3,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 32,  # a quarter of it rotary: 8 dimensions, 4 frequencies
+    "mrope": [2, 1, 1],
+    "linear_key_heads": 2,
+    "linear_value_heads": 4,
+    "linear_head_dim": 16,
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "vision_positions": 64,  # an 8x8 learned grid (the real one: 48x48 = 2304)
+    "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}
+
+
+TINY_MOE = {
+    **TINY,
+    "experts": 4,  # routed experts, two of them per token (the real: 256, eight), and one shared expert
+    "experts_per_token": 2,
+    "expert_intermediate": 32,
+}

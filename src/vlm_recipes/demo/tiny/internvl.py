@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, save_tiny_model, tiny_text_config, train_byte_level_bpe
-from vlm_recipes.families.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    qwen_generation,
+    save_tiny_model,
+    tiny_text_config,
+    train_byte_level_bpe,
+)
+from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
+from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 
 # Qwen3's special tokens as InternVL3.5 keeps them (<|endoftext|> pad, <|im_end|> eos), then the tokens the
 # InternVL -HF conversion adds in this order (OpenGVLab/InternVL internvl_chat/tools/internvl_custom2hf.py and
@@ -63,8 +70,8 @@ def internvl_tokenizer(corpus: list[str]):
     return tok
 
 
-def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
-    """`chat_template`: the published checkpoints' (the family's INTERNVL_CHAT_TEMPLATE)."""
+def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
+    """With the published checkpoints' chat template (the family's INTERNVL_CHAT_TEMPLATE)."""
     from transformers import (
         GotOcr2ImageProcessor,
         InternVLConfig,
@@ -74,7 +81,7 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template:
     )
 
     tok = internvl_tokenizer(corpus)
-    tok.chat_template = chat_template
+    tok.chat_template = INTERNVL_CHAT_TEMPLATE
     tile, patch = dims["tile"], dims["patch"]
     size = {"height": tile, "width": tile}
     tokens_per_tile = (tile // patch) ** 2 // 4  # pixel shuffle 0.5: 2x2 patches into one token
@@ -90,7 +97,7 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template:
         tokenizer=tok,
         video_processor=InternVLVideoProcessor(size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
         image_seq_length=tokens_per_tile,
-        chat_template=chat_template,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN3_SPECIAL_TOKENS, *INTERNVL_TOKENS)}
     config = InternVLConfig(
@@ -128,3 +135,16 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str], chat_template:
         tie_word_embeddings=False,  # the published lm_head is its own matrix (InternVLConfig defaults to tied)
     )
     save_tiny_model(out, InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+
+
+# What build_tiny_internvl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "tile": 56,  # 4x4 patches of 14 px, shuffled to 2x2 = 4 tokens a tile (the real: 448 px, 256 tokens)
+    "patch": 14,
+    "max_patches": 6,  # up to 6 tiles and a thumbnail (the real: 12): at most 28 tokens an image
+}

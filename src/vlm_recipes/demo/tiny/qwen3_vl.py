@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.families.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
 
 # Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
 QWEN3_ADDED_TOKENS = (
@@ -83,3 +83,26 @@ def qwen3_vision_config(dims: dict, **extra) -> dict:
         "temporal_patch_size": 2,
         **extra,
     }
+
+
+# What build_tiny_qwen3_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    # 3 layers: a DeepStack level is added after text layer N, and one added after the last layer would
+    # reach only the (unlabelled) image positions' logits, so it would never get a gradient
+    "layers": 3,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    # 8 rotary frequencies, interleaved t/h/w: Qwen3-VL's [24, 20, 20] of 64, scaled
+    "mrope": [4, 2, 2],
+    "vision_depth": 3,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "vision_positions": 64,  # an 8x8 learned grid (the real one: 48x48 = 2304)
+    # two levels after intermediate layers, never the last, like the real [5, 11, 17] of 24 layers
+    "deepstack": [0, 1],
+    "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}

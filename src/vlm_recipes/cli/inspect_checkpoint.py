@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from vlm_recipes.decisions import Environment
-from vlm_recipes.errors import BadInput
+from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.logs import setup_logging
 from vlm_recipes.model.guards import decide_precision
-from vlm_recipes.model.inspect import format_inspection, inspect_model
+from vlm_recipes.model.inspection import format_inspection, inspect_model
 
 
 def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> 
         checks.append(str(place_tensors(model, None)))
     except (OSError, BadInput) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     title = f"{args.path}: {family.name}, loaded {args.quantization} in {precision.choice}"
     print(format_inspection(info, title))
     print("\n".join(["guards:", *(f"  {c}" for c in checks)]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.families.tiny.qwen2_vl import (
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.qwen2_vl import (
     MIN_PIXELS,
     QWEN_VL_SPECIAL_TOKENS,
     qwen2_text_config,
@@ -56,3 +56,19 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, Qwen2_5_VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+
+
+# What build_tiny_qwen2_5_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "mrope": [2, 3, 3],  # head_dim 16: 8 rotary frequencies over (t, h, w), Qwen2.5-VL's [16, 24, 24] scaled
+    "vision_depth": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    # 56 px windows (2x2 merged tokens) so the tiny images (up to 4x4 tokens) really are split in windows;
+    # layer 0 windowed, layer 1 full, like each group of 8 in the real tower (full at 7, 15, 23, 31)
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}

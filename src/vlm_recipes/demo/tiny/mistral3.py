@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
 # Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
 # the real tokenizers fill ranks 20..999 with <SPECIAL_n>, left out here). The BPE vocab follows them.
@@ -73,8 +74,8 @@ def tekken_tokenizer(corpus: list[str]):
     )
 
 
-def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template: str) -> None:
-    """`chat_template`: the published checkpoints' (the family's MISTRAL3_CHAT_TEMPLATE)."""
+def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
+    """With the published checkpoints' chat template (the family's MISTRAL3_CHAT_TEMPLATE)."""
     from transformers import (
         Mistral3Config,
         Mistral3ForConditionalGeneration,
@@ -82,8 +83,10 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template:
         PixtralProcessor,
     )
 
-    tok = tekken_tokenizer(corpus)
-    tok.chat_template = chat_template
+    # the template writes the default system prompt into every conversation without one: its words are
+    # learned as the real tokenizer has them, a few tokens each
+    tok = tekken_tokenizer([*corpus, *[DEFAULT_SYSTEM_PROMPT_EXAMPLE] * 20])
+    tok.chat_template = MISTRAL3_CHAT_TEMPLATE
     patch, merge = dims["patch"], dims["merge"]
     processor = PixtralProcessor(
         # as Mistral-Small-3.1's preprocessor_config.json: the tower's patch (the processor passes patch x
@@ -94,7 +97,7 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template:
         tokenizer=tok,
         patch_size=patch,
         spatial_merge_size=merge,
-        chat_template=chat_template,
+        chat_template=MISTRAL3_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
     config = Mistral3Config(
@@ -141,3 +144,16 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str], chat_template:
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<s>"],
     )
+
+
+# What build_tiny_mistral3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "patch": 14,  # the real tower's 14 px patches, merged 2x2: one token per 28x28 px
+    "merge": 2,
+    "longest_edge": 112,  # at most 4x4 tokens an image (the real: 1540 px, 55x55)
+}

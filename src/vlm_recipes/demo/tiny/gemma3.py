@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.families.tiny import save_tiny_model, tiny_text_config
+from vlm_recipes.demo.tiny import save_tiny_model, tiny_text_config
 
 # Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
 # <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,
@@ -121,3 +121,21 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["<pad>"],
         bos_token_id=ids["<bos>"],
     )
+
+
+# What build_tiny_gemma3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    "hidden": 64,
+    "intermediate": 128,
+    "layers": 2,  # one sliding-window layer, one global layer (the real pattern: 5 sliding, 1 global)
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 32,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
+    "tokens_per_image": 4,
+}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlm_recipes.errors import BadInput
+from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.logs import setup_logging
 
 
@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
         problems, lengths = check_dataset(args.path, args.recipe, args.stage, args.overrides)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(length_line(lengths))
     if problems:
         listed = ", ".join(f"{n} {reason}" for reason, n in problems.items())
         print(f"problems: {listed} (each listed above); fix or remove these rows", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print("no problems")
     return 0
 
