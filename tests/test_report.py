@@ -334,7 +334,11 @@ def assert_filters_work(found: dict) -> None:
 
 @needs_chromium
 def test_comparison_page_shows_every_image_and_the_answers_in_predictions(sweep, tmp_path):
-    found = open_in_chromium(sweep / "comparisons" / "s" / "comparison.html", tmp_path)
+    page = sweep / "comparisons" / "s" / "comparison.html"
+    assert not re.search(r"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", page.read_text()), (
+        "nothing fetched"
+    )
+    found = open_in_chromium(page, tmp_path)
     images = [ok for ok, alt in found["images"] if alt == "image"]
     assert images and all(ok for ok, _ in found["images"]), found["images"]  # every image decodes
     assert any(alt == "frame" for _, alt in found["images"]), "a clip's frames are shown"
