@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY_MODELS, run_train
 
 from vlm_recipes.cli.compare import main as compare_main
-from vlm_recipes.cli.inspect_checkpoint import main as doctor_main
+from vlm_recipes.cli.inspect_checkpoint import main as inspect_main
 from vlm_recipes.cli.train import main as train_main
 from vlm_recipes.files import read_json
 
@@ -142,9 +142,9 @@ def test_compare_script_tables_the_run(shared_run, tmp_path, capsys):
     assert (tmp_path / "cmp" / "comparison.md").is_file()
 
 
-def test_doctor_puts_every_parameter_of_final_in_a_role(shared_run, capsys):
+def test_inspect_puts_every_parameter_of_final_in_a_role(shared_run, capsys):
     final = shared_run.run_dir / STAGES[1] / "final"
-    assert doctor_main([str(final)]) == 0
+    assert inspect_main([str(final)]) == 0
     stdout = capsys.readouterr().out
     family = shared_run.model.removeprefix("demo:tiny-")
     assert f": {family}, loaded none" in stdout

@@ -266,7 +266,7 @@ def test_zero_rotary_frequencies_are_an_error(demo_model_dir):
         place_tensors(model, "cpu")
 
 
-# --- the doctor ------------------------------------------------------------------------------
+# --- inspect ---------------------------------------------------------------------------------
 
 
 def test_inspect_checkpoint_shows_per_role_dtypes_of_a_4bit_load(checkpoint_dir):

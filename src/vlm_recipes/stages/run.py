@@ -241,7 +241,7 @@ def vision_trains(stage: Stage) -> bool:
 
 
 def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_from: Path | None) -> dict:
-    """report.json: every decision with its reason, parameters per role, what the doctor sees, the data."""
+    """report.json: every decision with its reason, parameters per role, what `vlm-recipes inspect` sees, the data."""
     counts = count_params_by_role(built.model, built.family)
     log.info("  %s", _trainable_summary(counts))
     quantized = ctx.stage.quantization.mode != "none"
