@@ -13,7 +13,7 @@ import torch
 from transformers import TrainingArguments
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
-from vlm_recipes.data.rows import RowFormat
+from vlm_recipes.data.rows import RowFormat, StageData
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
@@ -240,13 +240,21 @@ def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family
     return decision
 
 
+# (built, stage, its TrainingArguments, data, the stage's decisions, callbacks) -> the stage's trainer
+BuildTrainer = Callable[
+    [BuiltModel, Stage, TrainingArguments, StageData, list[Decision] | None, list | None], RecipeTrainerMixin
+]
+
+
 @dataclass(frozen=True)
 class TrainingMethod:
+    """What a method module declares (SFT, DPO, KTO, GRPO, RLOO): how its rows are checked, its config and
+    trainer built, and what it adds to metrics.json; stages/run.py asks nothing else of a method."""
+
     name: str
     row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
     build_config: Callable[[ConfigInputs], TrainingArguments]
-    # (built, stage, args, data, decisions, callbacks) -> a RecipeTrainerMixin trainer
-    build_trainer: Callable
+    build_trainer: BuildTrainer
     # (ds, processor, family, max_length, source, on_bad_sample) -> (ds, lengths, skipped)
     check_lengths: Callable
     max_length: Callable[[Stage], int | None]

@@ -32,8 +32,7 @@ from vlm_recipes.methods import method_of
 from vlm_recipes.methods.grpo import check_generation_backend
 from vlm_recipes.methods.host_memory import host_memory_release, release_freed_host_memory
 from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
-from vlm_recipes.methods.sft import RecipeTrainer
-from vlm_recipes.methods.trainer import ConfigInputs
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin
 from vlm_recipes.model.audit import audit_freeze
 from vlm_recipes.model.boundaries import install_dtype_boundaries
 from vlm_recipes.model.build import BuiltModel, build_stage_model, detect_family, load_processor
@@ -274,7 +273,7 @@ def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
 
 def make_trainer(
     ctx: StageContext, built: BuiltModel, data: StageData, precision: Decision
-) -> tuple[RecipeTrainer, dict]:
+) -> tuple[RecipeTrainerMixin, dict]:
     """The stage's trainer for its method (SFTTrainer, DPOTrainer) with its callbacks (checkpoints, NaN/inf,
     Ctrl-C, step timing) and the speed-ups that change how batches are made."""
     method = method_of(ctx.stage)
@@ -304,7 +303,7 @@ def make_trainer(
     return trainer, callbacks
 
 
-def train(ctx: StageContext, trainer: RecipeTrainer, callbacks: dict, resume_from: Path | None):
+def train(ctx: StageContext, trainer: RecipeTrainerMixin, callbacks: dict, resume_from: Path | None):
     """trainer.train(); a stage stopped by NaN/inf or Ctrl-C raises, saying why and what is kept."""
     if resume_from is not None:
         log.info("%s: resuming from %s", ctx.title, resume_from)
@@ -322,7 +321,7 @@ def train(ctx: StageContext, trainer: RecipeTrainer, callbacks: dict, resume_fro
 def measure(
     ctx: StageContext,
     built: BuiltModel,
-    trainer: RecipeTrainer,
+    trainer: RecipeTrainerMixin,
     train_output,
     data: StageData,
     callbacks: dict,
@@ -347,7 +346,7 @@ def measure(
 def finish(
     ctx: StageContext,
     built: BuiltModel,
-    trainer: RecipeTrainer,
+    trainer: RecipeTrainerMixin,
     data: StageData,
     metrics: dict,
     report: dict,
