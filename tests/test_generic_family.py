@@ -3,15 +3,19 @@ module writes by hand, and it refuses, saying what is missing, what it cannot te
 
 from __future__ import annotations
 
+import runpy
+
 import pytest
 import torch
+from conftest import REPO
 from test_families import PUBLISHED
 from torch import nn
 from transformers import AutoConfig
 
 from vlm_recipes.errors import BadInput
-from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.generic import RolesNotFound, build_on_meta, find_roles, roles_of_config
+from vlm_recipes.families.generic_table import END, START, markdown_table, table_in, type_rows
 
 # Where the finder and a family module may rightly disagree, by family name: {parameter prefix: why}.
 # None today: every family's every parameter gets the family's role.
@@ -114,3 +118,40 @@ def test_unassigned_parameters_refuse_the_model_naming_them():
 def test_meta_models_hold_no_memory():
     model = build_on_meta(AutoConfig.for_model("qwen2_vl"))
     assert {p.device for p in model.parameters()} == {torch.device("meta")}
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+
+def test_the_doc_table_is_what_the_finder_gives():
+    """docs/families.md's table of every image-text-to-text type equals the one built now: all ~100 types
+    on meta, ~20 s on 2 cores (scripts/vlm_types_table.py --check does the same). The table names the
+    transformers version it was made with; under another the types themselves differ, and the test says so
+    rather than fail."""
+    import transformers
+
+    document = (REPO / "docs" / "families.md").read_text()
+    written = table_in(document)
+    if not written.startswith(f"transformers {transformers.__version__}:"):
+        pytest.skip(f"the table was made with {written.split(':')[0]}; run python scripts/vlm_types_table.py")
+    rows = type_rows()
+    assert {row.family for row in rows if row.family} == {family.name for family in FAMILIES}
+    assert written == markdown_table(rows), "stale: run python scripts/vlm_types_table.py"
+
+
+def test_the_script_writes_the_table_and_check_fails_on_a_stale_one(tmp_path, monkeypatch):
+    script = runpy.run_path(str(REPO / "scripts" / "vlm_types_table.py"))
+    main = script["main"]
+    few = ["llava", "florence2"]
+    monkeypatch.setitem(main.__globals__, "type_rows", lambda: type_rows(few))
+    doc = tmp_path / "families.md"
+    doc.write_text(f"# Families\n\n{START}\nold\n{END}\n\nafter\n")
+    assert main(["--check", "--doc", str(doc)]) == 1
+    assert main(["--doc", str(doc)]) == 0
+    assert main(["--check", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"# Families\n\n{START}\ntransformers ") and text.endswith(f"{END}\n\nafter\n")
+    assert (
+        "| `florence2` |  | refused: encoder-decoder: a decoder cross-attending to an encoder writes" in text
+    )
+    assert "Roles found: 1; refused: encoder-decoder 1." in text
