@@ -251,7 +251,7 @@ def _towers(model: nn.Module, language_model: str) -> list[str]:
     return sorted(towers, key=lambda name: name.rpartition(".")[2] in AUDIO_TOWER_NAMES)
 
 
-def _projectors(model: nn.Module, towers: list[str], language_model: str) -> list[str]:
+def _projectors(model: nn.Module, towers: list[str]) -> list[str]:
     """Paths of the projector's modules and bare parameters."""
     modules = dict(model.named_modules())
     found = [
@@ -324,7 +324,7 @@ def find_roles(model: nn.Module) -> FoundRoles:
         if getattr(config, "vision_config", None) is None:
             raise RolesNotFound("no vision part", "no vision_config and no vision tower")
         raise _missing("vision tower", TOWER_NAMES, " and no module class named *Vision*")
-    projectors = _projectors(model, towers, language_model)
+    projectors = _projectors(model, towers)
     if not any(name in paths.values() for name in projectors):  # bare parameters alone project nothing
         raise _missing("projector", PROJECTOR_NAMES + tuple(f"<tower>.{n}" for n in PROJECTOR_NAMES_IN_TOWER))
     head = _lm_head(model, language_model, paths)
