@@ -82,5 +82,7 @@ def test_liger_kernels_train_as_torch_layers_do_on_the_gpu(tmp_path):
     apart = max(abs(a - b) for a, b in zip(curves["false"], curves["true"], strict=True))
     print(f"liger vs torch: loss curves {curves}, eval {eval_losses}; moved {moved:.4f}, apart {apart:.5f}")
     assert len(curves["false"]) == 6 and moved > 0.1, curves
+    # moved / 20: a first bound, not yet set from a measured noise floor (this test has not run on a GPU
+    # yet); its print is where the first GPU run's floor (the same run twice without Liger) is to be read
     assert apart < moved / 20, (apart, moved)
     assert abs(eval_losses["true"] - eval_losses["false"]) < moved / 20, eval_losses
