@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.demo.models import config_source
 from vlm_recipes.errors import GuardError
-from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families import family_for_config
 from vlm_recipes.families.parameters import (
     count_params_by_role,
     expert_parameters_of_role,
@@ -195,7 +195,7 @@ def plan_parallel(
 
 def meta_model(source: str, trust_remote_code: bool):
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    towers = family_for_model_type(config.model_type).towers_left_out
+    towers = family_for_config(config, trust_remote_code).towers_left_out
     for name in towers:  # as stages load it (model/build.py: leave_out_towers)
         if getattr(config, name, None) is not None:
             setattr(config, name, None)
@@ -207,7 +207,7 @@ def meta_model(source: str, trust_remote_code: bool):
 def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = None) -> list[dict]:
     env = env or Environment.detect()
     config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
-    family = family_for_model_type(config.model_type)
+    family = family_for_config(config, recipe.trust_remote_code)
     counts = count_params_by_role(model, family)
     run_dir = run_dir_for(recipe, options)
     try:
@@ -325,7 +325,7 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
 def estimate_footprint(recipe: Recipe, stage) -> ModelFootprint:
     """GPU memory a stage needs for weights and optimizer state, from the model's config (no weights read)."""
     config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
-    family = family_for_model_type(config.model_type)
+    family = family_for_config(config, recipe.trust_remote_code)
     parameters = dict(model.named_parameters())
     quantized_params = sum(parameters[name].numel() for name in quantized_weights(model, family, stage))
     total = sum(p.numel() for p in model.parameters())
@@ -342,7 +342,7 @@ def estimate_disk_gb(recipe: Recipe, stage) -> float:
     bits, 32 in an fp32 stage; merged, so a quantized stage's too) and its kept checkpoints (the trainable
     weights and Adam's two moments in fp32, 12 bytes a parameter)."""
     config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
-    family = family_for_model_type(config.model_type)
+    family = family_for_config(config, recipe.trust_remote_code)
     counts = count_params_by_role(model, family)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(counts[r]["total"] for r in ROLES if getattr(stage.train, r) == "full")

@@ -1,4 +1,5 @@
-"""Model families: everything the runner knows about a family, one module each.
+"""Model families: everything the runner knows about a family, one module each; any other image-text-to-text
+model through the generic family (generic_family.py), from the roles its module tree shows.
 
 Adding a family means adding one module here (its `Family` instance: what the family is), its tiny offline
 builder in `demo/tiny/` with its line in `demo/models.py`'s DEMO_MODELS, and its tests; `FAMILIES` lists
@@ -11,6 +12,8 @@ from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.families.gemma4 import GEMMA4
+from vlm_recipes.families.generic import RolesNotFound, roles_of_config
+from vlm_recipes.families.generic_family import GenericFamily
 from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
 from vlm_recipes.families.internvl import INTERNVL
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
@@ -37,7 +40,14 @@ FAMILIES: tuple[Family, ...] = (
     INTERNVL,
 )
 
-__all__ = ["FAMILIES", "Family", "LoraTargetError", "UnsupportedModelError", "family_for_model_type"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "LoraTargetError",
+    "UnsupportedModelError",
+    "family_for_config",
+    "family_for_model_type",
+]
 
 
 def family_for_model_type(model_type: str) -> Family:
@@ -49,3 +59,35 @@ def family_for_model_type(model_type: str) -> Family:
         f"model type `{model_type}` is not supported. Supported families: {supported}. "
         "A new family is one module in vlm_recipes/families/."
     )
+
+
+def family_for_config(config, trust_remote_code: bool = False) -> Family:
+    """The family module naming `config`'s model type, else the generic family with the roles found in the
+    model built from `config` on the meta device (found once per config)."""
+    for family in FAMILIES:
+        if config.model_type in family.model_types:
+            return family
+    key = (config.to_json_string(use_diff=False), trust_remote_code)
+    if key not in _GENERIC:
+        _GENERIC[key] = _generic_family(config, trust_remote_code)
+    return _GENERIC[key]
+
+
+_GENERIC: dict[tuple[str, bool], Family] = {}
+
+
+def _generic_family(config, trust_remote_code: bool) -> Family:
+    known = ", ".join(t for family in FAMILIES for t in family.model_types)
+    try:
+        found = roles_of_config(config, trust_remote_code)
+    except RolesNotFound as refusal:
+        raise UnsupportedModelError(
+            f"model type `{config.model_type}` has no family module (those with one: {known}), and the generic "
+            f"family cannot train it: {refusal}"
+        ) from None
+    if found.refusal:
+        raise UnsupportedModelError(
+            f"model type `{config.model_type}` has no family module, and the generic family cannot train it: "
+            f"{found.refusal}"
+        )
+    return GenericFamily.of(found)

@@ -169,6 +169,9 @@ class Family:
     # How the family's models write a box in their answers (methods/grounding.py: relative_1000,
     # resized_pixels, pixels); None: no convention documented, so the iou reward asks the recipe.
     box_format: ClassVar[str | None] = None
+    # training.* speed-ups the family cannot prove exact, each with why: a stage that asks for one trains
+    # without it, the decision logged (the generic family's: generic_family.UNPROVEN_SPEEDUPS)
+    unproven_speedups: ClassVar[dict[str, str]] = {}
 
     # ------------------------------------------------------------------ roles
 

@@ -109,6 +109,8 @@ class FoundRoles:
     parameters: dict[str, int]  # role → parameter count
     lora_targets: dict[str, tuple[str, ...]]  # "llm", "vision" → names of their nn.Linear leaves
     unassigned: tuple[str, ...]  # parameters outside every role
+    language_model: str = ""  # the language model's module ("": the whole model)
+    projector_modules: tuple[str, ...] = ()  # the projector's modules (not its bare parameters)
 
     def as_family(self) -> Family:
         """A plain `Family` holding these roles (role_of, is_lm_head, quantization skips); nothing else."""
@@ -165,20 +167,20 @@ def _encoder_decoder(model_type: str) -> RolesNotFound:
     )
 
 
-def build_on_meta(config) -> nn.Module:
+def build_on_meta(config, trust_remote_code: bool = False) -> nn.Module:
     """The image-text-to-text model of `config`, its parameters on the meta device (no memory, no weights)."""
     from transformers import AutoModelForImageTextToText
 
     with quiet_transformers(), torch.device("meta"):
-        return AutoModelForImageTextToText.from_config(config)
+        return AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def roles_of_config(config) -> FoundRoles:
+def roles_of_config(config, trust_remote_code: bool = False) -> FoundRoles:
     """Build `config`'s model on meta and find its roles (RolesNotFound: why not)."""
     if is_encoder_decoder(config):
         raise _encoder_decoder(config.model_type)
     try:
-        model = build_on_meta(config)
+        model = build_on_meta(config, trust_remote_code)
     except Exception as error:  # whatever the model's own code raises on a config it cannot take
         message = " ".join(str(error).split())
         raise RolesNotFound(
@@ -343,6 +345,8 @@ def find_roles(model: nn.Module) -> FoundRoles:
         parameters={},
         lora_targets={},
         unassigned=(),
+        language_model=language_model,
+        projector_modules=tuple(name for name in projectors if name in paths.values()),
     )
     family = found.as_family()
     groups = params_by_role(model, family)

@@ -8,6 +8,7 @@ import logging
 import torch
 from transformers.trainer_utils import unwrap_peft_model
 from trl import SFTConfig, SFTTrainer
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
 from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.lengths import check_lengths
@@ -121,10 +122,36 @@ def average_the_loss_over_the_global_batch(trainer: SFTTrainer, decisions: list[
         decisions.append(decision)
 
 
+def answers_by_prefix(processor, decisions: list[Decision] | None) -> bool:
+    """Whether the loss's answers must be told by rendering each one's prefix (data/collate.py): where the
+    chat template has no {% generation %} markers and TRL has no training variant of it."""
+    template = processor.chat_template
+    if not isinstance(template, str) or has_generation_markers(template):
+        return False
+    try:
+        get_training_chat_template(processor)
+        return False
+    except ValueError:  # TRL knows no training variant of this template
+        pass
+    decision = Decision(
+        "answer-tokens",
+        "told by rendering each answer's prefix",
+        "the chat template has no {% generation %} markers and TRL has no training variant of it: each "
+        "answer's tokens are those between the conversation before it (with the generation prompt) and "
+        "through it, rendered and processed again per row",
+    )
+    log.info("  %s", decision)
+    if decisions is not None:
+        decisions.append(decision)
+    return True
+
+
 def build_sft_stage_trainer(built, stage, args, data, decisions=None, callbacks=None):
+    by_prefix = answers_by_prefix(built.processor, decisions)
+    args.assistant_only_loss = not by_prefix  # by prefix: TRL labels every token, the collator keeps answers
     trainer = build_trainer(built, stage, args, data, decisions, callbacks)
     videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
-    trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos)
+    trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos, by_prefix)
     wrap_collator(trainer, built, stage, decisions)  # the batch speed-ups wrap TRL's SFT collator
     compute_loss_positions_only(trainer, built, stage, decisions)
     return trainer

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from vlm_recipes.decisions import Decision
-from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families import family_for_config
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def wrap_language_layers_only(model) -> Decision:
     are gathered once per step on every rank, whatever the batch holds. Costs the tower's size in unsharded
     memory during the forward (a few hundred MB for the towers here). A config naming its own classes wins.
     The layer class is the family's (Family.decoder_layer): Qwen2VLDecoderLayer, Gemma3DecoderLayer, ..."""
-    family = family_for_model_type(model.config.model_type)
+    family = family_for_config(model.config)
     layer = type(family.decoder_layer.decoder_layers(model)[0]).__name__
     named = os.environ.setdefault("FSDP_TRANSFORMER_CLS_TO_WRAP", layer)
     if named != layer:

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor,
 
 from vlm_recipes.decisions import DTYPES, Decision
 from vlm_recipes.errors import LoraTargetError, MissingProcessorError
-from vlm_recipes.families import family_for_model_type
+from vlm_recipes.families import family_for_config
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import (
     linear_modules_of_role,
@@ -51,7 +51,7 @@ class BuiltModel:
 
 def detect_family(source: str, trust_remote_code: bool = False) -> tuple[Family, object]:
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    return family_for_model_type(config.model_type), config
+    return family_for_config(config, trust_remote_code), config
 
 
 def load_processor(source: str, data: DataSettings, family: Family, trust_remote_code: bool = False):

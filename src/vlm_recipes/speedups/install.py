@@ -26,6 +26,17 @@ from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
 log = logging.getLogger(__name__)
 
 
+def turn_off_unproven_speedups(family: Family, stage: Stage) -> list[Decision]:
+    """The speed-ups the stage asks for that its family cannot prove exact (the generic family's), off: the
+    stage trains without them, each decision with why."""
+    decisions = []
+    for setting, why in family.unproven_speedups.items():
+        if getattr(stage.training, setting):
+            setattr(stage.training, setting, False)
+            decisions.append(Decision(setting.replace("_", "-"), "off", f"{family.name}: {why}"))
+    return decisions
+
+
 def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> None:
     """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
     if stage.training.padding_free and (why := family.padding_free_refusal()):

@@ -54,7 +54,12 @@ from vlm_recipes.ranks import broadcast_from_main
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.runs.layout import FINAL_DIR, mark_done
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
-from vlm_recipes.speedups.install import refuse_inexact_speedups, speed_up_frozen_vision, speed_up_model
+from vlm_recipes.speedups.install import (
+    refuse_inexact_speedups,
+    speed_up_frozen_vision,
+    speed_up_model,
+    turn_off_unproven_speedups,
+)
 from vlm_recipes.stages.checks import check_same_start, check_stopped_early, keep_the_global_batch
 from vlm_recipes.stages.context import StageContext
 from vlm_recipes.stages.metrics import (
@@ -124,6 +129,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
         ctx.decisions.append(backend)
     if generation := check_generation_backend(stage, ctx.env):
         ctx.decisions.append(generation)
+    ctx.decisions += turn_off_unproven_speedups(family, stage)
     refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
