@@ -1,0 +1,224 @@
+"""The tiny offline Molmo2 (`demo:tiny-molmo2`): a Qwen2 tokenizer (Molmo2-4B's text model is Qwen3-4B) whose
+Molmo tokens sit past the language model's vocabulary as in the published one, Molmo2Processor with its
+overlapping crops (a low-res view, then high-res crops, pooled 2x2, <im_col> after each row), a SigLIP2-style
+ViT whose layers are read by the attention-pooling adapter, a Qwen3-style text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+
+MIRRORS = "allenai/Molmo2-4B"
+
+# Qwen3's chat tokens, numbered right after the BPE vocab as Qwen numbers them (<|endoftext|> pad, <|im_end|> eos;
+# Molmo2's conversion sets bos = eos, and the processor prepends it to every prompt)
+QWEN_CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# allenai/molmo2 olmo/tokenizer.py EXTRA_TOKENS (the 10 of Molmo2), in its order. The published tokenizer pads
+# Qwen3's 151669 tokens with |<EXTRA_TOKENS_i>| up to the text model's vocab_size (151936), so these get
+# 151936.. (<im_start> 151936, <im_end> 151937, <im_patch> 151938, ...): ids the embedding's
+# additional_vocab_size rows cover but the lm_head (vocab_size rows) can never predict.
+MOLMO2_TOKENS = (
+    "<im_start>",
+    "<im_end>",
+    "<im_patch>",
+    "<im_col>",
+    "<low_res_im_start>",
+    "<|image|>",
+    "<im_low>",
+    "<frame_start>",
+    "<frame_end>",
+    "<|video|>",
+)
+
+# The published chat template byte for byte: CHAT_TEMPLATE of olmo/hf_model/convert_molmo2_to_hf.py in
+# github.com/allenai/molmo2, the script that wrote the checkpoints' template (the hub file itself was not readable
+# here). Every image placeholder goes first, before the first turn; an assistant turn opens with a space
+# ("{% else %} {# assistant #}") that the generation prompt lacks, and is closed only by the next user turn's
+# <|im_end|>: a conversation's last answer ends with no end token.
+MOLMO2_CHAT_TEMPLATE = (
+    "{% set DEMO_STYLES = ["
+    "'point_count','pointing','cosyn_point','user_qa','long_caption','short_caption',"
+    "'video_long_caption','video_short_caption','video_point_track_per_frame',"
+    "'video_point_track_start_end','video_point_track_all_frames','video_single_point_track_start_end',"
+    "'video_transcript','video_clip_caption_start_end','video_clip_caption_start_end_in_seconds',"
+    "'video_clip_transcript_start_end','video_clip_transcript_start_end_in_seconds',"
+    "'video_frame_caption_timestamp','video_frame_caption_timestamp_in_seconds',"
+    "'correction_qa','text_sft','video_point','video_point_count','video_count','video_count_point',"
+    "'multi_image_pointing','multi_image_counting','multi_image_point_then_count',"
+    "'multi_image_count_then_point','demo','a_okvqa_mc','ai2_diagram_no_letter','ai2_diagram','science_qa',"
+    "'multi_image_mc','multi_image_mc_exp','mantis_instruct_mc',"
+    "'video_multiple_choice','video_multiple_choice_count_without_pointing',"
+    "'video_multiple_choice_multiple_correct','video_multiple_choice_w_subtitle'] %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% set has_subtitle = messages and messages[0]['role'].lower() == 'subtitle' %}"
+    "{% for message in messages %}{% if message['content'] is not string %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if image_count.value == 1 %}{{ '<|image|>' }}{% elif image_count.value > 1 %}"
+    "{% for i in range(image_count.value) %}{{ 'Image ' ~ (i + 1) ~ '<|image|>' }}{% endfor %}{% endif %}"
+    "{% for _ in range(video_count.value) %}{{ '<|video|>' }}{% endfor %}"
+    "{% if has_subtitle %}{{ messages[0]['content'] }}{% endif %}"
+    "{% for message in messages %}{% set role = message['role'].lower() %}"
+    "{% if role == 'subtitle' %}{% continue %}{% endif %}"
+    "{% set conv_index = loop.index - (1 if has_subtitle else 0) %}"
+    "{%- if (conv_index % 2 == 1 and role != 'user') or (conv_index % 2 == 0 and role != 'assistant') -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{% if message['content'] is string %}{% set text_content = message['content'] %}{% else %}"
+    "{% set m = namespace(text='') %}{% for content in message['content'] %}{% if content['type'] == 'text' %}"
+    "{% if content['style'] is defined and content['style'] not in DEMO_STYLES %}"
+    "{% set seg = content['style'] ~ ': ' ~ content['text'] %}{% else %}{% set seg = content['text'] %}"
+    "{% endif %}{% set m.text = m.text ~ ('' if not m.text else ' ') ~ seg %}{% endif %}{% endfor %}"
+    "{% set text_content = m.text %}{% endif %}"
+    "{% if role == 'user' %}"
+    "{% if not (has_subtitle and loop.index == 2) and not (not has_subtitle and loop.first) %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>user\\n' }}{{ text_content }}{{ '<|im_end|>\\n' }}"
+    "{% else %} {# assistant #}{{ '<|im_start|>assistant\\n' }}{{ text_content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def molmo2_tokenizer(corpus: list[str]):
+    """A Qwen2Tokenizer (the class of Molmo2-4B's tokenizer_config.json) around a BPE trained on `corpus` with
+    Qwen's pre-tokenizer: the BPE vocab, Qwen's chat tokens, |<EXTRA_TOKENS_i>| up to a multiple of 64 (the
+    text model's vocab_size), then MOLMO2_TOKENS. Returns (tokenizer, vocab_size)."""
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
+    for token in QWEN_CHAT_TOKENS:
+        vocab[token] = len(vocab)
+    vocab_size = -(-len(vocab) // 64) * 64
+    padding = tuple(f"|<EXTRA_TOKENS_{i}>|" for i in range(vocab_size - len(vocab)))
+    for token in (*padding, *MOLMO2_TOKENS):
+        vocab[token] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,  # byte-level BPE covers every input, so no unk is needed
+        bos_token="<|im_end|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=["<|im_start|>", *padding, *MOLMO2_TOKENS],
+        model_max_length=4096,
+    )
+    return tok, vocab_size
+
+
+def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
+    """With the published checkpoints' chat template (MOLMO2_CHAT_TEMPLATE)."""
+    from transformers import (
+        Molmo2Config,
+        Molmo2ForConditionalGeneration,
+        Molmo2ImageProcessor,
+        Molmo2Processor,
+        Molmo2VideoProcessor,
+    )
+
+    tok, vocab_size = molmo2_tokenizer(corpus)
+    tok.chat_template = MOLMO2_CHAT_TEMPLATE
+    crop, patch = dims["crop"], 14
+    size = {"height": crop, "width": crop}
+    processor = Molmo2Processor(
+        # as convert_molmo2_to_hf.py writes Molmo2-4B's but for the crop size and margins: 14 px patches
+        # pooled 2x2, up to 8 overlapping crops (+ the low-res view), bilinear, ImageNet-standard mean/std (0.5)
+        image_processor=Molmo2ImageProcessor(
+            size=size,
+            max_crops=dims["max_crops"],
+            overlap_margins=dims["margins"],
+            patch_size=patch,
+            pooling_size=[2, 2],
+        ),
+        # frames pooled 3x3 as the published; 4 frames at most (the published: 64)
+        video_processor=Molmo2VideoProcessor(size=size, patch_size=patch, pooling_size=[3, 3], num_frames=4),
+        tokenizer=tok,
+        chat_template=MOLMO2_CHAT_TEMPLATE,
+        # the published processor_config.json's: no <im_col> in the low-res view, which starts with
+        # <low_res_im_start>; every call also returns mm_token_type_ids (required by the model in training)
+        image_use_col_tokens=True,
+        use_single_crop_col_tokens=False,
+        use_single_crop_start_token=True,
+        video_use_col_tokens=False,
+        use_frame_special_tokens=True,
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN_CHAT_TOKENS, *MOLMO2_TOKENS)}
+    head_dim = dims["hidden"] // dims["heads"]
+    vision_head_dim = dims["vision_dim"] // dims["vision_heads"]
+    config = Molmo2Config(
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            model_type="molmo2_text",
+            vocab_size=vocab_size,  # the Molmo tokens are past it, in the additional_vocab_size rows
+            additional_vocab_size=128,
+            head_dim=head_dim,
+            qk_norm_type="qwen3",
+            attention_bias=False,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6},  # Qwen3-4B-Instruct-2507's
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        vision_config={
+            "model_type": "molmo2_vision",
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": dims["vision_intermediate"],
+            "num_hidden_layers": dims["vision_layers"],
+            "num_attention_heads": dims["vision_heads"],
+            "num_key_value_heads": dims["vision_heads"],
+            "head_dim": vision_head_dim,
+            "hidden_act": "gelu_pytorch_tanh",
+            "image_size": [crop, crop],  # one position embedding per patch of a crop, never interpolated
+            "patch_size": patch,
+        },
+        adapter_config={
+            "model_type": "molmo2_adapter",
+            # the published reads ViT layers [-3, -9] of 27 (kept: 25), concatenated; here the last two
+            "vision_feature_layer": [-1, -2],
+            "hidden_size": dims["vision_dim"],
+            "num_attention_heads": dims["vision_heads"],
+            "num_key_value_heads": dims["vision_heads"],
+            "head_dim": vision_head_dim,
+            "hidden_act": "silu",
+            "intermediate_size": dims["intermediate"],  # the published: the text model's (9728)
+            "text_hidden_size": dims["hidden"],
+        },
+        image_start_token_id=ids["<im_start>"],
+        low_res_image_start_token_id=ids["<low_res_im_start>"],
+        image_end_token_id=ids["<im_end>"],
+        image_patch_id=ids["<im_patch>"],
+        frame_start_token_id=ids["<frame_start>"],
+        frame_end_token_id=ids["<frame_end>"],
+        tie_word_embeddings=False,
+    )
+    save_tiny_model(
+        out,
+        Molmo2ForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|im_end|>"],
+    )
+
+
+# What build_tiny_molmo2 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+TINY = {
+    **TINY_TEXT_DIMS,
+    "vision_layers": 2,
+    "vision_dim": 32,
+    "vision_intermediate": 64,
+    "vision_heads": 2,
+    # crops of 56 px: 4x4 patches of 14 px (the real: 378 px, 27x27), overlapping by 1 patch each side (the
+    # real: 4): a low-res view of 2x2 pooled tokens, then up to 8 crops tiling 28 px windows
+    "crop": 56,
+    "margins": [1, 1],
+    "max_crops": 8,
+}
