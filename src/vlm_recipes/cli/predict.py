@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
             model_dir, dtype=dtype, device_map="auto" if env.device == "cuda" else None
         )
         family, _ = detect_family(model_dir)
+        family.repair(model)
         processor = AutoProcessor.from_pretrained(model_dir, **family.processor_load_kwargs)
         defaults = DataSettings()
         sampling = VideoSampling(

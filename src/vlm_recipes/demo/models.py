@@ -32,11 +32,17 @@ from vlm_recipes.demo.tiny import (
     gemma4,
     glm4v,
     internvl,
+    kimi_k25,
+    lfm2_vl,
+    llama4,
     llava_onevision,
+    minicpm_v,
     mistral3,
+    molmo2,
     qwen2_5_vl,
     qwen2_vl,
     qwen3_5,
+    qwen3_omni,
     qwen3_vl,
     smolvlm,
 )
@@ -60,10 +66,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoModel:
-    """A demo:… model: the family it is a model of, its builder (real processor class, special tokens and
-    chat template, a tokenizer trained on the demo texts, random weights) and the settings it builds."""
+    """A demo:… model: the family it is a model of (None: a model type no family module names, trained
+    through the generic family), its builder (real processor class, special tokens and chat template, a
+    tokenizer trained on the demo texts, random weights) and the settings it builds."""
 
-    family: Family
+    family: Family | None
     build: Callable[[Path, dict, list[str]], None]  # (out, dims, tokenizer corpus)
     dims: dict
 
@@ -90,6 +97,13 @@ DEMO_MODELS: dict[str, DemoModel] = {
     "demo:tiny-glm4v": DemoModel(GLM4V, glm4v.build_tiny_glm4v, glm4v.TINY),
     "demo:tiny-glm4v-moe": DemoModel(GLM4V_MOE, glm4v.build_tiny_glm4v, glm4v.TINY_MOE),
     "demo:tiny-internvl": DemoModel(INTERNVL, internvl.build_tiny_internvl, internvl.TINY),
+    # model types without a family module, trained through the generic family
+    "demo:tiny-lfm2-vl": DemoModel(None, lfm2_vl.build_tiny_lfm2_vl, lfm2_vl.TINY),
+    "demo:tiny-minicpm-v4.6": DemoModel(None, minicpm_v.build_tiny_minicpm_v, minicpm_v.TINY),
+    "demo:tiny-molmo2": DemoModel(None, molmo2.build_tiny_molmo2, molmo2.TINY),
+    "demo:tiny-kimi-k2.5": DemoModel(None, kimi_k25.build_tiny_kimi_k25, kimi_k25.TINY),
+    "demo:tiny-llama4": DemoModel(None, llama4.build_tiny_llama4, llama4.TINY),
+    "demo:tiny-qwen3-omni-thinker": DemoModel(None, qwen3_omni.build_tiny_qwen3_omni, qwen3_omni.TINY),
 }
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"  # the embedded default's model
 DEMO_MODEL_IDS = tuple(DEMO_MODELS)

@@ -24,6 +24,10 @@ from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from vlm_recipes.families.qwen3_vl import QWEN3_VL
 from vlm_recipes.families.smolvlm import SMOLVLM
 
+# Model types trained from the roles the generic finder shows, with what their model needs besides, one
+# module each (a GenericFamily subclass): a training chat template, a fix transformers lacks
+GENERIC_WITH_KNOWLEDGE: dict[str, type[GenericFamily]] = {}
+
 FAMILIES: tuple[Family, ...] = (
     QWEN2_VL,
     QWEN2_5_VL,
@@ -90,4 +94,4 @@ def _generic_family(config, trust_remote_code: bool) -> Family:
             f"model type `{config.model_type}` has no family module, and the generic family cannot train it: "
             f"{found.refusal}"
         )
-    return GenericFamily.of(found)
+    return GENERIC_WITH_KNOWLEDGE.get(config.model_type, GenericFamily).of(found)

@@ -342,3 +342,8 @@ class Family:
 
     def vision_geometry(self, config) -> VisionGeometry:
         raise NotImplementedError
+
+    def repair(self, model: nn.Module) -> list[str]:
+        """Fix what the family's model class gets wrong in this transformers version, on a model just loaded
+        (model/build.py: load_model; predict); each fix said in a few words for the log. None by default."""
+        return []

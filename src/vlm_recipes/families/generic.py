@@ -71,9 +71,16 @@ PROJECTOR_NAMES = (
     "high_res_vision_proj",
 )
 # Children of a tower that project its output into the language model's width: the Qwen line's merger,
-# Qwen3-VL's DeepStack mergers, GLM-4V's downsampling convolution that feeds its merger, Granite-Docling's
-# connector
-PROJECTOR_NAMES_IN_TOWER = ("merger", "patch_merger", "deepstack_merger_list", "downsample", "connector")
+# Qwen3-VL's DeepStack mergers (Qwen3-Omni's merger_list), GLM-4V's downsampling convolution that feeds its
+# merger, Granite-Docling's connector
+PROJECTOR_NAMES_IN_TOWER = (
+    "merger",
+    "patch_merger",
+    "deepstack_merger_list",
+    "merger_list",
+    "downsample",
+    "connector",
+)
 # Where get_decoder() gives nothing better: common attribute paths of the language model
 LANGUAGE_MODEL_NAMES = (
     "model.language_model",

@@ -52,8 +52,10 @@ class GenericFamily(Family):
 
     @classmethod
     def of(cls, found: FoundRoles) -> GenericFamily:
+        """The family of a model with these roles; a subclass (a module in `GENERIC_WITH_KNOWLEDGE`) adds
+        what its model type needs besides (a training chat template, a fix transformers lacks)."""
         return cls(
-            name=f"generic ({found.model_type})",
+            name=found.model_type if cls is not GenericFamily else f"generic ({found.model_type})",
             model_types=(found.model_type,),
             role_prefixes=found.role_prefixes,
             lm_head_prefixes=found.lm_head_prefixes,

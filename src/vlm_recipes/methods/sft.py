@@ -131,7 +131,9 @@ def answers_by_prefix(processor, decisions: list[Decision] | None) -> bool:
     try:
         get_training_chat_template(processor)
         return False
-    except ValueError:  # TRL knows no training variant of this template
+    # ValueError: TRL knows no training variant of this template; RuntimeError: TRL cannot even check it with
+    # this processor (MiniCPM-V 4.6's: its tool-call prefix check compares tensors as if they were lists)
+    except (ValueError, RuntimeError):
         pass
     decision = Decision(
         "answer-tokens",

@@ -123,7 +123,10 @@ def load_model(
             kwargs["max_memory"] = dict.fromkeys(range(torch.cuda.device_count()), max_memory_per_gpu)
     elif device == "cuda":
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    return AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+    model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+    for fix in family.repair(model):
+        log.info("  model-fix: %s", fix)
+    return model
 
 
 def apply_training_modes(

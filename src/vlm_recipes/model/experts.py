@@ -53,7 +53,12 @@ def expert_decisions(
     # TRL's SFT and DPO trainers switch on the model's load-balancing loss for every MoE (output_router_logits),
     # weighted by the config's router_aux_loss_coef (SFTConfig.router_aux_loss_coef overrides it)
     router = "router trained" if llm_mode == "full" else "router frozen"
-    loss = f"load-balancing loss on (coefficient {text.router_aux_loss_coef:g})"
+    coefficient = getattr(text, "router_aux_loss_coef", None)
+    if coefficient is None:  # DeepSeek-V3's routing (Kimi K2.5) balances by a bias, no auxiliary loss
+        why = "the model declares no load-balancing loss: its routing balances the experts another way"
+        decisions.append(Decision("router", f"{router}, no load-balancing loss", why))
+        return decisions
+    loss = f"load-balancing loss on (coefficient {coefficient:g})"
     why = (
         "TRL adds it for a mixture of experts: it keeps the router spreading tokens over the experts"
         if llm_mode == "full"
