@@ -83,7 +83,9 @@ def test_a_model_type_whose_roles_cannot_be_found_exits_2_naming_what_is_missing
     """A text-only model given as the model: no traceback, exit 2, the type, and what the generic family
     looked for."""
     text_only = tmp_path / "text-only"
-    tokenizer = AutoTokenizer.from_pretrained(AutoProcessor.from_pretrained(_qwen2_vl_dir()).tokenizer.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        AutoProcessor.from_pretrained(_qwen2_vl_dir()).tokenizer.name_or_path
+    )
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1,

@@ -172,6 +172,9 @@ class Family:
     # training.* speed-ups the family cannot prove exact, each with why: a stage that asks for one trains
     # without it, the decision logged (the generic family's: generic_family.UNPROVEN_SPEEDUPS)
     unproven_speedups: ClassVar[dict[str, str]] = {}
+    # Whether every trained parameter gets a gradient from a row with an image (False: some may not, as the
+    # generic family cannot tell, and DDP searches each step's graph for those without one)
+    reads_every_parameter: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ roles
 

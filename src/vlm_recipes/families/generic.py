@@ -199,7 +199,7 @@ def roles_of_config(config, trust_remote_code: bool = False) -> FoundRoles:
 # ---------------------------------------------------------------------------------------------- the finder
 
 
-def _inside(name: str, prefix: str) -> bool:
+def inside(name: str, prefix: str) -> bool:
     """`name` is `prefix` or a module or parameter below it ("" holds everything)."""
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
@@ -211,7 +211,7 @@ def _in_a_module_list(name: str) -> bool:
 
 def _shallowest(names: list[str]) -> list[str]:
     """The names not below another of them, in their order."""
-    return [n for n in names if not any(other != n and _inside(n, other) for other in names)]
+    return [n for n in names if not any(other != n and inside(n, other) for other in names)]
 
 
 def _language_model(model: nn.Module, paths: dict[int, str]) -> str:
@@ -253,7 +253,7 @@ def _towers(model: nn.Module, language_model: str) -> list[str]:
             and name
             and not _in_a_module_list(name)
             and name.rpartition(".")[2] not in PROJECTOR_NAMES
-            and not (language_model and _inside(name, language_model))
+            and not (language_model and inside(name, language_model))
         ]
         towers = _shallowest(towers + _shallowest(by_class))
     # vision towers first (as a family module lists them), other modalities' after
@@ -268,7 +268,7 @@ def _projectors(model: nn.Module, towers: list[str]) -> list[str]:
         for name in modules
         if name.rpartition(".")[2] in PROJECTOR_NAMES
         and not _in_a_module_list(name)
-        and not any(_inside(name, tower) for tower in towers)
+        and not any(inside(name, tower) for tower in towers)
     ]
     for tower in towers:
         children = modules[tower]._modules
@@ -290,7 +290,7 @@ def _split_language_model(model: nn.Module, prefix: str, others: list[str]) -> t
     """The language model's prefixes: its module's path, or, where that module also holds a tower or the
     projector (IDEFICS' `model`), its children and bare parameters outside them, looked into as deep as
     needed."""
-    if not any(_inside(other, prefix) for other in others):
+    if not any(inside(other, prefix) for other in others):
         return (prefix,)
     module = model.get_submodule(prefix)
     inner = [n for n, _ in module.named_children()] + [n for n, _ in module.named_parameters(recurse=False)]
@@ -341,9 +341,9 @@ def find_roles(model: nn.Module) -> FoundRoles:
         raise RolesNotFound("roles not found", "no LM head", "get_output_embeddings() gives none")
     llm = _split_language_model(model, language_model, towers + projectors)
     embeddings = paths.get(id(model.get_input_embeddings()), "")
-    if not any(_inside(embeddings, prefix) for prefix in llm):
+    if not any(inside(embeddings, prefix) for prefix in llm):
         raise _missing("language model", LANGUAGE_MODEL_NAMES, " holding the input embeddings")
-    if not any(_inside(head, prefix) for prefix in llm):
+    if not any(inside(head, prefix) for prefix in llm):
         llm += (head,)
     found = FoundRoles(
         model_type=model_type,

@@ -12,7 +12,9 @@ What a family module knows and this one does not, and what it does instead:
 - the speed-ups whose exactness a family module proves for its architecture (packing, the loss-positions
   cut, the vision feature cache, the preprocessed-sample cache) are off, each with a logged decision
   (`UNPROVEN_SPEEDUPS`, speedups/install.py: turn_off_unproven_speedups); so are FLOP counts;
-- no video: a row with one is refused at the data check, as for any family without video.
+- no video: a row with one is refused at the data check, as for any family without video;
+- another modality's tower (audio) is never fed, so it stays frozen even where its role trains in full, and
+  DDP searches each step for parameters without a gradient (`reads_every_parameter`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
-from vlm_recipes.families.generic import FoundRoles
+from vlm_recipes.families.generic import AUDIO_TOWER_NAMES, FoundRoles, inside
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class GenericFamily(Family):
 
     found: FoundRoles | None = field(default=None, compare=False)
     unproven_speedups: ClassVar[dict[str, str]] = UNPROVEN_SPEEDUPS
+    reads_every_parameter: ClassVar[bool] = False
 
     @classmethod
     def of(cls, found: FoundRoles) -> GenericFamily:
@@ -90,6 +93,16 @@ class GenericFamily(Family):
 
     def vision_tower(self, model: nn.Module) -> nn.Module:
         return self.vision_tower_of(model)
+
+    def unread_parameters(self, model: nn.Module) -> list[str]:
+        """The other modalities' towers (Qwen3-Omni's audio tower): a stage feeds images, text and video
+        only, so no gradient reaches them; they stay frozen when the vision role trains in full."""
+        towers = [t for t in self.role_prefixes["vision"] if t.rpartition(".")[2] in AUDIO_TOWER_NAMES]
+        return [
+            name
+            for name, _ in model.named_parameters()
+            if any(inside(name.removeprefix("base_model.model."), tower) for tower in towers)
+        ]
 
     # ------------------------------------------------------------------ images and tokens
 

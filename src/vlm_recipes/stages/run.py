@@ -291,7 +291,8 @@ def make_trainer(
             ctx.env,
             data.eval is not None,
             ctx.distributed,
-            unused_possible=vision_trains(ctx.stage) and has_text_only_rows(data.train),
+            unused_possible=(vision_trains(ctx.stage) and has_text_only_rows(data.train))
+            or not built.family.reads_every_parameter,
         )
     )
     callbacks = {

@@ -1,0 +1,161 @@
+"""Six model types no family module names, trained through the generic family (families/generic_family.py):
+each one's tiny offline build (demo/tiny/: the published processor and tokenizer classes, special tokens and
+chat template, random weights), the published checkpoint it mirrors built on the meta device, and the seed
+recipes end to end with the freeze audit, in bf16 and fp32."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_families import TINY_RUN, assert_stage_trained_its_roles
+from test_generic_training import demo_rows
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+from vlm_recipes.cli.train import main
+from vlm_recipes.data.collate import VideoCollator
+from vlm_recipes.families import FAMILIES, family_for_config
+from vlm_recipes.families.generic import roles_of_config
+from vlm_recipes.families.generic_family import GenericFamily
+from vlm_recipes.files import read_json
+from vlm_recipes.methods.sft import answers_by_prefix
+from vlm_recipes.model.build import load_processor
+from vlm_recipes.recipes.schema import DataSettings
+
+
+@dataclass(frozen=True)
+class NewModel:
+    demo_id: str
+    model_type: str
+    processor: str  # the published checkpoint's processor class
+    published: str  # tests/published/<name>.json: the checkpoint's config
+    answer_labels: str  # what the loss reads of an answer: "{answer}" and the tokens around it
+
+
+NEW_MODELS = {
+    "lfm2-vl": NewModel("demo:tiny-lfm2-vl", "lfm2_vl", "Lfm2VlProcessor", "lfm2_vl", "{answer}<|im_end|>\n"),
+    "minicpm-v4.6": NewModel(
+        "demo:tiny-minicpm-v4.6", "minicpmv4_6", "MiniCPMV4_6Processor", "minicpm_v", "{answer}<|im_end|>\n"
+    ),
+    "molmo2": NewModel("demo:tiny-molmo2", "molmo2", "Molmo2Processor", "molmo2", "{answer}<|im_end|>"),
+    # the generation prompt ends in <think>; the answer's empty thought closes it
+    "kimi-k2.5": NewModel(
+        "demo:tiny-kimi-k2.5", "kimi_k25", "Kimi_K25Processor", "kimi_k25", "</think>{answer}<|im_end|>"
+    ),
+    "llama4": NewModel("demo:tiny-llama4", "llama4", "Llama4Processor", "llama4", "{answer}<|eot|>"),
+    "qwen3-omni-thinker": NewModel(
+        "demo:tiny-qwen3-omni-thinker",
+        "qwen3_omni_moe_thinker",
+        "Qwen3OmniMoeProcessor",
+        "qwen3_omni",
+        "{answer}<|im_end|>\n",
+    ),
+}
+
+
+@pytest.fixture(scope="session", params=list(NEW_MODELS))
+def new_model(request, private_demo_cache):
+    """(NewModel, model directory): each built once per session."""
+    from vlm_recipes.demo.models import ensure_demo_model
+
+    model = NEW_MODELS[request.param]
+    return model, ensure_demo_model(model.demo_id)
+
+
+def test_six_new_model_types_have_no_family_module():
+    known = {model_type for family in FAMILIES for model_type in family.model_types}
+    assert len(NEW_MODELS) >= 6 and not known & {model.model_type for model in NEW_MODELS.values()}
+
+
+def test_tiny_build_is_the_published_classes_and_the_generic_family_finds_its_roles(new_model):
+    model, model_dir = new_model
+    config = AutoConfig.from_pretrained(model_dir)
+    assert config.model_type == model.model_type
+    family = family_for_config(config)
+    assert isinstance(family, GenericFamily)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    assert type(processor).__name__ == model.processor
+    loaded = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert sum(p.numel() for p in loaded.parameters()) < 500_000
+    found = family.found
+    assert found.unassigned == () and all(found.parameters[role] > 0 for role in found.parameters)
+    assert found.lora_targets["llm"] and found.lora_targets["vision"]
+
+
+def test_published_checkpoint_builds_on_meta_with_its_roles_found(new_model):
+    """The checkpoint's own configuration (tests/published/), its model built on the meta device: the code
+    fits it without a download."""
+    model, _ = new_model
+    published = json.loads((REPO / "tests" / "published" / f"{model.published}.json").read_text())
+    fields = dict(published["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    found = roles_of_config(config)
+    assert found.unassigned == ()
+    # the counts the publisher or an independent tally gives (as rounded there): of the whole model, or
+    # of some roles ("vision+projector": their sum)
+    expected = dict(published["published_parameters"])
+    rounding, _ = expected.pop("rounding", 0), expected.pop("source")
+    for roles, count in expected.items():
+        counted = (
+            sum(found.parameters.values())
+            if roles == "total"
+            else sum(found.parameters[role] for role in roles.split("+"))
+        )
+        assert abs(counted - count) <= count * rounding, (roles, counted, count)
+    total = sum(found.parameters.values())
+    assert total > 100 * 1_000_000, "a published model, not a tiny one"
+
+
+def test_the_loss_reads_each_answer_and_its_end_of_turn_only(new_model):
+    """As a stage trains: the processor loaded the family's way, the collator the SFT stage builds (the
+    family's training template, or the answers told by prefix)."""
+    model, model_dir = new_model
+    family = family_for_config(AutoConfig.from_pretrained(model_dir))
+    processor = load_processor(str(model_dir), DataSettings(), family)
+    by_prefix = answers_by_prefix(processor, None)
+    collator = VideoCollator(
+        processor=processor,
+        chat_template=family.training_chat_template(processor) or processor.chat_template,
+        assistant_only_loss=not by_prefix,
+        answers_by_prefix=by_prefix,
+    )
+    rows = demo_rows(3)[:3]
+    batch = collator(rows)
+    for index, row in enumerate(rows):
+        labels = batch["labels"][index]
+        answer = row["messages"][-1]["content"][0]["text"]
+        read = processor.tokenizer.decode(labels[labels != -100])
+        assert read == model.answer_labels.format(answer=answer), (read, answer)
+
+
+SEED_RUNS = [
+    ("r1-llm-only", "bf16"),
+    ("r1-llm-only", "fp32"),
+    ("r3-two-stage", "bf16"),
+    ("r3-two-stage", "fp32"),
+    ("r4-joint", "bf16"),
+    ("r4-joint", "fp32"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("recipe", "precision"), SEED_RUNS)
+def test_seed_recipe_runs_end_to_end_on_a_new_model(new_model, recipe, precision, tmp_path):
+    """Each stage finishes and trains exactly its roles (frozen: bit-identical; LoRA: only the adapted
+    weights; full: every weight the loss reads), with the generic family's decisions in report.json."""
+    model, _ = new_model
+    args = ["--recipe", recipe, "--output-dir", str(tmp_path), "--run-name", "t", *TINY_RUN]
+    assert main([*args, f"model={model.demo_id}", f"precision={precision}"]) == 0
+    manifest = read_json(tmp_path / recipe / "t" / "run.json")
+    assert manifest["status"] == "finished"
+    for stage, recipe_stage in zip(manifest["stages"], manifest["resolved_recipe"]["stages"], strict=True):
+        assert stage["steps"] == 2 and stage["eval_loss"] is not None
+        report = read_json(Path(stage["dir"]) / "report.json")
+        family = family_for_config(AutoConfig.from_pretrained(stage["source"]))
+        assert report["family"] == family.name
+        guards = {d["guard"]: d for d in report["decisions"]}
+        assert guards["precision"]["choice"] == precision and "dtype-boundary" in guards
+        assert_stage_trained_its_roles(stage, recipe_stage, family)
