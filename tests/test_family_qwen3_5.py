@@ -159,3 +159,27 @@ def test_flops_count_the_experts_a_token_runs_through(model_dirs):
         if n.startswith(("model.language_model", "lm_head")) and p.dim() >= 2 and "embed_tokens" not in n
     )
     assert counted == everything - experts / 2
+
+
+def test_qwen3_6s_chat_template_trains_with_trls_training_variant(model_dirs):
+    """Qwen3.6's checkpoints are Qwen3.5's model types (Qwen/Qwen3.6-35B-A3B: qwen3_5_moe) with a chat template
+    of their own, which TRL has a training variant of: the loss reads the answer and its end of turn only."""
+    from test_families import model_inputs
+    from transformers import AutoProcessor
+    from trl.chat_template_utils import get_training_chat_template, qwen3_6_chat_template
+
+    from vlm_recipes.data.rows import load_split
+
+    processor = AutoProcessor.from_pretrained(model_dirs[MOE])
+    processor.chat_template = qwen3_6_chat_template
+    assert QWEN3_5_MOE.training_chat_template(processor) is None  # TRL's, not the family's
+    row = load_split("demo:train", "train", 1)[0][0]
+    batch = model_inputs(
+        processor,
+        [row],
+        chat_template=get_training_chat_template(processor),
+        return_assistant_tokens_mask=True,
+    )
+    answer = row["messages"][1]["content"][0]["text"]
+    marked = processor.tokenizer.decode(batch["input_ids"][0][batch["assistant_masks"][0].bool()])
+    assert marked.endswith(f"{answer}<|im_end|>\n") and len(marked) < len(answer) + 40, marked
