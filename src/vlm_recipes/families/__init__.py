@@ -18,6 +18,7 @@ from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
 from vlm_recipes.families.internvl import INTERNVL
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.mistral3 import MISTRAL3
+from vlm_recipes.families.molmo2 import Molmo2Family
 from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
@@ -26,7 +27,7 @@ from vlm_recipes.families.smolvlm import SMOLVLM
 
 # Model types trained from the roles the generic finder shows, with what their model needs besides, one
 # module each (a GenericFamily subclass): a training chat template, a fix transformers lacks
-GENERIC_WITH_KNOWLEDGE: dict[str, type[GenericFamily]] = {}
+GENERIC_WITH_KNOWLEDGE: dict[str, type[GenericFamily]] = {"molmo2": Molmo2Family}
 
 FAMILIES: tuple[Family, ...] = (
     QWEN2_VL,

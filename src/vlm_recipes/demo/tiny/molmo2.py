@@ -9,6 +9,10 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
 
+# The published checkpoints' chat template, byte for byte (the family module holds it, with the training variant
+# stages use: its last answer ends with <|im_end|>, each answer marked for the loss)
+from vlm_recipes.families.molmo2 import MOLMO2_CHAT_TEMPLATE
+
 MIRRORS = "allenai/Molmo2-4B"
 
 # Qwen3's chat tokens, numbered right after the BPE vocab as Qwen numbers them (<|endoftext|> pad, <|im_end|> eos;
@@ -29,58 +33,6 @@ MOLMO2_TOKENS = (
     "<frame_start>",
     "<frame_end>",
     "<|video|>",
-)
-
-# The published chat template byte for byte: CHAT_TEMPLATE of olmo/hf_model/convert_molmo2_to_hf.py in
-# github.com/allenai/molmo2, the script that wrote the checkpoints' template (the hub file itself was not readable
-# here). Every image placeholder goes first, before the first turn; an assistant turn opens with a space
-# ("{% else %} {# assistant #}") that the generation prompt lacks, and is closed only by the next user turn's
-# <|im_end|>: a conversation's last answer ends with no end token.
-MOLMO2_CHAT_TEMPLATE = (
-    "{% set DEMO_STYLES = ["
-    "'point_count','pointing','cosyn_point','user_qa','long_caption','short_caption',"
-    "'video_long_caption','video_short_caption','video_point_track_per_frame',"
-    "'video_point_track_start_end','video_point_track_all_frames','video_single_point_track_start_end',"
-    "'video_transcript','video_clip_caption_start_end','video_clip_caption_start_end_in_seconds',"
-    "'video_clip_transcript_start_end','video_clip_transcript_start_end_in_seconds',"
-    "'video_frame_caption_timestamp','video_frame_caption_timestamp_in_seconds',"
-    "'correction_qa','text_sft','video_point','video_point_count','video_count','video_count_point',"
-    "'multi_image_pointing','multi_image_counting','multi_image_point_then_count',"
-    "'multi_image_count_then_point','demo','a_okvqa_mc','ai2_diagram_no_letter','ai2_diagram','science_qa',"
-    "'multi_image_mc','multi_image_mc_exp','mantis_instruct_mc',"
-    "'video_multiple_choice','video_multiple_choice_count_without_pointing',"
-    "'video_multiple_choice_multiple_correct','video_multiple_choice_w_subtitle'] %}"
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% set has_subtitle = messages and messages[0]['role'].lower() == 'subtitle' %}"
-    "{% for message in messages %}{% if message['content'] is not string %}"
-    "{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
-    "{% if image_count.value == 1 %}{{ '<|image|>' }}{% elif image_count.value > 1 %}"
-    "{% for i in range(image_count.value) %}{{ 'Image ' ~ (i + 1) ~ '<|image|>' }}{% endfor %}{% endif %}"
-    "{% for _ in range(video_count.value) %}{{ '<|video|>' }}{% endfor %}"
-    "{% if has_subtitle %}{{ messages[0]['content'] }}{% endif %}"
-    "{% for message in messages %}{% set role = message['role'].lower() %}"
-    "{% if role == 'subtitle' %}{% continue %}{% endif %}"
-    "{% set conv_index = loop.index - (1 if has_subtitle else 0) %}"
-    "{%- if (conv_index % 2 == 1 and role != 'user') or (conv_index % 2 == 0 and role != 'assistant') -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{% if message['content'] is string %}{% set text_content = message['content'] %}{% else %}"
-    "{% set m = namespace(text='') %}{% for content in message['content'] %}{% if content['type'] == 'text' %}"
-    "{% if content['style'] is defined and content['style'] not in DEMO_STYLES %}"
-    "{% set seg = content['style'] ~ ': ' ~ content['text'] %}{% else %}{% set seg = content['text'] %}"
-    "{% endif %}{% set m.text = m.text ~ ('' if not m.text else ' ') ~ seg %}{% endif %}{% endfor %}"
-    "{% set text_content = m.text %}{% endif %}"
-    "{% if role == 'user' %}"
-    "{% if not (has_subtitle and loop.index == 2) and not (not has_subtitle and loop.first) %}"
-    "{{ '<|im_end|>\\n' }}{% endif %}"
-    "{{ '<|im_start|>user\\n' }}{{ text_content }}{{ '<|im_end|>\\n' }}"
-    "{% else %} {# assistant #}{{ '<|im_start|>assistant\\n' }}{{ text_content }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
