@@ -806,7 +806,8 @@ def test_every_family_has_a_tiny_model_and_model_types_do_not_overlap():
     assert {family.name for family in FAMILIES} == set(TINY_MODELS)
     for family in FAMILIES:
         assert DEMO_MODELS[TINY_MODELS[family.name]].family is family
-    assert all(any(demo.family is family for family in FAMILIES) for demo in DEMO_MODELS.values())
+    # None: a model type the generic family trains (tests/test_new_models.py)
+    assert all(demo.family is None or demo.family in FAMILIES for demo in DEMO_MODELS.values())
     model_types = [t for family in FAMILIES for t in family.model_types]
     assert len(model_types) == len(set(model_types)) and "qwen2_5_vl" in model_types
 

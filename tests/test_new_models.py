@@ -65,9 +65,13 @@ def new_model(request, private_demo_cache):
     return model, ensure_demo_model(model.demo_id)
 
 
-def test_six_new_model_types_have_no_family_module():
+def test_six_new_model_types_have_no_family_module_and_each_demo_model_of_one_is_here():
+    from vlm_recipes.demo.models import DEMO_MODELS
+
     known = {model_type for family in FAMILIES for model_type in family.model_types}
     assert len(NEW_MODELS) >= 6 and not known & {model.model_type for model in NEW_MODELS.values()}
+    generic = {demo_id for demo_id, demo in DEMO_MODELS.items() if demo.family is None}
+    assert generic == {model.demo_id for model in NEW_MODELS.values()}
 
 
 def test_tiny_build_is_the_published_classes_and_the_generic_family_finds_its_roles(new_model):
