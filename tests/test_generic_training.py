@@ -65,13 +65,10 @@ def test_answers_told_by_prefix_are_the_ones_generation_markers_mark(tiny_family
         assert processor.tokenizer.decode(marked["input_ids"][row][only_marked[row]]) == tail * answers
 
 
-def test_a_prefix_whose_tokens_differ_from_the_row_is_refused(tiny_family):
+def test_a_prefix_whose_tokens_differ_from_the_row_is_refused():
     """A template that renders the start of a conversation differently once more follows (here: a system
     line only when the conversation is longer than one message) cannot have its answers told this way."""
-    family, model_dir = tiny_family
-    if family.name != "qwen2-vl":
-        pytest.skip("the template's shape, not the family's, is what is tested: once")
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(_qwen2_vl_dir())
     template = "{% if messages|length > 2 %}System line that only long conversations get.\n{% endif %}"
     template += processor.chat_template
     collator = VideoCollator(processor=processor, chat_template=template, answers_by_prefix=True)
@@ -103,3 +100,17 @@ def _qwen2_vl_dir() -> str:
     from vlm_recipes.demo.models import ensure_demo_model
 
     return str(ensure_demo_model("demo:tiny-qwen2-vl", weights="untrained"))
+
+
+def test_a_composite_checkpoint_is_refused_naming_its_image_text_part():
+    """Qwen3-Omni's published checkpoints hold the thinker (image-text-to-text) beside a talker: the refusal
+    says which part to save alone, and how."""
+    from transformers import AutoConfig
+
+    from vlm_recipes.errors import UnsupportedModelError
+    from vlm_recipes.families import family_for_config
+
+    with pytest.raises(UnsupportedModelError) as refusal:
+        family_for_config(AutoConfig.for_model("qwen3_omni_moe"))
+    assert "`thinker_config` is an image-text-to-text model (qwen3_omni_moe_thinker)" in str(refusal.value)
+    assert "Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(<model>)" in str(refusal.value)

@@ -88,7 +88,7 @@ def _generic_family(config, trust_remote_code: bool) -> Family:
     except RolesNotFound as refusal:
         raise UnsupportedModelError(
             f"model type `{config.model_type}` has no family module (those with one: {known}), and the generic "
-            f"family cannot train it: {refusal}"
+            f"family cannot train it: {refusal}{_image_text_part(config)}"
         ) from None
     if found.refusal:
         raise UnsupportedModelError(
@@ -96,3 +96,20 @@ def _generic_family(config, trust_remote_code: bool) -> Family:
             f"{found.refusal}"
         )
     return GENERIC_WITH_KNOWLEDGE.get(config.model_type, GenericFamily).of(found)
+
+
+def _image_text_part(config) -> str:
+    """Where a composite checkpoint (Qwen3-Omni: thinker, talker, speech decoder) holds an image-text-to-text
+    model as one of its parts, how to train that part."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    for name in getattr(config, "sub_configs", {}):
+        part = getattr(config, name, None)
+        if getattr(part, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            model_class = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[part.model_type]
+            return (
+                f". Its `{name}` is an image-text-to-text model ({part.model_type}): save it alone, "
+                f"`{model_class}.from_pretrained(<model>).save_pretrained(<dir>)` with the processor beside it, "
+                "and train model=<dir>"
+            )
+    return ""
