@@ -135,6 +135,24 @@ def test_the_loss_reads_each_answer_and_its_end_of_turn_only(new_model):
         assert read == model.answer_labels.format(answer=answer), (read, answer)
 
 
+def test_token_counts_from_image_sizes_are_the_processors_own(new_model):
+    """The length check's counts (the processor on blank images of each row's sizes) equal the tokens the
+    processor makes of the row's real images, as the collator does; every demo eval row, two-image ones too."""
+    from conftest import model_inputs
+
+    from vlm_recipes.data.lengths import sample_lengths
+    from vlm_recipes.data.rows import load_split
+
+    _, model_dir = new_model
+    family = family_for_config(AutoConfig.from_pretrained(model_dir))
+    processor = load_processor(str(model_dir), DataSettings(), family)
+    ds, _ = load_split("demo:eval", "test", 8)
+    ds = ds.filter(lambda row: not row.get("videos"))
+    counted = sample_lengths(ds, processor, family)
+    made = [model_inputs(processor, [row], add_special_tokens=False)["input_ids"].shape[1] for row in ds]
+    assert counted == made and any(len(images) > 1 for images in ds["images"])
+
+
 SEED_RUNS = [
     ("r1-llm-only", "bf16"),
     ("r1-llm-only", "fp32"),
