@@ -16,6 +16,7 @@ from vlm_recipes.families.generic import RolesNotFound, roles_of_config
 from vlm_recipes.families.generic_family import GenericFamily
 from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
 from vlm_recipes.families.internvl import INTERNVL
+from vlm_recipes.families.llama4 import Llama4Family
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.mistral3 import MISTRAL3
 from vlm_recipes.families.molmo2 import Molmo2Family
@@ -27,7 +28,7 @@ from vlm_recipes.families.smolvlm import SMOLVLM
 
 # Model types trained from the roles the generic finder shows, with what their model needs besides, one
 # module each (a GenericFamily subclass): a training chat template, a fix transformers lacks
-GENERIC_WITH_KNOWLEDGE: dict[str, type[GenericFamily]] = {"molmo2": Molmo2Family}
+GENERIC_WITH_KNOWLEDGE: dict[str, type[GenericFamily]] = {"llama4": Llama4Family, "molmo2": Molmo2Family}
 
 FAMILIES: tuple[Family, ...] = (
     QWEN2_VL,
