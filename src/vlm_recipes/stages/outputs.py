@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from trl import SFTTrainer
 
 from vlm_recipes.files import write_json
+from vlm_recipes.model.boundaries import install_dtype_boundaries
 from vlm_recipes.model.build import BuiltModel, leave_out_towers
 from vlm_recipes.model.guards import keep_fp32_patterns, matches_any
 from vlm_recipes.runs.layout import ADAPTER_DIR, FINAL_DIR, PROVENANCE_FILE, read_provenance
@@ -132,4 +133,6 @@ def load_final_for_eval(final_dir: Path, built: BuiltModel, ctx: StageContext) -
         leave_out_towers(config, built.family)
         kwargs["config"] = config
     model = AutoModelForImageTextToText.from_pretrained(final_dir, **kwargs)
+    built.family.repair(model)  # what the family's model class gets wrong (Llama 4's forward)
+    install_dtype_boundaries(model, built.family)  # Llama 4's processor hands bf16 pixels to any tower
     return model.to(device).eval()
