@@ -324,7 +324,7 @@ CASES = {
     ),
     # models
     "model dir missing": (lambda t: ["model=" + str(t / "nowhere")], "is not a model directory"),
-    "unsupported family": (other_family, "model type `gpt2` is not supported. Supported families: qwen2-vl"),
+    "unsupported family": (other_family, "model type `gpt2` has no family module (those with one: qwen2_vl"),
     "processor missing": (no_processor, "no usable processor in"),
 }
 

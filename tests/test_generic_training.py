@@ -5,6 +5,8 @@ refused with what is missing. The new models' runs are in tests/test_new_models.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoProcessor, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -93,7 +95,7 @@ def test_a_model_type_whose_roles_cannot_be_found_exits_2_naming_what_is_missing
     assert main([*args, f"model={text_only}", "--max-steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "model type `qwen2` has no family module" in err and "Traceback" not in err
-    assert "cannot be built from the config" in err or "no vision part" in err, err
+    assert "not an image-text-to-text model: transformers' AutoModelForImageTextToText maps no" in err, err
 
 
 def _qwen2_vl_dir() -> str:
@@ -114,3 +116,22 @@ def test_a_composite_checkpoint_is_refused_naming_its_image_text_part():
         family_for_config(AutoConfig.for_model("qwen3_omni_moe"))
     assert "`thinker_config` is an image-text-to-text model (qwen3_omni_moe_thinker)" in str(refusal.value)
     assert "Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(<model>)" in str(refusal.value)
+
+
+def test_speedups_the_generic_family_cannot_prove_are_off_each_with_its_reason(tmp_path, private_demo_cache):
+    """A stage asking for packing, the loss-positions cut and both caches on a model no family module
+    describes trains without them; report.json says each is off, and why."""
+    from vlm_recipes.files import read_json
+
+    asked = ["padding_free", "loss_positions_only", "vision_feature_cache", "preprocessed_cache"]
+    args = ["--recipe", "r1-llm-only", "--output-dir", str(tmp_path), "--run-name", "t", "--max-steps", "1"]
+    args += ["model=demo:tiny-lfm2-vl", "data.max_train_samples=4", "data.eval=null"]
+    assert main([*args, *(f"training.{setting}=true" for setting in asked)]) == 0
+    stage = read_json(tmp_path / "r1-llm-only" / "t" / "run.json")["stages"][0]
+    decisions = {d["guard"]: d for d in read_json(Path(stage["dir"]) / "report.json")["decisions"]}
+    for setting in asked:
+        decision = decisions[setting.replace("_", "-")]
+        assert decision["choice"] == "off" and decision["reason"].startswith("generic (lfm2_vl): "), decision
+    assert "per-sample-attention" not in decisions and "loss_positions_only" not in read_json(
+        Path(stage["dir"]) / "metrics.json"
+    )

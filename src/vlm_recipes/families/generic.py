@@ -174,6 +174,12 @@ def _encoder_decoder(model_type: str) -> RolesNotFound:
     )
 
 
+def is_image_text_to_text(model_type: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def build_on_meta(config, trust_remote_code: bool = False) -> nn.Module:
     """The image-text-to-text model of `config`, its parameters on the meta device (no memory, no weights)."""
     from transformers import AutoModelForImageTextToText
@@ -186,6 +192,12 @@ def roles_of_config(config, trust_remote_code: bool = False) -> FoundRoles:
     """Build `config`'s model on meta and find its roles (RolesNotFound: why not)."""
     if is_encoder_decoder(config):
         raise _encoder_decoder(config.model_type)
+    if not trust_remote_code and not is_image_text_to_text(config.model_type):
+        raise RolesNotFound(
+            "not an image-text-to-text model",
+            f"transformers' AutoModelForImageTextToText maps no model class to `{config.model_type}`",
+            "a text-only model, or one whose vision part transformers loads another way",
+        )
     try:
         model = build_on_meta(config, trust_remote_code)
     except Exception as error:  # whatever the model's own code raises on a config it cannot take
