@@ -135,3 +135,11 @@ def test_speedups_the_generic_family_cannot_prove_are_off_each_with_its_reason(t
     assert "per-sample-attention" not in decisions and "loss_positions_only" not in read_json(
         Path(stage["dir"]) / "metrics.json"
     )
+
+
+def test_the_benchmark_refuses_a_generic_model_for_want_of_its_flop_formula(capsys, private_demo_cache):
+    from vlm_recipes.benchmarking.sft_vs_trl import main as bench
+
+    assert bench(["--model", "demo:tiny-lfm2-vl", "--rows", "2", "--stages", "llm-lora"]) == 2
+    err = capsys.readouterr().err
+    assert "generic (lfm2_vl): FLOP counts need the tower's patch geometry" in err and "Traceback" not in err

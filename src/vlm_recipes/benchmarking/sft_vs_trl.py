@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.errors import EXIT_BAD_INPUT, UnsupportedModelError
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe
     from vlm_recipes.roles import ROLES
@@ -325,7 +326,11 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     counts = token_counts(model, data, args.rows)
     trains = {stage: load_recipe(str(BENCH_RECIPES / RECIPES[stage])).stages[0].train for stage in stages}
     modes = {stage: {role: getattr(train, role) for role in ROLES} for stage, train in trains.items()}
-    model_info, flops, last_layer_flops, shares = model_about(model, modes, counts)
+    try:
+        model_info, flops, last_layer_flops, shares = model_about(model, modes, counts)
+    except UnsupportedModelError as error:  # the generic family: no FLOP formula for its architecture
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     peak, peak_source = device_peak(environment.device, precision, args.threads, args.peak_tflops)
     setup = {
         "model": model,
