@@ -165,3 +165,24 @@ def test_a_read_makes_an_entry_recently_used(qwen_collator, rows, tmp_path, tmp_
     assert (cached.hits, cached.misses) == (1, 1)
     assert [p.exists() for p in written] == [True, False, True], "the least recently used one went"
     assert cached.stats()["evicted"] == 1
+
+
+def test_a_stage_remembers_its_token_counts_and_the_next_stage_on_the_same_rows_reads_them(
+    private_demo_cache, tmp_path, monkeypatch
+):
+    """The length check is data/'s, the remembering caches/' (handed down by the stage: data/ imports
+    nothing from caches/): one run leaves its rows' counts on disk, and a second run over the same rows
+    and processor counts nothing."""
+    from vlm_recipes.cli.train import main
+    from vlm_recipes.data import lengths
+
+    counted = []
+    count = lengths._count_tokens
+    monkeypatch.setattr(lengths, "_count_tokens", lambda *a: counted.append(1) or count(*a))
+    args = ["--recipe", "r1-llm-only", "--output-dir", str(tmp_path), "--max-steps", "1", "data.eval=null"]
+    args += ["data.max_train_samples=6", "data.train=demo:eval"]  # rows no other test counts first
+    assert main([*args, "--run-name", "one"]) == 0
+    assert counted and list((private_demo_cache / "token-counts").glob("*.json"))
+    counted.clear()
+    assert main([*args, "--run-name", "two"]) == 0
+    assert counted == [], "the second run read the counts the first one remembered"

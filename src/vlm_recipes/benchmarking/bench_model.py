@@ -85,6 +85,7 @@ def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
     """Text and image tokens of every sample trained on, padding excluded (both ways see the same)."""
     from transformers import AutoProcessor
 
+    from vlm_recipes.caches.token_counts import remembered_token_counts
     from vlm_recipes.data.lengths import sample_token_counts
     from vlm_recipes.data.rows import load_split, undecoded
     from vlm_recipes.model.build import detect_family
@@ -93,7 +94,7 @@ def token_counts(model: Path, data: Path, rows: int) -> list[tuple[int, int]]:
     processor = AutoProcessor.from_pretrained(model)
     family.apply_pixel_bounds(processor.image_processor, *BENCH_PIXELS)
     ds, _ = load_split(str(data), "train", rows)
-    return sample_token_counts(undecoded(ds), processor, family)
+    return sample_token_counts(undecoded(ds), processor, family, remember=remembered_token_counts)
 
 
 def device_peak(device: str, precision: str, threads: int, given: float | None) -> tuple[float | None, str]:

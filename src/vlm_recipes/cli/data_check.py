@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
 
 def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: list[str]):
     """(problems counted per reason, token length of each usable row) for `path` read by the stage."""
+    from vlm_recipes.caches.token_counts import remembered_token_counts
     from vlm_recipes.data.lengths import refuse_too_long
     from vlm_recipes.data.rows import load_split
     from vlm_recipes.demo.models import resolve_model_source
@@ -81,7 +82,7 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     )
     # every usable row's length (images the processor refuses reported), then the rows over the limit
     rows, lengths, refused = method.check_lengths(
-        rows, processor, family, None, path, "report", video.sampling
+        rows, processor, family, None, path, "report", video.sampling, remembered_token_counts
     )
     limit = method.max_length(stage)
     _, _, too_long = refuse_too_long(

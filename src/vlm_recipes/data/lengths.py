@@ -2,36 +2,48 @@
 check.
 
 Image tokens are counted from each image's size (its file header), video tokens from each video's frame
-plan (its container header: data/video.py), by the family's own rule, never by processing pixels; the
-counts are remembered on disk (`caches.remembered_token_counts`).
+plan (its container header: data/video.py), by the family's own rule, never by processing pixels. A stage
+has the counts remembered on disk: it passes `remember` (caches/token_counts.py: remembered_token_counts),
+so that data/ depends on nothing in caches/ (which builds its keys from data/).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import datasets
 from PIL import Image
 
-from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.data.images import upright_size
 from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError
 from vlm_recipes.families.base import Family
 
+# (rows, processor, count, settings) -> count(), or what an earlier count of the same rows gave
+Remember = Callable[..., list[tuple[int, int]]]
+
 
 def sample_token_counts(
-    ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None = None
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    video: VideoSampling | None = None,
+    remember: Remember | None = None,
 ) -> list[tuple[int, int]]:
     """(text tokens, image and video tokens) per sample, computed from image sizes and video headers
     without processing pixels. Pass images undecoded (`Image(decode=False)`) and only headers are read.
 
-    Remembered on disk (the next stage on the same data, the next run, another seed): keyed by the rows'
-    messages, their images' and videos' files (path, size, modification time) or bytes, the processor
-    (image settings, chat template, tokenizer) and the video sampling, so any change counts afresh."""
+    With `remember` (a stage's: caches.remembered_token_counts), remembered on disk for the next stage on
+    the same data, the next run, another seed: keyed by the rows' messages, their images' and videos' files
+    (path, size, modification time) or bytes, the processor (image settings, chat template, tokenizer) and
+    the video sampling, so any change counts afresh."""
     columns = [c for c in ("messages", "images", "videos") if c in ds.column_names]
     if video is None or "videos" not in columns or not any(ds["videos"]):
         video = None  # no video to count (a family without video never gets here with one: rows.py)
-    return remembered_token_counts(
+    if remember is None:
+        return _count_tokens(ds, processor, family, video)
+    return remember(
         ds.select_columns(columns),
         processor,
         lambda: _count_tokens(ds, processor, family, video),
@@ -111,10 +123,15 @@ def lengths_of_usable_rows(
 
 
 def sample_lengths(
-    ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None = None
+    ds: datasets.Dataset,
+    processor,
+    family: Family,
+    video: VideoSampling | None = None,
+    remember: Remember | None = None,
 ) -> list[int]:
-    """Tokens per sample, image and video tokens included."""
-    return [text + vision for text, vision in sample_token_counts(ds, processor, family, video)]
+    """Tokens per sample, image and video tokens included (`remember`: as sample_token_counts)."""
+    counts = sample_token_counts(ds, processor, family, video, remember)
+    return [text + vision for text, vision in counts]
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -134,6 +151,7 @@ def check_lengths(
     source: str,
     on_bad_sample: str = "fail",
     video: VideoSampling | None = None,
+    remember: Remember | None = None,
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse samples longer than max_length: cutting through image tokens breaks the model
     ("image features and image tokens do not match"), and cutting the answer trains on nothing.
@@ -141,7 +159,7 @@ def check_lengths(
     Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
     return lengths_within(
         ds,
-        lambda rows: sample_lengths(undecoded(rows), processor, family, video),
+        lambda rows: sample_lengths(undecoded(rows), processor, family, video, remember),
         max_length,
         source,
         on_bad_sample,

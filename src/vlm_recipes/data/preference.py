@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import lengths_within, sample_lengths
+from vlm_recipes.data.lengths import Remember, lengths_within, sample_lengths
 from vlm_recipes.data.rows import (
     RowFormat,
     count_image_parts,
@@ -127,6 +127,7 @@ def check_unpaired_lengths(
     source: str,
     on_bad_sample: str = "fail",
     video=None,  # KTO rows hold no video (refused at the row check)
+    remember: Remember | None = None,
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """The rows unpaired (`unpaired`), then each prompt + completion longer than max_length (image tokens
     counted) refused: KTOTrainer would cut the answer.
@@ -138,7 +139,10 @@ def check_unpaired_lengths(
         images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
         messages = [p + c for p, c in zip(plain["prompt"], plain["completion"], strict=True)]
         return sample_lengths(
-            datasets.Dataset.from_dict({"messages": messages, "images": images}), processor, family
+            datasets.Dataset.from_dict({"messages": messages, "images": images}),
+            processor,
+            family,
+            remember=remember,
         )
 
     return lengths_within(
@@ -160,6 +164,7 @@ def check_preference_lengths(
     source: str,
     on_bad_sample: str = "fail",
     video=None,  # preference rows hold no video (refused at the row check)
+    remember: Remember | None = None,
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse pairs whose prompt + chosen or prompt + rejected is longer than max_length (image tokens
     counted): DPOTrainer would cut the answer, comparing truncated log-probabilities.
@@ -173,7 +178,7 @@ def check_preference_lengths(
         for answer in ("chosen", "rejected"):
             messages = [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)]
             both = datasets.Dataset.from_dict({"messages": messages, "images": images})
-            sides.append(sample_lengths(both, processor, family))
+            sides.append(sample_lengths(both, processor, family, remember=remember))
         return [max(c, r) for c, r in zip(*sides, strict=True)]
 
     return lengths_within(

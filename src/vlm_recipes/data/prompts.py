@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import lengths_within, sample_lengths
+from vlm_recipes.data.lengths import Remember, lengths_within, sample_lengths
 from vlm_recipes.data.preference import messages_problem
 from vlm_recipes.data.rows import ALL_COLUMNS, RowFormat, count_image_parts, image_problem, undecoded
 from vlm_recipes.families.base import Family
@@ -61,6 +61,7 @@ def check_prompt_lengths(
     source: str,
     on_bad_sample: str = "fail",
     video=None,  # prompt rows with video: not yet (the row check refuses none, the family's processor decides)
+    remember: Remember | None = None,
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """Refuse prompts longer than `max_length` (<method>.max_prompt_length), image tokens counted.
 
@@ -71,7 +72,7 @@ def check_prompt_lengths(
         images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
         as_messages = datasets.Dataset.from_dict({"messages": plain["prompt"], "images": images})
         opened = generation_prompt_tokens(processor, plain[0]["prompt"])
-        return [n + opened for n in sample_lengths(as_messages, processor, family)]
+        return [n + opened for n in sample_lengths(as_messages, processor, family, remember=remember)]
 
     return lengths_within(
         ds,

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.data.rows import (
     StageData,
     VideoRules,
@@ -137,7 +138,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
         splits["eval"] = (data.eval, data.eval_source or "")
     for split, (rows, source) in splits.items():
         rows, lengths, skipped = method.check_lengths(
-            rows, processor, family, max_length, source, policy, video.sampling
+            rows, processor, family, max_length, source, policy, video.sampling, remembered_token_counts
         )
         if skipped:
             data.skipped.setdefault(split, {}).update(skipped)
