@@ -88,6 +88,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
 
     from PIL import Image
 
+    from vlm_recipes.caches.token_counts import remembered_token_counts as remembered
     from vlm_recipes.data import lengths, rows
     from vlm_recipes.demo.dataset import ensure_demo_dataset
 
@@ -102,7 +103,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
 
     def counts():
         ds, _ = load_split(str(copy / "train-images.jsonl"), "train", 6)
-        return lengths.sample_token_counts(rows.undecoded(ds), processor, QWEN2_VL)
+        return lengths.sample_token_counts(rows.undecoded(ds), processor, QWEN2_VL, remember=remembered)
 
     first = counts()
     assert counts() == first and counted == [6], "the second look reads what the first one counted"
