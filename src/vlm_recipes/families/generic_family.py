@@ -29,6 +29,7 @@ from torch import nn
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry
 from vlm_recipes.families.generic import AUDIO_TOWER_NAMES, FoundRoles, inside
+from vlm_recipes.families.qwen2_vl import set_pixel_budget
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,7 @@ class GenericFamily(Family):
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
         size = getattr(image_processor, "size", None) or {}
         if hasattr(image_processor, "merge_size") and {"shortest_edge", "longest_edge"} <= set(size):
-            from transformers.image_utils import SizeDict
-
-            bounds = {"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]}
-            bounds |= {"shortest_edge": min_pixels} if min_pixels is not None else {}
-            bounds |= {"longest_edge": max_pixels} if max_pixels is not None else {}
-            image_processor.size = SizeDict(**bounds)
+            set_pixel_budget(image_processor, min_pixels, max_pixels)
             return
         log.warning(
             "data.min_pixels / data.max_pixels not applied: %s's %s sizes images its own way (size=%s); "

@@ -46,18 +46,7 @@ class Qwen2VLFamily(Family):
         return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
-        from transformers.image_utils import SizeDict
-
-        # `size` is what the processor reads at call time (passing min/max_pixels per call is deprecated).
-        bounds = {
-            "shortest_edge": image_processor.size["shortest_edge"],
-            "longest_edge": image_processor.size["longest_edge"],
-        }
-        if min_pixels is not None:
-            bounds["shortest_edge"] = min_pixels
-        if max_pixels is not None:
-            bounds["longest_edge"] = max_pixels
-        image_processor.size = SizeDict(**bounds)
+        set_pixel_budget(image_processor, min_pixels, max_pixels)
 
     def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
         # qwen-vl-utils' smart_resize is the resize rule Qwen's image processors apply
@@ -132,3 +121,20 @@ QWEN2_VL = Qwen2VLFamily(
     role_prefixes=QWEN_VL_ROLES,
     lm_head_prefixes=("lm_head",),
 )
+
+
+def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """The Qwen line's image processors size each image within a pixel budget, `size`'s shortest_edge and
+    longest_edge in pixels (the generic family applies it to any processor that reads it so)."""
+    from transformers.image_utils import SizeDict
+
+    # `size` is what the processor reads at call time (passing min/max_pixels per call is deprecated).
+    bounds = {
+        "shortest_edge": image_processor.size["shortest_edge"],
+        "longest_edge": image_processor.size["longest_edge"],
+    }
+    if min_pixels is not None:
+        bounds["shortest_edge"] = min_pixels
+    if max_pixels is not None:
+        bounds["longest_edge"] = max_pixels
+    image_processor.size = SizeDict(**bounds)
