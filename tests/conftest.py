@@ -231,6 +231,22 @@ def run_train(
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def demo_split(source: str, split: str, n: int | None = None):
+    """A demo data id's rows (`demo:train`, ...) without its video rows, loaded and checked as a stage loads
+    them: the id resolved to its file first, as the runner does when it plans a stage."""
+    from vlm_recipes.data.rows import load_split
+    from vlm_recipes.demo.dataset import resolve_data_source
+
+    return load_split(source, split, n, path=resolve_data_source(source, with_videos=False))
+
+
+def demo_paths(settings) -> dict[str, str]:
+    """Where a stage's demo data ids are (video rows left out), as the runner hands them to the stage."""
+    from vlm_recipes.demo.dataset import resolve_data_source
+
+    return {s: resolve_data_source(s, with_videos=False) for s in (settings.train, settings.eval) if s}
+
+
 def single_image_demo_rows(n: int | None = None):
     """The demo train split's one-image rows (tasks shapes and nutrition), loaded as load_split loads them
     (images decodable). Tests of image mechanics use these; two-image and video rows have their own."""

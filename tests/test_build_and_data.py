@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import model_inputs
+from conftest import demo_paths, demo_split, model_inputs
 
 from vlm_recipes.data.lengths import check_lengths, sample_lengths
 from vlm_recipes.data.rows import load_split
@@ -75,7 +75,7 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(demo_model_dir):
     processor = load_processor(
         str(demo_model_dir), DataSettings(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 9), QWEN2_VL
     )
-    ds, _ = load_split("demo:eval", "test", 6)
+    ds, _ = demo_split("demo:eval", "test", 6)
     predicted = sample_lengths(ds, processor, QWEN2_VL)
     for row, expected in zip(ds, predicted, strict=True):
         out = model_inputs(processor, [row])
@@ -118,7 +118,7 @@ def test_token_counts_are_remembered_until_data_or_processor_change(demo_model_d
 
 def test_a_sample_longer_than_max_length_is_refused(demo_model_dir):
     processor = load_processor(str(demo_model_dir), DataSettings(), QWEN2_VL)
-    ds, _ = load_split("demo:train", "train", 8)
+    ds, _ = demo_split("demo:train", "train", 8)
     with pytest.raises(DataError, match=r"demo:train row train-\d+: longer than max_length: \d+ tokens > 10"):
         check_lengths(ds, processor, QWEN2_VL, 10, "demo:train")
 
@@ -178,7 +178,7 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
     stage = load_recipe(
         "r2-vision-only", ["training.group_by_length=true", "training.per_device_batch_size=8"]
     ).stages[0]
-    data = load_stage_data(stage.data)
+    data = load_stage_data(stage.data, paths=demo_paths(stage.data))
     processor = load_processor(str(demo_model_dir), stage.data, QWEN2_VL)
     data.train, lengths, _ = check_lengths(
         data.train, processor, QWEN2_VL, stage.data.max_length, "demo:train"
@@ -213,7 +213,7 @@ def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_pa
             "data.max_train_samples=8",
         ],
     ).stages[0]
-    data = load_stage_data(stage.data)
+    data = load_stage_data(stage.data, paths=demo_paths(stage.data))
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
     args = build_sft_config(
         ConfigInputs(stage, tmp_path, "fp32", Environment("cpu", 0, False), has_eval=False)

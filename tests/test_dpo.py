@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS, distance_and_share_beyond, run_train, write_recipe
+from conftest import TINY_MODELS, demo_paths, distance_and_share_beyond, run_train, write_recipe
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 from safetensors.torch import load_file
@@ -148,7 +148,7 @@ def _dpo_trainer(tmp_path: Path, model_dir: Path, stage: Stage):
     family, _ = detect_family(str(model_dir))
     processor = load_processor(str(model_dir), stage.data, family)
     built = build_stage_model(str(model_dir), stage, "fp32", "cpu", processor=processor)
-    data = load_stage_data(stage.data, PREFERENCE)
+    data = load_stage_data(stage.data, PREFERENCE, paths=demo_paths(stage.data))
     args = build_dpo_config(ConfigInputs(stage, tmp_path / "checkpoints", "fp32", CPU, has_eval=True))
     return build_dpo_trainer(built, stage, args, data), built
 

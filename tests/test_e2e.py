@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TRAIN, model_inputs, write_recipe
+from conftest import TRAIN, demo_split, model_inputs, write_recipe
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
@@ -144,12 +144,10 @@ def test_r3_stage2_loads_stage1_weights(seed_runs):
 def test_final_model_loads_alone_and_generates(seed_runs):
     from transformers import AutoProcessor
 
-    from vlm_recipes.data.rows import load_split
-
     final = seed_runs["r3-two-stage"] / "stage-2-llm-lora" / "final"
     model = AutoModelForImageTextToText.from_pretrained(final)
     processor = AutoProcessor.from_pretrained(final)
-    row = load_split("demo:eval", "test", 1)[0][0]
+    row = demo_split("demo:eval", "test", 1)[0][0]
     prompt = {"messages": [m for m in row["messages"] if m["role"] != "assistant"], "images": row["images"]}
     inputs = model_inputs(processor, [prompt], add_generation_prompt=True)
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)

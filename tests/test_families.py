@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS, distance_and_share_beyond, model_inputs
+from conftest import TINY_MODELS, demo_split, distance_and_share_beyond, model_inputs
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
@@ -22,7 +22,6 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vlm_recipes.benchmarking.flops import flops_per_sample
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
-from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import LoraTargetError
 from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
@@ -907,7 +906,7 @@ def test_assistant_mask_covers_exactly_the_answer(tiny_family):
 
     family, model_dir = tiny_family
     processor = AutoProcessor.from_pretrained(model_dir)
-    row = load_split("demo:train", "train", 1)[0][0]
+    row = demo_split("demo:train", "train", 1)[0][0]
     batch = model_inputs(
         processor,
         [row],
@@ -935,7 +934,7 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(tiny_family):
     processor = load_processor(
         str(model_dir), DataSettings(min_pixels=side * side * 4, max_pixels=side * side * 9), family
     )
-    ds, _ = load_split("demo:eval", "test", 4)
+    ds, _ = demo_split("demo:eval", "test", 4)
     for row, expected in zip(ds, sample_lengths(ds, processor, family), strict=True):
         out = model_inputs(processor, [row])
         assert out["input_ids"].shape[1] == expected

@@ -18,6 +18,7 @@ from conftest import (
     TINY_MODELS,
     assert_image_tokens_attend_both_ways,
     assert_padding_free_refused_before_loading,
+    demo_split,
 )
 from PIL import Image
 from test_families import TINY_RUN
@@ -27,7 +28,6 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
-from vlm_recipes.data.rows import load_split
 from vlm_recipes.families.gemma3 import GEMMA3
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
@@ -103,7 +103,7 @@ def test_image_tokens_are_marked_for_bidirectional_attention_in_training_batches
     collator = DataCollatorForVisionLanguageModeling(
         processor, assistant_only_loss=True, chat_template=get_training_chat_template(processor)
     )
-    rows = [dict(r) for r in load_split("demo:train", "train", 2)[0]][::-1]  # one image, then two (pair)
+    rows = [dict(r) for r in demo_split("demo:train", "train", 2)[0]][::-1]  # one image, then two (pair)
     batch = collator(rows)
     is_image = batch["input_ids"] == processor.tokenizer.image_token_id
     assert torch.equal(batch["token_type_ids"].bool(), is_image) and is_image.sum(1).tolist() == [4, 8]

@@ -19,6 +19,7 @@ from conftest import (
     TINY_MODELS,
     assert_image_tokens_attend_both_ways,
     assert_padding_free_refused_before_loading,
+    demo_split,
     model_torch_can_count,
 )
 from PIL import Image
@@ -31,7 +32,6 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 from vlm_recipes.benchmarking.flops import matmul_params_by_role
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
-from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.gemma4 import AUDIO, GEMMA4
 from vlm_recipes.model.build import build_stage_model, load_processor
@@ -156,7 +156,7 @@ def test_training_template_renders_the_published_text_with_the_models_output_in_
     processor.chat_template = getattr(templates, f"{revision}_chat_template")
     training = GEMMA4.training_chat_template(processor)
     assert has_generation_markers(training)
-    demo = [row["messages"] for row in load_split("demo:train", "train", 4)[0]]
+    demo = [row["messages"] for row in demo_split("demo:train", "train", 4)[0]]
     for conversation in [*demo, THINKING_AND_TOOLS]:
         for prompt in (False, True):
             published = processor.apply_chat_template(
@@ -244,7 +244,7 @@ def test_a_stage_loads_the_model_without_its_audio_tower_and_final_takes_it_back
     assert all(torch.equal(p, source[n]) for n, p in loaded.items())
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    rows = [dict(r) for r in load_split("demo:train", "train", 2)[0]]
+    rows = [dict(r) for r in demo_split("demo:train", "train", 2)[0]]
     inputs = {k: v for k, v in training_collator(processor)(rows).items() if k != "labels"}
     with torch.no_grad():
         assert torch.equal(built.model.eval()(**inputs).logits, whole(**inputs).logits)
@@ -266,7 +266,7 @@ def test_image_tokens_attend_to_each_other_both_ways(model_dir):
     tiny model's text config) lets an image's tokens attend to each other both ways in the sliding
     layers: the first image token's output changes, the text before the image does not."""
     processor = AutoProcessor.from_pretrained(model_dir)
-    rows = [dict(r) for r in load_split("demo:train", "train", 2)[0]][::-1]  # one image, then two (pair)
+    rows = [dict(r) for r in demo_split("demo:train", "train", 2)[0]][::-1]  # one image, then two (pair)
     batch = training_collator(processor)(rows)
     is_image = batch["input_ids"] == processor.tokenizer.image_token_id
     assert torch.equal(batch["mm_token_type_ids"].bool(), is_image)
@@ -293,7 +293,7 @@ def test_the_cut_last_layer_scales_its_output_by_layer_scalar(model_dir):
     outputs = []
     last.register_forward_hook(lambda _, args, out: outputs.append(out))
     processor = AutoProcessor.from_pretrained(model_dir)
-    batch = training_collator(processor)([dict(r) for r in load_split("demo:train", "train", 4)[0]])
+    batch = training_collator(processor)([dict(r) for r in demo_split("demo:train", "train", 4)[0]])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         model.model(**inputs)

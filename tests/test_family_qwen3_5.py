@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS
+from conftest import TINY_MODELS, demo_split
 from safetensors.torch import load_file
 from test_families import TINY_RUN
 from transformers import AutoConfig, AutoModelForImageTextToText
@@ -168,12 +168,10 @@ def test_qwen3_6s_chat_template_trains_with_trls_training_variant(model_dirs):
     from transformers import AutoProcessor
     from trl.chat_template_utils import get_training_chat_template, qwen3_6_chat_template
 
-    from vlm_recipes.data.rows import load_split
-
     processor = AutoProcessor.from_pretrained(model_dirs[MOE])
     processor.chat_template = qwen3_6_chat_template
     assert QWEN3_5_MOE.training_chat_template(processor) is None  # TRL's, not the family's
-    row = load_split("demo:train", "train", 1)[0][0]
+    row = demo_split("demo:train", "train", 1)[0][0]
     batch = model_inputs(
         processor,
         [row],

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import demo_split
 from transformers import AutoProcessor, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator
-from vlm_recipes.data.rows import load_split
 
 
 def demo_rows(count: int) -> list[dict]:
     """Image rows of the demo (a two-image one among them), and one two-turn conversation made from them."""
-    ds, _ = load_split("demo:train", "train", count + 4)
+    ds, _ = demo_split("demo:train", "train", count + 4)
     rows = [{"messages": r["messages"], "images": r["images"]} for r in ds if not r.get("videos")][:count]
     first, second = rows[0], rows[1]
     follow_up = [m for m in second["messages"] if m["role"] != "system"]

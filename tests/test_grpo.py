@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import TINY_MODELS, run_train, write_recipe
+from conftest import TINY_MODELS, demo_paths, run_train, write_recipe
 from PIL import Image, ImageDraw
 from transformers import AutoModelForImageTextToText
 
@@ -579,7 +579,9 @@ def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str
     args = build_grpo_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
-    trainer = build_grpo_trainer(built, stage, args, load_stage_data(stage.data, PROMPTS))
+    trainer = build_grpo_trainer(
+        built, stage, args, load_stage_data(stage.data, PROMPTS, paths=demo_paths(stage.data))
+    )
     generator = torch.Generator().manual_seed(0)
     prompt_ids, completion_ids = (
         torch.randint(10, 200, (2, 5), generator=generator),

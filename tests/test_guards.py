@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, model_inputs
+from conftest import REPO, demo_paths, model_inputs
 from torch import nn
 from transformers import (
     AutoModelForImageTextToText,
@@ -136,7 +136,7 @@ def _args_seeing_two_gpus(stage, tmp_path):
 def test_faked_two_gpus_never_dataparallel(source, demo_model_dir, checkpoint_dir, vision_stage, tmp_path):
     path = demo_model_dir if source == "base" else checkpoint_dir
     built = build_stage_model(str(path), vision_stage, "fp32", "cpu")
-    data = load_stage_data(vision_stage.data)
+    data = load_stage_data(vision_stage.data, paths=demo_paths(vision_stage.data))
 
     trainer = build_trainer(built, vision_stage, _args_seeing_two_gpus(vision_stage, tmp_path / "a"), data)
     assert trainer.args.n_gpu == 1
@@ -187,7 +187,7 @@ def test_stage2_forward_without_autocast_fails_with_fp32_frozen_modules_and_pass
     inside autocast that is hidden, in a DataParallel thread it crashes. Guard 3 casts them back."""
     stage = load_recipe("r3-two-stage").stages[1]
     built = build_stage_model(str(checkpoint_dir), stage, "bf16", "cpu")
-    rows = list(load_stage_data(stage.data).train.select(range(2)))
+    rows = list(load_stage_data(stage.data, paths=demo_paths(stage.data)).train.select(range(2)))
     for name, param in built.model.named_parameters():
         if "norm" in name and not param.requires_grad:
             param.data = param.data.float()
@@ -296,7 +296,7 @@ def test_inspect_checkpoint_shows_per_role_dtypes_of_a_4bit_load(checkpoint_dir)
 
 def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir, tmp_path):
     stage = load_recipe("r1-llm-only", ["data.max_train_samples=8", "data.max_eval_samples=4"]).stages[0]
-    data = load_stage_data(stage.data)
+    data = load_stage_data(stage.data, paths=demo_paths(stage.data))
 
     def lora_dtypes(model):
         return {p.dtype for n, p in model.named_parameters() if "lora_" in n}
@@ -349,7 +349,7 @@ def test_cpu_4bit_training_survives_an_eval_pass(demo_model_dir):
     """bitsandbytes repacks 4-bit weights for CPU inference in place (AVX512-BF16 CPUs) and the next
     training step fails; the guard keeps the weights trainable."""
     stage = load_recipe("r1-llm-only").stages[0]
-    rows = list(load_stage_data(stage.data).train.select(range(2)))
+    rows = list(load_stage_data(stage.data, paths=demo_paths(stage.data)).train.select(range(2)))
 
     unguarded = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
     repacks = any(getattr(m, "support_avx512bf16_for_cpu", False) for m in unguarded.model.modules())

@@ -83,6 +83,22 @@ def test_arrows_run_downward_only():
     assert not upward, "imports from a lower room to a higher one: " + "; ".join(upward)
 
 
+# What a stage runs on: the run's plan resolved the demo's ids (model, data) to paths before the stage, so
+# none of these asks the demo anything while it trains.
+TRAINING_ROOMS = ("stages", "data", "model", "methods", "speedups", "caches", "evaluation", "families")
+
+
+def test_a_stage_never_asks_the_demo():
+    asking = [
+        f"{module} -> {dep}"
+        for module, deps in sorted(import_graph().items())
+        if room_of(module) in TRAINING_ROOMS
+        for dep in sorted(deps)
+        if room_of(dep) == "demo"
+    ]
+    assert not asking, "resolve demo ids when the run is planned (runner.py), not here: " + "; ".join(asking)
+
+
 def test_no_import_cycles():
     graph = import_graph()
     # a package's __init__ re-exporting its own modules is not a cycle of the data flow

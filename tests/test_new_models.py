@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, demo_split
 from test_families import TINY_RUN, assert_stage_trained_its_roles
 from test_generic_training import demo_rows
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
@@ -141,12 +141,11 @@ def test_token_counts_from_image_sizes_are_the_processors_own(new_model):
     from conftest import model_inputs
 
     from vlm_recipes.data.lengths import sample_lengths
-    from vlm_recipes.data.rows import load_split
 
     _, model_dir = new_model
     family = family_for_config(AutoConfig.from_pretrained(model_dir))
     processor = load_processor(str(model_dir), DataSettings(), family)
-    ds, _ = load_split("demo:eval", "test", 8)
+    ds, _ = demo_split("demo:eval", "test", 8)
     ds = ds.filter(lambda row: not row.get("videos"))
     counted = sample_lengths(ds, processor, family)
     made = [model_inputs(processor, [row], add_special_tokens=False)["input_ids"].shape[1] for row in ds]

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, write_recipe
+from conftest import REPO, demo_split, write_recipe
 from PIL import Image
 
 from vlm_recipes.cli.compare import main as compare_main
@@ -224,7 +224,6 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
     answers held-out questions that the random model cannot."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from vlm_recipes.data.rows import load_split
     from vlm_recipes.demo.models import ensure_demo_model
     from vlm_recipes.evaluation.generation import evaluate_generation
 
@@ -232,7 +231,7 @@ def test_trained_model_beats_the_untrained_one_on_exact_match(tmp_path):
     untrained, _ = evaluate_generation(
         AutoModelForImageTextToText.from_pretrained(base),
         AutoProcessor.from_pretrained(base),
-        load_split("demo:eval", "test", None)[0],
+        demo_split("demo:eval", "test", None)[0],
         16,
         16,
         0.01,

@@ -129,6 +129,7 @@ def train_stages(
 
 def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -> None:
     # heavy imports (transformers, TRL, PEFT) only when training
+    from vlm_recipes.model.build import detect_family
     from vlm_recipes.stages.checks import prepare_resume
     from vlm_recipes.stages.context import StageContext
     from vlm_recipes.stages.run import run_stage
@@ -167,6 +168,8 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
             state.wait_for_everyone()
             plan, decision = plans[index - 1] if plans else launched_plan(state)
             trained, rates = stage_learning_rates(recipe.model, stage)
+            family, _ = detect_family(source, recipe.trust_remote_code)  # refuses a model it cannot train
+            data_paths = demo_data_paths(trained, family)
             ctx = StageContext(
                 recipe,
                 trained,
@@ -177,6 +180,8 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
                 state=state,
                 parallel=plan,
                 decisions=[decision, *([rates] if rates else [])],
+                family=family,
+                data_paths=data_paths,
             )
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
@@ -191,6 +196,17 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
         manifest["final_model"] = str(dirs[-1] / FINAL_DIR)
         write_json(run_dir / "run.json", manifest)
     state.wait_for_everyone()
+
+
+def demo_data_paths(stage: Stage, family) -> dict[str, str]:
+    """Where the stage's demo data ids (`demo:train`, ...) are on disk, built on first use: without their
+    video rows where the stage cannot take videos (its model's family, or a method other than SFT). The stage
+    reads these paths and never asks the demo again."""
+    from vlm_recipes.demo.dataset import DEMO_DATA_PREFIX, resolve_data_source
+
+    named = [s for s in (stage.data.train, stage.data.eval) if s and s.startswith(DEMO_DATA_PREFIX)]
+    with_videos = stage.method == "sft" and family.takes_video
+    return {name: resolve_data_source(name, with_videos) for name in named}
 
 
 def launched_plan(state: PartialState) -> tuple[ParallelPlan, Decision]:

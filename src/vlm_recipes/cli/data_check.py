@@ -58,6 +58,7 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     from vlm_recipes.caches.token_counts import remembered_token_counts
     from vlm_recipes.data.lengths import refuse_too_long
     from vlm_recipes.data.rows import load_split
+    from vlm_recipes.demo.dataset import resolve_data_source
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.methods import method_of
     from vlm_recipes.model.build import detect_family, load_processor
@@ -77,8 +78,16 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     processor = load_processor(source, stage.data, family, recipe.trust_remote_code)
     method, video = method_of(stage), video_rules(stage, family, processor)
     print(f"read as {recipe.name} stage {stage_number} ({stage.name}, method {stage.method}): {family.name}")
+    with_videos = video.factor is not None
     rows, problems = load_split(
-        path, stage.data.train_split, None, "report", stage.data.allow_remote_images, method.row_format, video
+        path,
+        stage.data.train_split,
+        None,
+        "report",
+        stage.data.allow_remote_images,
+        method.row_format,
+        video,
+        resolve_data_source(path, with_videos),
     )
     # every usable row's length (images the processor refuses reported), then the rows over the limit
     rows, lengths, refused = method.check_lengths(

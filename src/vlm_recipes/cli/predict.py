@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from vlm_recipes.data.rows import VideoRules, load_split
     from vlm_recipes.data.video import VideoLoader, VideoSampling
     from vlm_recipes.decisions import DTYPES, Environment
+    from vlm_recipes.demo.dataset import resolve_data_source
     from vlm_recipes.errors import DataError
     from vlm_recipes.evaluation.generation import Prompt, evaluate_generation, generate_answers
     from vlm_recipes.model.build import detect_family
@@ -85,7 +86,13 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
         videos = VideoLoader.for_model(family, processor, sampling)
         if args.data:
             rules = VideoRules(sampling, videos and videos.factor, f"{family.name} takes no video")
-            rows, _ = load_split(args.data, "test", args.max_samples, video=rules)
+            rows, _ = load_split(
+                args.data,
+                "test",
+                args.max_samples,
+                video=rules,
+                path=resolve_data_source(args.data, bool(videos)),
+            )
             scores, records = evaluate_generation(
                 model, processor, rows, args.max_new_tokens, args.batch_size, 0.01, videos=videos
             )

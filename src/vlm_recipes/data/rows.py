@@ -23,16 +23,16 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import datasets
 from PIL import Image
 
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
-from vlm_recipes.demo.dataset import resolve_data_source
 from vlm_recipes.errors import DataError, VideoError
 from vlm_recipes.recipes.schema import DataSettings
 
@@ -179,15 +179,16 @@ def load_split(
     allow_remote_images: bool = False,
     row_format: RowFormat | None = None,
     video: VideoRules | None = None,
+    path: str | None = None,
 ) -> tuple[datasets.Dataset, dict[str, int]]:
-    """Load one split, check every row (`messages` rows, or another format such as preference.PREFERENCE
+    """Load one split (from `path`, where the recipe's `source` was found when the run was planned: a
+    demo id's file; else `source` itself), check every row (`messages` rows, or another format such as preference.PREFERENCE
     for method dpo; videos by `video`), and turn image paths into decodable Image features and video paths
     into paths from the working directory.
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     check, columns = row_format or MESSAGES
-    resolved = resolve_data_source(source, with_videos=video is not None and video.factor is not None)
-    loaded = read_source(resolved, split)
+    loaded = read_source(path or source, split)
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
@@ -250,17 +251,35 @@ def _holds_paths(ds: datasets.Dataset) -> bool:
 
 
 def load_stage_data(
-    settings: DataSettings, row_format: RowFormat | None = None, video: VideoRules | None = None
+    settings: DataSettings,
+    row_format: RowFormat | None = None,
+    video: VideoRules | None = None,
+    paths: Mapping[str, str] = MappingProxyType({}),
 ) -> StageData:
-    """Both splits, checked; all of it before any model loads."""
+    """Both splits, checked; all of it before any model loads. `paths`: where the run's plan found a
+    source that names no file (a demo id); reports keep the name the recipe gave."""
     policy, remote = settings.on_bad_sample, settings.allow_remote_images
     train, skipped_train = load_split(
-        settings.train, settings.train_split, settings.max_train_samples, policy, remote, row_format, video
+        settings.train,
+        settings.train_split,
+        settings.max_train_samples,
+        policy,
+        remote,
+        row_format,
+        video,
+        paths.get(settings.train),
     )
     eval_ds, skipped = None, {"train": skipped_train} if skipped_train else {}
     if settings.eval:
         eval_ds, skipped_eval = load_split(
-            settings.eval, settings.eval_split, settings.max_eval_samples, policy, remote, row_format, video
+            settings.eval,
+            settings.eval_split,
+            settings.max_eval_samples,
+            policy,
+            remote,
+            row_format,
+            video,
+            paths.get(settings.eval),
         )
         if skipped_eval:
             skipped["eval"] = skipped_eval

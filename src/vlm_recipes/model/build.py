@@ -145,7 +145,6 @@ def apply_training_modes(
         decision = Decision(
             "lora-role", f"{role} trained fully", f"`{role}: lora` asked, but it has no linear layer to adapt"
         )
-        log.warning("  %s", decision)
         if decisions is not None:
             decisions.append(decision)
     lora_roles = {role: stage.lora.targets.get(role, []) for role, mode in modes.items() if mode == "lora"}
@@ -208,9 +207,7 @@ def leave_out_towers(config, family: Family) -> tuple[list[str], list[Decision]]
         if getattr(config, name, None) is not None:
             setattr(config, name, None)
             left_out.append(name)
-            decision = Decision("towers-left-out", f"{name}: not loaded", why)
-            log.info("  %s", decision)
-            decisions.append(decision)
+            decisions.append(Decision("towers-left-out", f"{name}: not loaded", why))
     return left_out, decisions
 
 

@@ -62,10 +62,10 @@ def cache_off(kind: str, decisions: list[Decision] | None) -> bool:
     if (why := unwritable(speedup_cache(kind))) is None:
         return False
     guard = {"vision-features": "vision-feature-cache"}.get(kind, f"{kind}-cache")
-    decision = Decision(guard, "off", f"its directory cannot be written ({why}): computed every time")
-    log.warning("  %s", decision)
     if decisions is not None:
-        decisions.append(decision)
+        decisions.append(
+            Decision(guard, "off", f"its directory cannot be written ({why}): computed every time")
+        )
     return True
 
 
@@ -92,22 +92,23 @@ def wrap_collator(
 
 
 def speed_up_frozen_vision(
-    built: BuiltModel, stage: Stage, vision_trains: bool, decisions: list[Decision]
-) -> VisionFeatureCache | None:
-    """A frozen vision side computes its features without autograd, and from the feature cache if asked."""
+    built: BuiltModel, stage: Stage, vision_trains: bool
+) -> tuple[VisionFeatureCache | None, list[Decision]]:
+    """A frozen vision side computes its features without autograd, and from the feature cache if asked;
+    the cache (None: none) and the decisions."""
     if vision_trains:
-        return None
+        return None, []
     run_without_grad(built.model, built.family)
-    decisions.append(
+    decisions = [
         Decision(
             "frozen-vision",
             "image features computed without autograd",
             "vision tower and projector are frozen: no gradient can reach them, and with activation "
             "checkpointing + LoRA transformers would otherwise run backward through the whole tower",
         )
-    )
+    ]
     if not stage.training.vision_feature_cache or cache_off("vision-features", decisions):
-        return None
+        return None, decisions
     cache = VisionFeatureCache(
         speedup_cache("vision-features"),
         built.model,
@@ -122,12 +123,13 @@ def speed_up_frozen_vision(
             "computed once per tower weights and processed image, then read back",
         )
     )
-    return cache
+    return cache, decisions
 
 
-def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -> None:
+def speed_up_model(built: BuiltModel, stage: Stage) -> list[Decision]:
     """The speed-ups that change how the model computes, never what: Liger's kernels, per-sample attention
-    for packed rows, the patch embedding as a matmul, sparse LoRA dropout."""
+    for packed rows, the patch embedding as a matmul, sparse LoRA dropout; their decisions."""
+    decisions = []
     if stage.training.liger_kernels:
         decisions.append(use_liger_kernels(built.model))
     if stage.training.matmul_patch_embedding:
@@ -174,6 +176,7 @@ def speed_up_model(built: BuiltModel, stage: Stage, decisions: list[Decision]) -
                 "the random numbers",
             )
         )
+    return decisions
 
 
 def compute_loss_positions_only(
@@ -196,6 +199,5 @@ def compute_loss_positions_only(
         "training.loss_positions_only is on: the last layer's output at an unlabelled position only "
         "feeds a logit the loss masks out, so its output projection, MLP and logits are skipped there",
     )
-    log.info("  %s", decision)  # the trainer is built after the model-side decisions were logged
     if decisions is not None:
         decisions.append(decision)

@@ -36,7 +36,7 @@ from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin
 from vlm_recipes.model.audit import audit_freeze
 from vlm_recipes.model.boundaries import install_dtype_boundaries
-from vlm_recipes.model.build import BuiltModel, build_stage_model, detect_family, load_processor
+from vlm_recipes.model.build import BuiltModel, build_stage_model, load_processor
 from vlm_recipes.model.guards import (
     apply_trainable_dtype,
     cast_frozen_to_compute,
@@ -80,8 +80,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     started = time.time()
     ctx.stage_dir.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(ctx.stage.training.seed)
-    if resume_from is not None and (ranks := keep_the_global_batch(ctx, resume_from)):
-        ctx.decisions.append(ranks)
+    if resume_from is not None:
+        ctx.record(keep_the_global_batch(ctx, resume_from))
 
     data, processor, precision = check_data(ctx)  # every data check runs before the model loads
     built = load_guarded_model(ctx, processor, precision)
@@ -118,19 +118,20 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
     method = method_of(stage)
-    family, _ = detect_family(ctx.source, ctx.recipe.trust_remote_code)
+    family = ctx.family
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     video = video_rules(stage, family, processor)
-    data = load_stage_data(stage.data, method.row_format, video)
+    data = load_stage_data(stage.data, method.row_format, video, ctx.data_paths)
     refuse_nothing_to_see(stage, data)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
-    ctx.decisions += [precision, decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode)]
-    if backend := check_quantization_backend(stage.quantization.mode, ctx.env):
-        ctx.decisions.append(backend)
-    if generation := check_generation_backend(stage, ctx.env):
-        ctx.decisions.append(generation)
-    ctx.decisions += turn_off_unproven_speedups(family, stage)
+    ctx.record(
+        precision,
+        decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
+        check_quantization_backend(stage.quantization.mode, ctx.env),
+        check_generation_backend(stage, ctx.env),
+        *turn_off_unproven_speedups(family, stage),
+    )
     refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
@@ -189,8 +190,8 @@ def load_guarded_model(ctx: StageContext, processor, precision: Decision) -> Bui
         processor,
         sharded=sharded,
     )
-    ctx.decisions += built.decisions + apply_guards(built, stage, precision.choice, ctx.env, sharded)
-    ctx.decisions.append(check_same_start(built.model, ctx))
+    ctx.record(*built.decisions, *apply_guards(built, stage, precision.choice, ctx.env, sharded))
+    ctx.record(check_same_start(built.model, ctx))
     return built
 
 
@@ -221,9 +222,10 @@ def apply_guards(
 def speed_up(ctx: StageContext, built: BuiltModel, data: StageData) -> VisionFeatureCache | None:
     """The model-side speed-ups the stage asks for, then the batch arithmetic; every decision logged."""
     stage, t = ctx.stage, ctx.stage.training
-    speed_up_model(built, stage, ctx.decisions)  # first: the feature cache keys how the tower computes
-    feature_cache = speed_up_frozen_vision(built, stage, vision_trains(stage), ctx.decisions)
-    ctx.decisions.append(
+    ctx.record(*speed_up_model(built, stage))  # first: the feature cache keys how the tower computes
+    feature_cache, decisions = speed_up_frozen_vision(built, stage, vision_trains(stage))
+    ctx.record(*decisions)
+    ctx.record(
         batch_decision(
             ctx.parallel,
             t.per_device_batch_size,
@@ -236,9 +238,6 @@ def speed_up(ctx: StageContext, built: BuiltModel, data: StageData) -> VisionFea
             t.warmup_ratio,
         )
     )
-    if ctx.is_main:
-        for decision in ctx.decisions:
-            log.info("  %s", decision)
     return feature_cache
 
 
@@ -303,11 +302,12 @@ def make_trainer(
         "timer": StepTimer(),
     }
     release, decision = host_memory_release(ctx.env)
-    log.info("  %s", decision)
-    ctx.decisions.append(decision)
+    ctx.record(decision)
     if release is not None:
         callbacks["host_memory"] = release
-    trainer = method.build_trainer(built, ctx.stage, args, data, ctx.decisions, list(callbacks.values()))
+    decisions: list[Decision] = []  # the trainer's own (the DPO reference, sharding, loss positions)
+    trainer = method.build_trainer(built, ctx.stage, args, data, decisions, list(callbacks.values()))
+    ctx.record(*decisions)
     return trainer, callbacks
 
 
