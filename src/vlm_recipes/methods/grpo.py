@@ -180,8 +180,8 @@ class SamplingMethod(TrainingMethod):
     eval_at_start = True
 
     def max_length(self, stage: Stage) -> int | None:
-        """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the
-        completion."""
+        """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the longest
+        completion (<method>.max_completion_length)."""
         if stage.sampling.max_prompt_length is not None:
             return stage.sampling.max_prompt_length
         if stage.data.max_length is None:
@@ -225,8 +225,7 @@ class SamplingMethod(TrainingMethod):
         return self.prepare_trainer(trainer, inputs)
 
     def eval_metrics(self, eval_metrics: dict) -> dict:
-        """Eval reward (mean and std over the eval prompts' sampled completions, each reward's mean), from
-        TRL."""
+        """Eval reward from TRL: mean and std over the eval prompts' completions, and each reward's mean."""
         found = {
             "eval_reward": eval_metrics.get("eval_reward"),
             "eval_reward_std": eval_metrics.get("eval_reward_std"),

@@ -123,6 +123,10 @@ class SFT(TrainingMethod):
     check_lengths = staticmethod(check_message_lengths)
     trainer_class = RecipeTrainer
 
+    def max_length(self, stage: Stage) -> int | None:
+        """Longest conversation: data.max_length."""
+        return stage.data.max_length
+
     def build_config(self, inputs: ConfigInputs) -> SFTConfig:
         return SFTConfig(
             **inputs.common_keywords(),
@@ -131,10 +135,6 @@ class SFT(TrainingMethod):
             max_length=None,
             assistant_only_loss=True,
         )
-
-    def max_length(self, stage: Stage) -> int | None:
-        """Longest conversation: data.max_length."""
-        return stage.data.max_length
 
     def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainer:
         """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied, its

@@ -115,8 +115,9 @@ class TrainerInputs:
 
 class TrainingMethod(ABC):
     """How a stage trains (the recipe's `method:`), one small class each: SFT (methods/sft.py), DPO and KTO
-    (dpo.py, kto.py), GRPO and RLOO (grpo.py, rloo.py). It checks its rows, builds its TRL config and trainer,
-    and says what it adds to metrics.json; stages/run.py asks nothing else of a method."""
+    (dpo.py, kto.py: PreferenceMethod), GRPO and RLOO (grpo.py, rloo.py: SamplingMethod). It checks its rows,
+    builds its TRL config and trainer, and says what it adds to metrics.json; stages/run.py asks nothing
+    else of a method."""
 
     name: str  # the recipe's `method:`
     row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
@@ -127,12 +128,12 @@ class TrainingMethod(ABC):
     eval_at_start: bool = False  # eval_metrics measured before step 1 too (stages/metrics.evaluate_at_start)
 
     @abstractmethod
-    def build_config(self, inputs: ConfigInputs) -> TrainingArguments:
-        """The stage's TRL config (SFTConfig, DPOConfig, ...): inputs.common_keywords(), then its own."""
-
-    @abstractmethod
     def max_length(self, stage: Stage) -> int | None:
         """The longest row check_lengths lets through, in tokens, image tokens included; None: no limit."""
+
+    @abstractmethod
+    def build_config(self, inputs: ConfigInputs) -> TrainingArguments:
+        """The stage's TRL config (SFTConfig, DPOConfig, ...): inputs.common_keywords(), then its own."""
 
     @abstractmethod
     def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
@@ -166,7 +167,8 @@ class TrainingMethod(ABC):
         )
 
     def prepare_trainer(self, trainer: RecipeTrainerMixin, inputs: TrainerInputs) -> RecipeTrainerMixin:
-        """Per-role learning rates and the trainable-dtype guard (the TRL trainer may have cast adapters)."""
+        """Per-role learning rates, the trainable-dtype guard (the TRL trainer may have cast adapters), and
+        the trained tower reached from batches without images."""
         built, stage = inputs.built, inputs.stage
         if stage.training.role_learning_rates:
             trainer.role_groups = lambda decay_names: role_parameter_groups(
