@@ -173,7 +173,7 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
     """The sampler groups by text + image tokens (Trainer cannot infer lengths of image samples)."""
     from vlm_recipes.data.rows import load_stage_data
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.sft import build_sft_config, build_trainer
+    from vlm_recipes.methods.sft import SFT
 
     stage = load_recipe(
         "r2-vision-only", ["training.group_by_length=true", "training.per_device_batch_size=8"]
@@ -187,11 +187,11 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
 
     def padding_tokens(strategy: str) -> int:
-        args = build_sft_config(
+        args = SFT().build_config(
             ConfigInputs(stage, tmp_path / strategy, "fp32", Environment("cpu", 0, False), has_eval=False)
         )
         args.train_sampling_strategy = strategy
-        order = list(build_trainer(built, stage, args, data)._get_train_sampler())
+        order = list(SFT().build_trainer(built, stage, args, data)._get_train_sampler())
         batches = [order[i : i + 8] for i in range(0, len(order), 8)]
         return sum(max(lengths[j] for j in b) * len(b) - sum(lengths[j] for j in b) for b in batches)
 
@@ -203,7 +203,7 @@ def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_pa
     weight_decay > 0 that decayed them. The optimizer keeps both splits: role × (decay, no decay)."""
     from vlm_recipes.data.rows import load_stage_data
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.sft import build_sft_config, build_trainer
+    from vlm_recipes.methods.sft import SFT
 
     stage = load_recipe(
         "r2-vision-only",
@@ -215,10 +215,10 @@ def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_pa
     ).stages[0]
     data = load_stage_data(stage.data, paths=demo_paths(stage.data))
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu")
-    args = build_sft_config(
+    args = SFT().build_config(
         ConfigInputs(stage, tmp_path, "fp32", Environment("cpu", 0, False), has_eval=False)
     )
-    optimizer = build_trainer(built, stage, args, data).create_optimizer()
+    optimizer = SFT().build_trainer(built, stage, args, data).create_optimizer()
     names = {id(p): n for n, p in built.model.named_parameters()}
     by_param = {names[id(p)]: g for g in optimizer.param_groups for p in g["params"]}
     trainable = {n for n, p in built.model.named_parameters() if p.requires_grad}

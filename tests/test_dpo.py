@@ -25,7 +25,7 @@ from vlm_recipes.data.rows import load_split, load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError
 from vlm_recipes.files import read_json
-from vlm_recipes.methods.dpo import build_dpo_config, build_dpo_trainer
+from vlm_recipes.methods.dpo import DPO
 from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
@@ -149,8 +149,8 @@ def _dpo_trainer(tmp_path: Path, model_dir: Path, stage: Stage):
     processor = load_processor(str(model_dir), stage.data, family)
     built = build_stage_model(str(model_dir), stage, "fp32", "cpu", processor=processor)
     data = load_stage_data(stage.data, PREFERENCE, paths=demo_paths(stage.data))
-    args = build_dpo_config(ConfigInputs(stage, tmp_path / "checkpoints", "fp32", CPU, has_eval=True))
-    return build_dpo_trainer(built, stage, args, data), built
+    args = DPO().build_config(ConfigInputs(stage, tmp_path / "checkpoints", "fp32", CPU, has_eval=True))
+    return DPO().build_trainer(built, stage, args, data), built
 
 
 def test_dpo_raises_eval_reward_accuracy(tmp_path, demo_model_dir):

@@ -496,14 +496,14 @@ def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, 
     cannot sample (no GPU, or vllm not installed) the stage stops before its model loads, exit 2, naming the
     key and the fix. vLLM's sampling itself is not tested: it needs a GPU, and none has been lent."""
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.grpo import build_grpo_config
+    from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.recipes.load import load_recipe
 
     settings = ", use_vllm: true, vllm_mode: server, vllm_gpu_memory_utilization: 0.5"
     recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
     stage = load_recipe(str(recipe)).stages[0]
-    config = build_grpo_config(
+    config = GRPO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
     assert (config.use_vllm, config.vllm_mode, config.vllm_gpu_memory_utilization) == (True, "server", 0.5)
@@ -518,14 +518,14 @@ def test_gspo_reaches_trl_and_trains_and_a_bad_level_is_refused_at_load(tmp_path
     """grpo.importance_sampling_level: sequence (GSPO) and epsilon_high reach TRL's GRPOConfig as written, and
     a stage trains with them; a level TRL does not know stops the recipe at load, exit 2, naming the key."""
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.grpo import build_grpo_config
+    from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.recipes.load import load_recipe
 
     settings = ", importance_sampling_level: sequence, epsilon: 3.0e-4, epsilon_high: 4.0e-4"
     recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
     stage = load_recipe(str(recipe)).stages[0]
-    config = build_grpo_config(
+    config = GRPO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
     assert (config.importance_sampling_level, config.epsilon, config.epsilon_high) == ("sequence", 3e-4, 4e-4)
@@ -565,7 +565,7 @@ def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str
     from vlm_recipes.data.prompts import PROMPTS
     from vlm_recipes.data.rows import load_stage_data
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.grpo import build_grpo_config, build_grpo_trainer
+    from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
     from vlm_recipes.recipes.load import load_recipe
@@ -576,10 +576,10 @@ def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str
     family, _ = detect_family(str(demo_model_dir))
     processor = load_processor(str(demo_model_dir), stage.data, family)
     built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
-    args = build_grpo_config(
+    args = GRPO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
-    trainer = build_grpo_trainer(
+    trainer = GRPO().build_trainer(
         built, stage, args, load_stage_data(stage.data, PROMPTS, paths=demo_paths(stage.data))
     )
     generator = torch.Generator().manual_seed(0)

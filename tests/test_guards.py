@@ -23,7 +23,7 @@ from vlm_recipes.data.rows import load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
-from vlm_recipes.methods.sft import build_sft_config, build_trainer
+from vlm_recipes.methods.sft import SFT
 from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model
 from vlm_recipes.model.guards import (
@@ -126,7 +126,7 @@ def checkpoint_dir(tmp_path_factory, private_demo_cache) -> Path:
 
 
 def _args_seeing_two_gpus(stage, tmp_path):
-    args = build_sft_config(ConfigInputs(stage, tmp_path, "fp32", CPU, has_eval=False))
+    args = SFT().build_config(ConfigInputs(stage, tmp_path, "fp32", CPU, has_eval=False))
     assert args.n_gpu == 0  # device setup runs here, on CPU
     args._n_gpu = 2  # what Trainer computes when one process sees two GPUs
     return args
@@ -138,7 +138,9 @@ def test_faked_two_gpus_never_dataparallel(source, demo_model_dir, checkpoint_di
     built = build_stage_model(str(path), vision_stage, "fp32", "cpu")
     data = load_stage_data(vision_stage.data, paths=demo_paths(vision_stage.data))
 
-    trainer = build_trainer(built, vision_stage, _args_seeing_two_gpus(vision_stage, tmp_path / "a"), data)
+    trainer = SFT().build_trainer(
+        built, vision_stage, _args_seeing_two_gpus(vision_stage, tmp_path / "a"), data
+    )
     assert trainer.args.n_gpu == 1
     assert not isinstance(trainer._wrap_model(trainer.model), nn.DataParallel)
 
@@ -304,7 +306,7 @@ def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir
     plain = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
     SFTTrainer(
         model=plain.model,
-        args=build_sft_config(ConfigInputs(stage, tmp_path / "a", "bf16", CPU, has_eval=False)),
+        args=SFT().build_config(ConfigInputs(stage, tmp_path / "a", "bf16", CPU, has_eval=False)),
         train_dataset=data.train,
         processing_class=plain.processor,
     )
@@ -312,10 +314,10 @@ def test_qlora_adapters_stay_fp32_although_trl_casts_them_to_bf16(demo_model_dir
 
     built = build_stage_model(str(demo_model_dir), stage, "bf16", "cpu")
     decisions = []
-    trainer = build_trainer(
+    trainer = SFT().build_trainer(
         built,
         stage,
-        build_sft_config(ConfigInputs(stage, tmp_path / "b", "bf16", CPU, False)),
+        SFT().build_config(ConfigInputs(stage, tmp_path / "b", "bf16", CPU, False)),
         data,
         decisions,
     )

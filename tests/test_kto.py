@@ -16,7 +16,7 @@ from vlm_recipes.data.preference import UNPAIRED, unpaired
 from vlm_recipes.data.rows import load_split
 from vlm_recipes.decisions import Environment
 from vlm_recipes.files import read_json
-from vlm_recipes.methods.kto import build_kto_config
+from vlm_recipes.methods.kto import KTO
 from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.recipes.load import load_recipe
 
@@ -106,7 +106,7 @@ def test_a_kto_stage_trains_from_preference_pairs_and_scores_its_start_and_end(
 def test_kto_settings_reach_trls_ktoconfig(tmp_path):
     settings = "{beta: 0.2, loss_type: apo_zero_unpaired, desirable_weight: 1.5, undesirable_weight: 0.5}"
     stage = load_recipe(str(kto_recipe(tmp_path, "{train: demo:preference-train}", settings))).stages[0]
-    config = build_kto_config(
+    config = KTO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
     assert type(config).__name__ == "KTOConfig"

@@ -395,14 +395,14 @@ def test_auto_with_two_fake_gpus_shards_a_model_too_big_for_one():
 
 
 def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path):
-    from vlm_recipes.methods.sft import build_sft_config
+    from vlm_recipes.methods.sft import SFT
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.recipes.load import load_recipe
 
     plan, _ = decide_parallel("model-parallel", TWO_GPUS)
     assert plan == ParallelPlan("model-parallel", 1)
     stage = load_recipe("r2-vision-only").stages[0]
-    args = build_sft_config(ConfigInputs(stage, tmp_path, "fp32", CPU, has_eval=False))
+    args = SFT().build_config(ConfigInputs(stage, tmp_path, "fp32", CPU, has_eval=False))
     assert args.n_gpu == 0
     args._n_gpu = 2  # what Trainer computes with two GPUs visible to one process (faked)
     apply_parallelism(args)

@@ -58,14 +58,14 @@ def test_an_rloo_stage_trains_moves_its_weights_and_scores_its_start_and_end(
 
 def test_rloo_settings_reach_trls_rlooconfig(tmp_path, monkeypatch):
     from vlm_recipes.decisions import Environment
-    from vlm_recipes.methods.rloo import build_rloo_config
+    from vlm_recipes.methods.rloo import RLOO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.recipes.load import load_recipe
 
     settings = "beta: 0.0, normalize_advantages: true, epsilon: 0.1, epsilon_high: 0.3, temperature: 0.7, "
     recipe = rloo_recipe(tmp_path, monkeypatch, "{train: demo:prompt-train, eval: null}", "{}", settings)
     stage = load_recipe(str(recipe)).stages[0]
-    config = build_rloo_config(
+    config = RLOO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
     assert type(config).__name__ == "RLOOConfig"

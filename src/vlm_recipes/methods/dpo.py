@@ -1,6 +1,7 @@
-"""The DPO stage's trainer: TRL's DPOTrainer on preference rows, with the family's processor, the
-recipe's resume and per-role learning rates (RecipeTrainerMixin), and no second model for the reference
-when the stage trains LoRA: the reference pass is the same model with its adapter switched off."""
+"""The DPO stage's method: TRL's DPOTrainer on preference rows, with the family's processor, the recipe's
+resume and per-role learning rates (RecipeTrainerMixin), and no second model for the reference when the
+stage trains LoRA: the reference pass is the same model with its adapter switched off. What DPO and KTO
+share (PreferenceMethod) is here too: methods/kto.py builds KTO's stage from it."""
 
 from __future__ import annotations
 
@@ -8,37 +9,12 @@ from trl import DPOConfig, DPOTrainer
 
 from vlm_recipes.data.collate import UprightImagesCollator
 from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
-from vlm_recipes.data.rows import StageData
 from vlm_recipes.decisions import Decision
-from vlm_recipes.methods.trainer import (
-    ConfigInputs,
-    RecipeTrainerMixin,
-    TrainingMethod,
-    announce_method_settings,
-    built_from,
-    common_training_args,
-    construct_trainer,
-    prepare_trainer,
-)
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
 
 REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
-
-
-def dpo_max_length(stage: Stage) -> int | None:
-    """Longest prompt + answer: dpo.max_length, else data.max_length."""
-    return stage.dpo.max_length if stage.dpo.max_length is not None else stage.data.max_length
-
-
-def build_dpo_config(inputs: ConfigInputs) -> DPOConfig:
-    return DPOConfig(
-        **common_training_args(inputs),
-        beta=inputs.stage.dpo.beta,
-        loss_type=[inputs.stage.dpo.loss_type],
-        # Lengths are checked before training (preference.check_preference_lengths): never cut.
-        max_length=None,
-    )
 
 
 class AdapterOffReferenceMixin:
@@ -54,10 +30,6 @@ class AdapterOffReferenceMixin:
             model.delete_adapter(REF_ADAPTER)
 
 
-class RecipeDPOTrainer(AdapterOffReferenceMixin, RecipeTrainerMixin, DPOTrainer):
-    """The DPO stage's trainer."""
-
-
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """A LoRA stage's reference is the model with the adapter off (validation refuses LoRA beside a fully
     trained role); a stage without LoRA gets a frozen copy, which TRL loads from the stage's source."""
@@ -71,50 +43,59 @@ def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     )
 
 
-def build_preference_trainer(
-    trainer_class: type,
-    built: BuiltModel,
-    stage: Stage,
-    args,
-    data: StageData,
-    decisions: list[Decision] | None = None,
-    callbacks: list | None = None,
-):
-    """The stage's DPOTrainer or KTOTrainer (`trainer_class`, ref_model=None), with the parallelism and
-    trainable-dtype guards applied."""
-    reference = reference_decision(built, stage)
-    unused = ("padding_free", "preprocessed_cache")
-    announce_method_settings(stage, decisions, reference, unused, "TRL's preference collator")
-    trainer = construct_trainer(trainer_class, built, args, data, callbacks, ref_model=None)
-    trainer.data_collator = UprightImagesCollator(trainer.data_collator)
-    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
+class PreferenceMethod(TrainingMethod):
+    """What DPO and KTO share: the reference is the stage's start (with LoRA, the model with its adapter
+    switched off), TRL's preference collator makes the batches, lengths are checked against
+    <method>.max_length, and the eval metrics are measured before step 1 too."""
+
+    eval_at_start = True
+
+    def max_length(self, stage: Stage) -> int | None:
+        """Longest prompt + answer: <method>.max_length (`dpo:` or `kto:`), else data.max_length."""
+        own = getattr(stage, self.name).max_length
+        return own if own is not None else stage.data.max_length
+
+    def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
+        """The stage's DPOTrainer or KTOTrainer (ref_model=None), with the parallelism and trainable-dtype
+        guards applied."""
+        inputs.record(reference_decision(inputs.built, inputs.stage))
+        inputs.warn_unused(("padding_free", "preprocessed_cache"), "TRL's preference collator")
+        trainer = self.construct_trainer(inputs, ref_model=None)
+        trainer.data_collator = UprightImagesCollator(trainer.data_collator)
+        return self.prepare_trainer(trainer, inputs)
 
 
-def build_dpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeDPOTrainer:
-    return build_preference_trainer(RecipeDPOTrainer, built, stage, args, data, decisions, callbacks)
+class RecipeDPOTrainer(AdapterOffReferenceMixin, RecipeTrainerMixin, DPOTrainer):
+    """The DPO stage's trainer."""
 
 
-def dpo_eval_metrics(eval_metrics: dict) -> dict:
-    """Eval reward accuracy (chosen scored above rejected) and margin, from TRL's eval logs; and the
-    policy's own preference, mean log p(chosen) - mean log p(rejected). The rewards are beta x the log-ratio
-    to the reference, which is the policy as the stage starts: at the start they are 0 by construction, and
-    the log-probability margin is what says which answer the model preferred before it was trained."""
-    chosen, rejected = eval_metrics.get("eval_logps/chosen"), eval_metrics.get("eval_logps/rejected")
-    return {
-        "eval_reward_accuracy": eval_metrics.get("eval_rewards/accuracies"),
-        "eval_reward_margin": eval_metrics.get("eval_rewards/margins"),
-        "eval_logp_margin": None if chosen is None or rejected is None else chosen - rejected,
-    }
+class DPO(PreferenceMethod):
+    """Preference pairs (prompt, chosen, rejected), the recipe's `dpo:` section. Besides the generated
+    answers (scored against `chosen`): eval reward accuracy and margin."""
 
+    name = "dpo"
+    row_format = PREFERENCE
+    check_lengths = staticmethod(check_preference_lengths)
+    trainer_class = RecipeDPOTrainer
 
-# Besides the generated answers (scored against `chosen`): eval reward accuracy and margin.
-DPO = TrainingMethod(
-    name="dpo",
-    row_format=PREFERENCE,
-    build_config=build_dpo_config,
-    build_trainer=build_dpo_trainer,
-    check_lengths=check_preference_lengths,
-    max_length=dpo_max_length,
-    eval_metrics=dpo_eval_metrics,
-    eval_at_start=True,
-)
+    def build_config(self, inputs: ConfigInputs) -> DPOConfig:
+        return DPOConfig(
+            **inputs.common_keywords(),
+            beta=inputs.stage.dpo.beta,
+            loss_type=[inputs.stage.dpo.loss_type],
+            # Lengths are checked before training (preference.check_preference_lengths): never cut.
+            max_length=None,
+        )
+
+    def eval_metrics(self, eval_metrics: dict) -> dict:
+        """Eval reward accuracy (chosen scored above rejected) and margin, from TRL's eval logs; and the
+        policy's own preference, mean log p(chosen) - mean log p(rejected). The rewards are beta x the
+        log-ratio to the reference, which is the policy as the stage starts: at the start they are 0 by
+        construction, and the log-probability margin is what says which answer the model preferred before
+        it was trained."""
+        chosen, rejected = eval_metrics.get("eval_logps/chosen"), eval_metrics.get("eval_logps/rejected")
+        return {
+            "eval_reward_accuracy": eval_metrics.get("eval_rewards/accuracies"),
+            "eval_reward_margin": eval_metrics.get("eval_rewards/margins"),
+            "eval_logp_margin": None if chosen is None or rejected is None else chosen - rejected,
+        }

@@ -1,7 +1,7 @@
-"""The GRPO stage's trainer: TRL's GRPOTrainer on prompt rows, rewarded by the recipe's `grpo.rewards`
+"""The GRPO stage's method: TRL's GRPOTrainer on prompt rows, rewarded by the recipe's `grpo.rewards`
 (methods/rewards.py), with the recipe's resume and per-role learning rates (RecipeTrainerMixin). What any
-stage that samples completions shares (its prompt length, sampling backend and speed-ups, reference, trainer
-construction and metrics) is here too: methods/rloo.py builds RLOO's stage from it.
+stage that samples completions shares (SamplingMethod: its prompt length, sampling backend and speed-ups,
+reference, trainer construction and metrics) is here too: methods/rloo.py builds RLOO's stage from it.
 
 Its reference model (used only when `grpo.beta` > 0): with LoRA, the same model with its adapter switched
 off (TRL's own choice for a PeftModel: no second copy); fully trained roles get a frozen copy, loaded from
@@ -17,70 +17,28 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
-from vlm_recipes.data.rows import StageData
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.rewards import build_rewards, check_rewards
-from vlm_recipes.methods.trainer import (
-    ConfigInputs,
-    RecipeTrainerMixin,
-    TrainingMethod,
-    announce_method_settings,
-    built_from,
-    common_training_args,
-    construct_trainer,
-    prepare_trainer,
-)
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import SAMPLING_METHODS, Stage
-from vlm_recipes.speedups.sampling import (
-    inverse_cdf_refusal,
-    inverse_cdf_sampling,
-    lora_merged,
-    merged_sampling_refusal,
-)
+from vlm_recipes.speedups import sampling
 
 log = logging.getLogger(__name__)
 
-
-def sampled_max_prompt_length(stage: Stage) -> int | None:
-    """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the completion."""
-    if stage.sampling.max_prompt_length is not None:
-        return stage.sampling.max_prompt_length
-    if stage.data.max_length is None:
-        return None
-    return stage.data.max_length - stage.sampling.max_completion_length
-
-
-def sampling_config(inputs: ConfigInputs) -> dict:
-    """The keys GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""
-    g = inputs.stage.sampling
-    common = common_training_args(inputs)
-    # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
-    common["per_device_eval_batch_size"] = g.num_generations
-    return dict(
-        **common,
-        num_generations=g.num_generations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        beta=g.beta,
-        epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high,
-        reward_weights=[reward.weight for reward in g.rewards],
-        use_vllm=g.use_vllm,
-        vllm_mode=g.vllm_mode,
-        vllm_gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-    )
-
-
-def build_grpo_config(inputs: ConfigInputs) -> GRPOConfig:
-    g = inputs.stage.grpo
-    return GRPOConfig(
-        **sampling_config(inputs),
-        loss_type=g.loss_type,
-        importance_sampling_level=g.importance_sampling_level,
-        scale_rewards=g.scale_rewards,
-    )
+# The keys of a `grpo:` or `rloo:` section that TRL's GRPOConfig and RLOOConfig take under the same name.
+SAME_NAME_IN_TRL = [
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+]
 
 
 def check_generation_backend(stage: Stage, env: Environment) -> Decision | None:
@@ -121,9 +79,9 @@ class SamplingTrainerMixin:
         model = self.accelerator.unwrap_model(self.model)
         with contextlib.ExitStack() as speedups:
             if self.sample_with_merged_lora:
-                speedups.enter_context(lora_merged(model))
+                speedups.enter_context(sampling.lora_merged(model))
             if self.inverse_cdf_sampling:
-                speedups.enter_context(inverse_cdf_sampling(self, model))
+                speedups.enter_context(sampling.inverse_cdf_sampling(self, model))
             return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, num_images=None, **kwargs):
@@ -166,55 +124,12 @@ def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     )
 
 
-class RecipeGRPOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, GRPOTrainer):
-    """The GRPO stage's trainer."""
-
-
-def build_sampling_trainer(
-    trainer_class: type,
-    built: BuiltModel,
-    stage: Stage,
-    args,
-    data: StageData,
-    decisions: list[Decision] | None = None,
-    callbacks: list | None = None,
-):
-    """The stage's GRPOTrainer or RLOOTrainer (`trainer_class`), its rewards checked on a training row first,
-    with the parallelism and trainable-dtype guards applied."""
-    where = f"stage {stage.name}: {stage.method}.rewards"
-    rewards, _ = build_rewards(
-        stage.sampling.rewards,
-        built.processor,
-        where,
-        tolerance=stage.evaluation.numeric_tolerance,
-        family_box_format=built.family.box_format,
-    )
-    check_rewards(rewards, data.train[0], where)
-    unused = ("padding_free", "preprocessed_cache", "group_by_length")
-    announce_method_settings(
-        stage, decisions, reference_decision(built, stage), unused, "TRL samples its own batches"
-    )
-    trainer = construct_trainer(trainer_class, built, args, data, callbacks, reward_funcs=rewards)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    forward = type(model.get_base_model() if hasattr(model, "get_base_model") else model).forward
-    trainer.counts_images_per_row = "batch_num_images" in inspect.signature(forward).parameters
-    for decision in sampling_speedups(trainer, model, stage):
-        log.info("  %s", decision)
-        if decisions is not None:
-            decisions.append(decision)
-    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
-
-
-def build_grpo_trainer(built, stage, args, data, decisions=None, callbacks=None) -> RecipeGRPOTrainer:
-    return build_sampling_trainer(RecipeGRPOTrainer, built, stage, args, data, decisions, callbacks)
-
-
 def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> list[Decision]:
     """Switch on the sampling speed-ups the stage asks for (speedups/sampling.py); a refusal names why."""
     chosen, section = [], stage.method
     if stage.sampling.sample_with_merged_lora:
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
-        why = "the weights are sharded across ranks" if sharded else merged_sampling_refusal(model)
+        why = "the weights are sharded across ranks" if sharded else sampling.merged_sampling_refusal(model)
         if why:
             raise GuardError(
                 f"stage {stage.name}: {section}.sample_with_merged_lora is refused: {why}. Remove it"
@@ -229,7 +144,7 @@ def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> lis
             )
         )
     if stage.sampling.inverse_cdf_sampling:
-        if why := inverse_cdf_refusal(trainer.args):
+        if why := sampling.inverse_cdf_refusal(trainer.args):
             raise GuardError(
                 f"stage {stage.name}: {section}.inverse_cdf_sampling is refused: {why}. Remove it"
             )
@@ -245,18 +160,6 @@ def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> lis
     return chosen
 
 
-def grpo_eval_metrics(eval_metrics: dict) -> dict:
-    """Eval reward (mean and std over the eval prompts' sampled completions, each reward's mean), from TRL."""
-    found = {
-        "eval_reward": eval_metrics.get("eval_reward"),
-        "eval_reward_std": eval_metrics.get("eval_reward_std"),
-    }
-    for key, value in eval_metrics.items():
-        if key.startswith("eval_rewards/") and key.endswith("/mean"):
-            found[f"eval_reward:{key.split('/')[1]}"] = value
-    return found
-
-
 # TRL's per-step logs that say how the policy moves: reward (total and per function), completion lengths,
 # how many hit max_completion_length, and the KL to the reference (beta > 0).
 _CURVE_KEYS = {
@@ -268,31 +171,103 @@ _CURVE_KEYS = {
 }
 
 
-def grpo_train_metrics(history: list[dict]) -> dict:
-    """The reward curve: one point per logged step."""
-    curve = []
-    for entry in history:
-        if "reward" not in entry:
-            continue
-        point = {"step": entry["step"]}
-        point |= {name: entry[key] for key, name in _CURVE_KEYS.items() if key in entry}
-        point |= {
-            f"reward:{key.split('/')[1]}": value
-            for key, value in entry.items()
-            if key.startswith("rewards/") and key.endswith("/mean")
+class SamplingMethod(TrainingMethod):
+    """What GRPO and RLOO share: `prompt` rows, completions sampled per prompt and scored by the recipe's
+    rewards, the reward measured before step 1 too and its curve in metrics.json."""
+
+    row_format = PROMPTS
+    check_lengths = staticmethod(check_prompt_lengths)
+    eval_at_start = True
+
+    def max_length(self, stage: Stage) -> int | None:
+        """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the longest
+        completion (<method>.max_completion_length)."""
+        if stage.sampling.max_prompt_length is not None:
+            return stage.sampling.max_prompt_length
+        if stage.data.max_length is None:
+            return None
+        return stage.data.max_length - stage.sampling.max_completion_length
+
+    def sampling_keywords(self, inputs: ConfigInputs) -> dict:
+        """The keywords GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""
+        g = inputs.stage.sampling
+        common = inputs.common_keywords()
+        # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
+        common["per_device_eval_batch_size"] = g.num_generations
+        return dict(
+            **common,
+            **{key: getattr(g, key) for key in SAME_NAME_IN_TRL},
+            reward_weights=[reward.weight for reward in g.rewards],
+        )
+
+    def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
+        """The stage's GRPOTrainer or RLOOTrainer, its rewards checked on a training row first, with the
+        parallelism and trainable-dtype guards applied."""
+        built, stage = inputs.built, inputs.stage
+        where = f"stage {stage.name}: {stage.method}.rewards"
+        rewards, _ = build_rewards(
+            stage.sampling.rewards,
+            built.processor,
+            where,
+            tolerance=stage.evaluation.numeric_tolerance,
+            family_box_format=built.family.box_format,
+        )
+        check_rewards(rewards, inputs.data.train[0], where)
+        inputs.record(reference_decision(built, stage))
+        unused = ("padding_free", "preprocessed_cache", "group_by_length")
+        inputs.warn_unused(unused, "TRL samples its own batches")
+        trainer = self.construct_trainer(inputs, reward_funcs=rewards)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        forward = type(model.get_base_model() if hasattr(model, "get_base_model") else model).forward
+        trainer.counts_images_per_row = "batch_num_images" in inspect.signature(forward).parameters
+        for decision in sampling_speedups(trainer, model, stage):
+            inputs.record(decision)
+        return self.prepare_trainer(trainer, inputs)
+
+    def eval_metrics(self, eval_metrics: dict) -> dict:
+        """Eval reward from TRL: mean and std over the eval prompts' completions, and each reward's mean."""
+        found = {
+            "eval_reward": eval_metrics.get("eval_reward"),
+            "eval_reward_std": eval_metrics.get("eval_reward_std"),
         }
-        curve.append(point)
-    return {"reward_curve": curve}
+        for key, value in eval_metrics.items():
+            if key.startswith("eval_rewards/") and key.endswith("/mean"):
+                found[f"eval_reward:{key.split('/')[1]}"] = value
+        return found
+
+    def train_metrics(self, history: list[dict]) -> dict:
+        """The reward curve: one point per logged step."""
+        curve = []
+        for entry in history:
+            if "reward" not in entry:
+                continue
+            point = {"step": entry["step"]}
+            point |= {name: entry[key] for key, name in _CURVE_KEYS.items() if key in entry}
+            point |= {
+                f"reward:{key.split('/')[1]}": value
+                for key, value in entry.items()
+                if key.startswith("rewards/") and key.endswith("/mean")
+            }
+            curve.append(point)
+        return {"reward_curve": curve}
 
 
-GRPO = TrainingMethod(
-    name="grpo",
-    row_format=PROMPTS,
-    build_config=build_grpo_config,
-    build_trainer=build_grpo_trainer,
-    check_lengths=check_prompt_lengths,
-    max_length=sampled_max_prompt_length,
-    eval_metrics=grpo_eval_metrics,
-    train_metrics=grpo_train_metrics,
-    eval_at_start=True,
-)
+class RecipeGRPOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, GRPOTrainer):
+    """The GRPO stage's trainer."""
+
+
+class GRPO(SamplingMethod):
+    """Sampled completions scored by the recipe's rewards, the `grpo:` section: a completion's advantage is
+    its reward against its group's mean (and std)."""
+
+    name = "grpo"
+    trainer_class = RecipeGRPOTrainer
+
+    def build_config(self, inputs: ConfigInputs) -> GRPOConfig:
+        g = inputs.stage.grpo
+        return GRPOConfig(
+            **self.sampling_keywords(inputs),
+            loss_type=g.loss_type,
+            importance_sampling_level=g.importance_sampling_level,
+            scale_rewards=g.scale_rewards,
+        )

@@ -1,5 +1,5 @@
-"""SFT stages: TRL's SFTTrainer with the recipe's settings as an SFTConfig, its collator wrapped by the
-video loader and the batch speed-ups, and the last layer at loss positions only when asked."""
+"""The SFT stage's method: TRL's SFTTrainer with the recipe's settings as an SFTConfig, its collator wrapped
+by the video loader and the batch speed-ups, and the last layer at loss positions only when asked."""
 
 from __future__ import annotations
 
@@ -11,36 +11,17 @@ from trl import SFTConfig, SFTTrainer
 from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
 from vlm_recipes.data.collate import VideoCollator
-from vlm_recipes.data.lengths import check_lengths
-from vlm_recipes.data.rows import MESSAGES, StageData
+from vlm_recipes.data.lengths import check_lengths as check_message_lengths
+from vlm_recipes.data.rows import MESSAGES
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Decision
-from vlm_recipes.methods.trainer import (
-    ConfigInputs,
-    RecipeTrainerMixin,
-    TrainingMethod,
-    built_from,
-    common_training_args,
-    construct_trainer,
-    prepare_trainer,
-)
-from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups.install import compute_loss_positions_only, wrap_collator
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
 from vlm_recipes.speedups.packing import is_packed
 
 log = logging.getLogger(__name__)
-
-
-def build_sft_config(inputs: ConfigInputs) -> SFTConfig:
-    return SFTConfig(
-        **common_training_args(inputs),
-        # Lengths are checked before training (data.check_lengths): the collator must never truncate
-        # through image tokens.
-        max_length=None,
-        assistant_only_loss=True,
-    )
 
 
 class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
@@ -78,20 +59,6 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
         """After the step's backward: any other forward (generation) runs the whole last layer."""
         if self.loss_positions is not None:
             self.loss_positions.positions = None
-
-
-def build_trainer(
-    built: BuiltModel,
-    stage: Stage,
-    args: SFTConfig,
-    data: StageData,
-    decisions: list[Decision] | None = None,
-    callbacks: list | None = None,
-) -> SFTTrainer:
-    """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied."""
-    trainer = construct_trainer(RecipeTrainer, built, args, data, callbacks)
-    average_the_loss_over_the_global_batch(trainer, decisions)
-    return prepare_trainer(trainer, built, stage, decisions, built_from(trainer))
 
 
 def average_the_loss_over_the_global_batch(trainer: SFTTrainer, decisions: list[Decision] | None) -> None:
@@ -148,23 +115,39 @@ def answers_by_prefix(processor, decisions: list[Decision] | None) -> bool:
     return True
 
 
-def build_sft_stage_trainer(built, stage, args, data, decisions=None, callbacks=None):
-    by_prefix = answers_by_prefix(built.processor, decisions)
-    args.assistant_only_loss = not by_prefix  # by prefix: TRL labels every token, the collator keeps answers
-    trainer = build_trainer(built, stage, args, data, decisions, callbacks)
-    videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
-    trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos, by_prefix)
-    wrap_collator(trainer, built, stage, decisions)  # the batch speed-ups wrap TRL's SFT collator
-    compute_loss_positions_only(trainer, built, stage, decisions)
-    return trainer
+class SFT(TrainingMethod):
+    """Supervised fine-tuning on `messages` rows: the loss on the assistant's answers."""
 
+    name = "sft"
+    row_format = MESSAGES
+    check_lengths = staticmethod(check_message_lengths)
+    trainer_class = RecipeTrainer
 
-SFT = TrainingMethod(
-    name="sft",
-    row_format=MESSAGES,
-    build_config=build_sft_config,
-    build_trainer=build_sft_stage_trainer,
-    check_lengths=check_lengths,
-    max_length=lambda stage: stage.data.max_length,
-    eval_metrics=lambda eval_metrics: {},
-)
+    def max_length(self, stage: Stage) -> int | None:
+        """Longest conversation: data.max_length."""
+        return stage.data.max_length
+
+    def build_config(self, inputs: ConfigInputs) -> SFTConfig:
+        return SFTConfig(
+            **inputs.common_keywords(),
+            # Lengths are checked before training (data.check_lengths): the collator must never truncate
+            # through image tokens.
+            max_length=None,
+            assistant_only_loss=True,
+        )
+
+    def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainer:
+        """The one SFTTrainer of a stage, with the parallelism and trainable-dtype guards applied, its
+        collator extended to videos and wrapped by the batch speed-ups the stage asks for."""
+        built, stage, decisions = inputs.built, inputs.stage, inputs.decisions
+        by_prefix = answers_by_prefix(built.processor, decisions)
+        # by prefix: TRL labels every token, the collator keeps the answers
+        inputs.args.assistant_only_loss = not by_prefix
+        trainer = self.construct_trainer(inputs)
+        average_the_loss_over_the_global_batch(trainer, decisions)
+        self.prepare_trainer(trainer, inputs)
+        videos = VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data))
+        trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos, by_prefix)
+        wrap_collator(trainer, built, stage, decisions)  # the batch speed-ups wrap TRL's SFT collator
+        compute_loss_positions_only(trainer, built, stage, decisions)
+        return trainer

@@ -1,14 +1,17 @@
-"""What every method's trainer shares: the TrainingArguments every method sets the same way, the mixin
-that resumes from the runner's checkpoints and gives each role its learning rate, the trainable-dtype
-guard after the trainer is built, and TrainingMethod, what a method module declares."""
+"""What a training method is and what every method's trainer shares: TrainingMethod, the one protocol SFT,
+DPO, KTO, GRPO and RLOO implement (its config from ConfigInputs, its trainer from TrainerInputs, what it
+logs); the TrainingArguments every method sets the same way; the mixin that resumes from the runner's
+checkpoints and gives each role its learning rate; the guards after the trainer is built."""
 
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import torch
 from transformers import TrainingArguments
 
@@ -17,12 +20,8 @@ from vlm_recipes.data.rows import RowFormat, StageData
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
+from vlm_recipes.methods import sharding
 from vlm_recipes.methods.resilience import restore_trainable
-from vlm_recipes.methods.sharding import (
-    carry_buffers_through_the_sharded_load,
-    fsdp_decisions,
-    fsdp_on_cpu_ranks,
-)
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
@@ -42,53 +41,147 @@ class ConfigInputs:
     distributed: bool = False
     unused_possible: bool = True  # a trained role may get no gradient in a step (DDP must search the graph)
 
+    def common_keywords(self) -> dict:
+        """The recipe's training settings as TrainingArguments keywords, the same in all methods' configs."""
+        stage, env, distributed = self.stage, self.env, self.distributed
+        t = stage.training
+        return dict(
+            output_dir=str(self.output_dir),
+            num_train_epochs=t.epochs,
+            max_steps=t.max_steps,
+            per_device_train_batch_size=t.per_device_batch_size,
+            per_device_eval_batch_size=t.eval_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            learning_rate=t.learning_rate,
+            lr_scheduler_type=t.lr_scheduler,
+            warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of total steps
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            logging_steps=t.logging_steps,
+            logging_first_step=True,
+            # Eval loss at the end of the stage, and every `eval_steps` if the recipe asks.
+            eval_strategy="steps" if self.has_eval and stage.evaluation.eval_steps else "no",
+            eval_steps=stage.evaluation.eval_steps,
+            # Checkpoints to resume from (final/ is saved by the stage itself); at least two are kept, so one
+            # is complete even while the next is being written.
+            save_strategy="steps" if t.save_steps > 0 else "no",
+            save_steps=t.save_steps if t.save_steps > 0 else 500,
+            save_total_limit=t.save_total_limit,
+            logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
+            bf16=self.precision == "bf16",
+            fp16=self.precision == "fp16",
+            use_cpu=env.device == "cpu",
+            seed=t.seed,
+            data_seed=t.seed,
+            report_to=[r for r in t.report_to if r != "none"] or "none",
+            activation_checkpointing=t.gradient_checkpointing,
+            activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
+            dataloader_num_workers=t.dataloader_workers,
+            remove_unused_columns=False,
+            # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for
+            # images.
+            train_sampling_strategy="group_by_length" if t.group_by_length else "random",
+            length_column_name="length",
+            ddp_backend="gloo" if distributed and env.device == "cpu" else None,
+            # Every trainable tensor gets a gradient in every step, unless the vision side trains and a batch
+            # has no image: only then must DDP search the graph for unused parameters (slower).
+            ddp_find_unused_parameters=distributed and self.unused_possible,
+        )
 
-def common_training_args(inputs: ConfigInputs) -> dict:
-    """The recipe's training settings as TrainingArguments keywords, shared by every method's config."""
-    stage, output_dir, precision, env = inputs.stage, inputs.output_dir, inputs.precision, inputs.env
-    has_eval, distributed, unused_possible = inputs.has_eval, inputs.distributed, inputs.unused_possible
-    t = stage.training
-    return dict(
-        output_dir=str(output_dir),
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps,
-        per_device_train_batch_size=t.per_device_batch_size,
-        per_device_eval_batch_size=t.eval_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_ratio,  # transformers 5: a float < 1 is a ratio of total steps
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
-        logging_steps=t.logging_steps,
-        logging_first_step=True,
-        # Eval loss at the end of the stage, and every `eval_steps` if the recipe asks.
-        eval_strategy="steps" if has_eval and stage.evaluation.eval_steps else "no",
-        eval_steps=stage.evaluation.eval_steps,
-        # Checkpoints to resume from (final/ is saved by the stage itself); at least two are kept, so one
-        # is complete even while the next is being written.
-        save_strategy="steps" if t.save_steps > 0 else "no",
-        save_steps=t.save_steps if t.save_steps > 0 else 500,
-        save_total_limit=t.save_total_limit,
-        logging_nan_inf_filter=False,  # a NaN loss must show, not be averaged away
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu=env.device == "cpu",
-        seed=t.seed,
-        data_seed=t.seed,
-        report_to=[r for r in t.report_to if r != "none"] or "none",
-        activation_checkpointing=t.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
-        dataloader_num_workers=t.dataloader_workers,
-        remove_unused_columns=False,
-        # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for images.
-        train_sampling_strategy="group_by_length" if t.group_by_length else "random",
-        length_column_name="length",
-        ddp_backend="gloo" if distributed and env.device == "cpu" else None,
-        # Every trainable tensor gets a gradient in every step, unless the vision side trains and a batch
-        # has no image: only then must DDP search the graph for unused parameters (slower).
-        ddp_find_unused_parameters=distributed and unused_possible,
-    )
+
+@dataclass
+class TrainerInputs:
+    """What a stage's trainer is built from (TrainingMethod.make_trainer)."""
+
+    built: BuiltModel
+    stage: Stage
+    args: TrainingArguments  # the method's config (TrainingMethod.build_config)
+    data: StageData  # the stage's splits, their lengths checked
+    decisions: list[Decision]  # what building the trainer decides is added here (the stage's report.json)
+    callbacks: list | None = None
+
+    def record(self, decision: Decision) -> None:
+        """Log a decision and keep it for the stage's report."""
+        log.info("  %s", decision)
+        self.decisions.append(decision)
+
+    def warn_unused(self, keys: tuple[str, ...], why: str) -> None:
+        """Say once each which of these `training` speed-ups the stage sets and its method does not use
+        (`why`: what makes its batches instead)."""
+        for key in keys:
+            if getattr(self.stage.training, key):
+                log.warning("  training.%s is not used by method %s (%s)", key, self.stage.method, why)
+
+
+class TrainingMethod(ABC):
+    """How a stage trains (the recipe's `method:`), one small class each: SFT (methods/sft.py), DPO and KTO
+    (dpo.py, kto.py: PreferenceMethod), GRPO and RLOO (grpo.py, rloo.py: SamplingMethod). It checks its rows,
+    builds its TRL config and trainer, and says what it adds to metrics.json; stages/run.py asks nothing
+    else of a method."""
+
+    name: str  # the recipe's `method:`
+    row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
+    # data/'s length check of the rows, a staticmethod: (rows, processor, family, max_length, source,
+    # on_bad_sample, video, remember) -> (rows, tokens per row, rows skipped per reason); nothing is ever cut
+    check_lengths: Callable[..., tuple[datasets.Dataset, list[int], dict[str, int]]]
+    trainer_class: type[RecipeTrainerMixin]  # TRL's trainer with the recipe's mixins in front
+    eval_at_start: bool = False  # eval_metrics measured before step 1 too (stages/metrics.evaluate_at_start)
+
+    @abstractmethod
+    def max_length(self, stage: Stage) -> int | None:
+        """The longest row check_lengths lets through, in tokens, image tokens included; None: no limit."""
+
+    @abstractmethod
+    def build_config(self, inputs: ConfigInputs) -> TrainingArguments:
+        """The stage's TRL config (SFTConfig, DPOConfig, ...): inputs.common_keywords(), then its own."""
+
+    @abstractmethod
+    def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
+        """The stage's trainer: construct_trainer, what the method adds to it, prepare_trainer."""
+
+    def build_trainer(self, built, stage, args, data, decisions=None, callbacks=None) -> RecipeTrainerMixin:
+        """make_trainer on these TrainerInputs (stages/run.py's call); what it decides joins `decisions`."""
+        kept = [] if decisions is None else decisions
+        return self.make_trainer(TrainerInputs(built, stage, args, data, kept, callbacks))
+
+    def eval_metrics(self, eval_metrics: dict) -> dict:
+        """trainer.evaluate()'s output -> the method's extra keys of metrics.json."""
+        return {}
+
+    def train_metrics(self, history: list[dict]) -> dict:
+        """trainer.state.log_history -> the method's extra keys of metrics.json (GRPO's reward curve)."""
+        return {}
+
+    def construct_trainer(self, inputs: TrainerInputs, **method_arguments) -> RecipeTrainerMixin:
+        """trainer_class on the stage's model, config (DataParallel refused first), splits, processor and
+        callbacks, with what the method adds (DPO's `ref_model`, GRPO's `reward_funcs`)."""
+        apply_parallelism(inputs.args)
+        return self.trainer_class(
+            model=inputs.built.model,
+            args=inputs.args,
+            train_dataset=inputs.data.train,
+            eval_dataset=inputs.data.eval,
+            processing_class=inputs.built.processor,
+            callbacks=inputs.callbacks,
+            **method_arguments,
+        )
+
+    def prepare_trainer(self, trainer: RecipeTrainerMixin, inputs: TrainerInputs) -> RecipeTrainerMixin:
+        """Per-role learning rates, the trainable-dtype guard (the TRL trainer may have cast adapters), and
+        the trained tower reached from batches without images."""
+        built, stage = inputs.built, inputs.stage
+        if stage.training.role_learning_rates:
+            trainer.role_groups = lambda decay_names: role_parameter_groups(
+                trainer.model, built.family, stage, decay_names
+            )
+        when = f"after {type(trainer).__bases__[-1].__name__} was built"  # the last base: TRL's trainer
+        decision = apply_trainable_dtype(
+            trainer.model, stage.training.trainable_dtype, built.compute_dtype, when
+        )
+        log.info("  %s", decision)
+        tower = every_batch_reaches_the_trained_tower(trainer.model, built.family)
+        inputs.decisions += [*trainer.sharding_decisions, decision, *([tower] if tower else [])]
+        return trainer
 
 
 def role_parameter_groups(
@@ -129,64 +222,15 @@ class RecipeTrainerMixin:
         return self.optimizer
 
     def create_accelerator_and_postprocess(self):
-        self.sharding_decisions = fsdp_decisions(self.model)
-        if buffers := carry_buffers_through_the_sharded_load(self.model):
+        self.sharding_decisions = sharding.fsdp_decisions(self.model)
+        if buffers := sharding.carry_buffers_through_the_sharded_load(self.model):
             self.sharding_decisions.append(buffers)
-        with fsdp_on_cpu_ranks(self.sharding_decisions):
+        with sharding.fsdp_on_cpu_ranks(self.sharding_decisions):
             super().create_accelerator_and_postprocess()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
-
-
-def announce_method_settings(
-    stage: Stage, decisions: list[Decision] | None, reference: Decision, unused: tuple[str, ...], why: str
-) -> None:
-    """A preference or RL stage's reference model (logged and recorded), and the `training` speed-ups it does
-    not use (`why`: what makes its batches instead), said once each."""
-    log.info("  %s", reference)
-    if decisions is not None:
-        decisions.append(reference)
-    for key in unused:
-        if getattr(stage.training, key):
-            log.warning("  training.%s is not used by method %s (%s)", key, stage.method, why)
-
-
-def construct_trainer(trainer_class: type, built: BuiltModel, args, data, callbacks, **method_arguments):
-    """The TRL trainer of a stage: its model, config (DataParallel refused first), splits, processor and
-    callbacks, with what the method adds (DPO's `ref_model`, GRPO's `reward_funcs`)."""
-    apply_parallelism(args)
-    return trainer_class(
-        model=built.model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        processing_class=built.processor,
-        callbacks=callbacks,
-        **method_arguments,
-    )
-
-
-def built_from(trainer) -> str:
-    """For the trainable-dtype guard's log: after which TRL trainer was built (the last base of ours)."""
-    return f"after {type(trainer).__bases__[-1].__name__} was built"
-
-
-def prepare_trainer(
-    trainer: RecipeTrainerMixin, built: BuiltModel, stage: Stage, decisions: list[Decision] | None, when: str
-):
-    """Per-role learning rates and the trainable-dtype guard (the TRL trainer may have cast adapters)."""
-    if stage.training.role_learning_rates:
-        trainer.role_groups = lambda decay_names: role_parameter_groups(
-            trainer.model, built.family, stage, decay_names
-        )
-    decision = apply_trainable_dtype(trainer.model, stage.training.trainable_dtype, built.compute_dtype, when)
-    log.info("  %s", decision)
-    tower = every_batch_reaches_the_trained_tower(trainer.model, built.family)
-    if decisions is not None:
-        decisions += [*trainer.sharding_decisions, decision, *([tower] if tower else [])]
-    return trainer
 
 
 def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family) -> Decision | None:
@@ -238,28 +282,3 @@ def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family
     )
     log.info("  %s", decision)
     return decision
-
-
-# (built, stage, its TrainingArguments, data, the stage's decisions, callbacks) -> the stage's trainer
-BuildTrainer = Callable[
-    [BuiltModel, Stage, TrainingArguments, StageData, list[Decision] | None, list | None], RecipeTrainerMixin
-]
-
-
-@dataclass(frozen=True)
-class TrainingMethod:
-    """What a method module declares (SFT, DPO, KTO, GRPO, RLOO): how its rows are checked, its config and
-    trainer built, and what it adds to metrics.json; stages/run.py asks nothing else of a method."""
-
-    name: str
-    row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
-    build_config: Callable[[ConfigInputs], TrainingArguments]
-    build_trainer: BuildTrainer
-    # (ds, processor, family, max_length, source, on_bad_sample) -> (ds, lengths, skipped)
-    check_lengths: Callable
-    max_length: Callable[[Stage], int | None]
-    eval_metrics: Callable[[dict], dict]  # trainer.evaluate()'s output -> extra keys of metrics.json
-    # trainer.state.log_history -> extra keys of metrics.json (GRPO's reward curve)
-    train_metrics: Callable[[list[dict]], dict] = lambda history: {}
-    # eval_metrics measured before step 1 too (stages/metrics.evaluate_at_start): GRPO's reward, DPO's margin
-    eval_at_start: bool = False

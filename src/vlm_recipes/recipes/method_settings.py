@@ -31,7 +31,16 @@ DpoLoss = Literal[
     "sft",
 ]
 
-# Parts a quantized load can leave in full precision: the training roles plus the output head.
+
+def longest_in_tokens(what: str, longer: str, otherwise: str):
+    """A method's length limit, off (null) by default: what a row may hold at most, in tokens; a longer row
+    is refused or skipped, never cut (cutting would drop image tokens or the answer)."""
+    return doc(
+        f"longest {what} in tokens, image tokens included; a longer {longer} is a data error, never cut; "
+        f"null: {otherwise}",
+        None,
+        range=AT_LEAST_1,
+    )
 
 
 @dataclass
@@ -47,11 +56,8 @@ class DpoSettings:
     loss_type: DpoLoss = doc(
         "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
     )
-    max_length: int | None = doc(
-        "longest prompt + answer (chosen or rejected) in tokens, image tokens included; a longer pair is a "
-        "data error, never cut; null: data.max_length",
-        None,
-        range=AT_LEAST_1,
+    max_length: int | None = longest_in_tokens(
+        "prompt + answer (chosen or rejected)", "pair", "data.max_length"
     )
 
 
@@ -70,12 +76,7 @@ class KtoSettings:
         range=ABOVE_0,
     )
     undesirable_weight: float = doc("weight of the bad answers' loss", 1.0, range=ABOVE_0)
-    max_length: int | None = doc(
-        "longest prompt + answer in tokens, image tokens included; a longer row is a data error, never cut; "
-        "null: data.max_length",
-        None,
-        range=AT_LEAST_1,
-    )
+    max_length: int | None = longest_in_tokens("prompt + answer", "row", "data.max_length")
 
 
 @dataclass
@@ -123,11 +124,8 @@ class SampledCompletionSettings:
         range=Range(2),
     )
     max_completion_length: int = doc("longest sampled completion, in tokens", 256, range=AT_LEAST_1)
-    max_prompt_length: int | None = doc(
-        "longest prompt in tokens, image tokens included; a longer prompt is a data error, never cut; "
-        "null: data.max_length minus max_completion_length",
-        None,
-        range=AT_LEAST_1,
+    max_prompt_length: int | None = longest_in_tokens(
+        "prompt", "prompt", "data.max_length minus max_completion_length"
     )
     temperature: float = doc("sampling temperature of the completions", 1.0, range=ABOVE_0)
     beta: float = doc(
