@@ -179,10 +179,10 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
                 env,
                 state=state,
                 parallel=plan,
-                decisions=[decision, *([rates] if rates else [])],
                 family=family,
                 data_paths=data_paths,
             )
+            ctx.record(decision, rates)
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
         if state.is_main_process:

@@ -84,7 +84,6 @@ def average_the_loss_over_the_global_batch(trainer: SFTTrainer, decisions: list[
         "without it each micro-batch and rank is averaged on its own, and gradient accumulation or 2 ranks "
         "would not train as one process over the same rows",
     )
-    log.info("  %s", decision)
     if decisions is not None:
         decisions.append(decision)
 
@@ -109,7 +108,6 @@ def answers_by_prefix(processor, decisions: list[Decision] | None) -> bool:
         "answer's tokens are those between the conversation before it (with the generation prompt) and "
         "through it, rendered and processed again per row",
     )
-    log.info("  %s", decision)
     if decisions is not None:
         decisions.append(decision)
     return True

@@ -61,7 +61,6 @@ def wrap_language_layers_only(model) -> Decision:
         "gathered once a step on every rank, so batches with and without images or videos run the same "
         "collectives",
     )
-    log.info("  %s", decision)
     return decision
 
 
@@ -96,7 +95,6 @@ def fsdp_on_cpu_ranks(decisions: list[Decision]) -> Iterator[None]:
                 f"FSDP{fsdp_plugin.fsdp_version} over gloo on {state.num_processes} CPU processes",
                 "accelerate leaves CPU ranks unsharded (DDP); the runner hands its state the FSDP plugin",
             )
-            log.info("  %s", decision)
             decisions.append(decision)
 
     AcceleratorState.__init__ = take_the_plugin
@@ -140,7 +138,6 @@ def carry_buffers_through_the_sharded_load(model) -> Decision | None:
         "accelerate's rank-0 load takes every state-dict entry for a sharded parameter and fails on a buffer "
         "(accelerate#3898)",
     )
-    log.info("  %s", decision)
     return decision
 
 

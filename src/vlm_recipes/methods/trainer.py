@@ -101,8 +101,7 @@ class TrainerInputs:
     callbacks: list | None = None
 
     def record(self, decision: Decision) -> None:
-        """Log a decision and keep it for the stage's report."""
-        log.info("  %s", decision)
+        """Keep a decision for the stage, which logs it and writes it to report.json (StageContext.record)."""
         self.decisions.append(decision)
 
     def warn_unused(self, keys: tuple[str, ...], why: str) -> None:
@@ -178,7 +177,6 @@ class TrainingMethod(ABC):
         decision = apply_trainable_dtype(
             trainer.model, stage.training.trainable_dtype, built.compute_dtype, when
         )
-        log.info("  %s", decision)
         tower = every_batch_reaches_the_trained_tower(trainer.model, built.family)
         inputs.decisions += [*trainer.sharding_decisions, decision, *([tower] if tower else [])]
         return trainer
@@ -280,5 +278,4 @@ def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family
         "a batch without images still reaches what trains (zero gradient): backward runs, and every rank "
         "runs the same collectives",
     )
-    log.info("  %s", decision)
     return decision
