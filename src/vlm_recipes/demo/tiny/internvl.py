@@ -8,10 +8,13 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import (
     TINY_TEXT_DIMS,
+    TINY_VISION_DIMS,
     qwen_generation,
+    qwen_tokenizer_from,
     save_tiny_model,
     tiny_text_config,
-    train_byte_level_bpe,
+    tiny_vision_config,
+    train_qwen_bpe,
 )
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
@@ -47,22 +50,9 @@ def internvl_tokenizer(corpus: list[str]):
     """A Qwen2Tokenizer (Qwen3's class) around a BPE trained on `corpus`: Qwen's special tokens, Qwen3's
     added ones (<think>, ...), InternVL's image tokens, numbered in that order after the BPE vocab."""
     from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in (*QWEN3_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *INTERNVL_TOKENS):
-        vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=NAMED_TOKENS,
-        model_max_length=4096,
-    )
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
+    vocab, merges = train_qwen_bpe(corpus, (*QWEN3_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *INTERNVL_TOKENS))
+    tok = qwen_tokenizer_from(vocab, merges, NAMED_TOKENS, not_special=QWEN3_ADDED_TOKENS)
     # already in the vocab: they keep their ids, are never split, and are special (skipped when decoding)
     tok.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in INTERNVL_TOKENS], special_tokens=True
@@ -113,19 +103,16 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
             eos_token_id=ids["<|im_end|>"],
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": tile,
-            "patch_size": patch,
+        vision_config=tiny_vision_config(
+            dims,
+            image_size=tile,
+            patch_size=patch,
             # InternViT-300M's (internvl_custom2hf.py's vit_300m_config): biased qkv, LayerNorm, no qk norm
-            "attention_bias": True,
-            "norm_type": "layer_norm",
-            "use_qk_norm": False,
-            "use_mean_pooling": True,
-        },
+            attention_bias=True,
+            norm_type="layer_norm",
+            use_qk_norm=False,
+            use_mean_pooling=True,
+        ),
         image_token_id=ids["<IMG_CONTEXT>"],
         image_seq_length=tokens_per_tile,
         downsample_ratio=0.5,
@@ -140,10 +127,7 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
 # What build_tiny_internvl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "tile": 56,  # 4x4 patches of 14 px, shuffled to 2x2 = 4 tokens a tile (the real: 448 px, 256 tokens)
     "patch": 14,
     "max_patches": 6,  # up to 6 tiles and a thumbnail (the real: 12): at most 28 tokens an image

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    qwen_generation,
+    qwen_tokenizer,
+    save_tiny_model,
+    tiny_text_config,
+)
 
 # The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
 QWEN_VL_SPECIAL_TOKENS = (
@@ -22,30 +28,34 @@ QWEN_VL_SPECIAL_TOKENS = (
 MIN_PIXELS = 28 * 28 * 4  # at least 4 merged image tokens per image (the most: the dims' max_pixels)
 
 
-def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def qwen2_vl_processor(processor_class, corpus: list[str], dims: dict):
+    """Qwen2-VL's processor (`processor_class`: Qwen2.5-VL's too): a tokenizer with the Qwen-VL special
+    tokens and Qwen2-VL-2B-Instruct's chat template, 14 px patches merged 2x2, between MIN_PIXELS and the
+    dims' max_pixels."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     from trl.chat_template_utils import qwen2_5_vl_chat_template
 
     tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS)
-    # TRL matches this template byte for byte (it is Qwen2-VL-2B-Instruct's) and swaps in its
-    # training variant with {% generation %} markers for assistant-only loss.
+    # TRL matches this template byte for byte (it is Qwen2-VL-2B-Instruct's, and Qwen2.5-VL-*-Instruct
+    # ship it too) and swaps in its training variant with {% generation %} markers for assistant-only loss.
     tok.chat_template = qwen2_5_vl_chat_template
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
-    processor = Qwen2VLProcessor(
+    return processor_class(
         image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
         tokenizer=tok,
         video_processor=Qwen2VLVideoProcessor(size=size),  # v5 processors want it passed explicitly
         chat_template=qwen2_5_vl_chat_template,
     )
+
+
+def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    processor = qwen2_vl_processor(Qwen2VLProcessor, corpus, dims)
+    tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen2VLConfig(
-        text_config=qwen2_text_config(dims, len(tok), ids),
+        text_config=qwen2_text_config(tok, dims, ids),
         vision_config={
             "depth": dims["vision_depth"],
             "embed_dim": dims["vision_dim"],
@@ -62,28 +72,18 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, Qwen2VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
 
 
-def qwen_text_config(dims: dict, vocab: int, ids: dict[str, int], **extra) -> dict:
+def qwen_text_config(tok, dims: dict, ids: dict[str, int], **extra) -> dict:
     """The text model config every tiny Qwen-VL shares; `extra` adds or replaces keys."""
-    return {
-        "vocab_size": dims.get(
-            "vocab", -(-vocab // 64) * 64
-        ),  # rounded up; the tokenizer never yields the rest
-        "hidden_size": dims["hidden"],
-        "intermediate_size": dims["intermediate"],
-        "num_hidden_layers": dims["layers"],
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        "max_position_embeddings": 4096,
-        "pad_token_id": ids["<|endoftext|>"],
-        **extra,
-    }
+    return tiny_text_config(
+        tok, dims, max_position_embeddings=4096, pad_token_id=ids["<|endoftext|>"], **extra
+    )
 
 
-def qwen2_text_config(dims: dict, vocab: int, ids: dict[str, int]) -> dict:
+def qwen2_text_config(tok, dims: dict, ids: dict[str, int]) -> dict:
     """Qwen2's text model, as Qwen2-VL and Qwen2.5-VL configure it."""
     return qwen_text_config(
+        tok,
         dims,
-        vocab,
         ids,
         max_window_layers=dims["layers"],
         # head_dim/2 rotary frequencies, split over (temporal, height, width): tiny 16 -> [2, 3, 3]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny import qwen_generation, save_tiny_model
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config, qwen3_vl_processor
+from vlm_recipes.demo.tiny.qwen3_vl import qwen3_vision_config, qwen3_vl_processor
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
@@ -21,16 +21,15 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     from trl.chat_template_utils import qwen3_5_think_chat_template
 
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS, qwen3_5=True)
     # Qwen3.5-4B and larger ship the thinking template (2B and smaller the same with thinking off by
     # default); TRL swaps in its training variant, which always writes the <think> block and marks
     # the assistant's output with {% generation %}.
-    tok.chat_template = qwen3_5_think_chat_template
-    processor = qwen3_vl_processor(tok, dims, qwen3_5_think_chat_template)  # Qwen3.5's, as Qwen3-VL's
+    processor = qwen3_vl_processor(corpus, dims, qwen3_5_think_chat_template, qwen3_5=True)
+    tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     text = qwen_text_config(
+        tok,
         dims,
-        len(tok),
         ids,
         head_dim=dims["head_dim"],
         # rotary on a quarter of each head, interleaved t/h/w as Qwen3-VL's (the real [11, 11, 10] of 32)

@@ -12,9 +12,10 @@ from pathlib import Path
 from vlm_recipes.demo.tiny import (
     TINY_TEXT_DIMS,
     qwen_generation,
+    qwen_tokenizer_from,
     save_tiny_model,
     tiny_text_config,
-    train_byte_level_bpe,
+    train_qwen_bpe,
 )
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config
@@ -125,25 +126,11 @@ def qwen3_omni_tokenizer(corpus: list[str]):
     """Qwen3-Omni's Qwen2Tokenizer around a BPE trained on `corpus` with Qwen's pre-tokenizer: the special
     tokens, Qwen3's added ones (not special) and the audio/TTS ones, numbered in the published order, and the
     named image/video/audio tokens of its tokenizer_config.json."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in (*QWEN_VL_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *QWEN3_OMNI_AUDIO_TOKENS):
-        vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
-        model_max_length=4096,
-        **NAMED_TOKENS,
+    vocab, merges = train_qwen_bpe(
+        corpus, (*QWEN_VL_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *QWEN3_OMNI_AUDIO_TOKENS)
     )
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
-    return tok
+    extra_special = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
+    return qwen_tokenizer_from(vocab, merges, extra_special, QWEN3_ADDED_TOKENS, **NAMED_TOKENS)
 
 
 def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:

@@ -20,12 +20,15 @@ QWEN3_ADDED_TOKENS = (
 MIN_PIXELS = 32 * 32 * 4  # at least 4 merged image tokens per image (the most: the dims' max_pixels)
 
 
-def qwen3_vl_processor(tok, dims: dict, chat_template: str):
-    """Qwen3-VL's processor (also transformers' processor for Qwen3.5): 16 px patches merged 2x2, between
-    MIN_PIXELS and the dims' max_pixels, mean and std 0.5 as in their preprocessor_config.json (Qwen2-VL:
-    the CLIP mean/std)."""
+def qwen3_vl_processor(corpus: list[str], dims: dict, chat_template: str, qwen3_5: bool = False):
+    """Qwen3-VL's processor (also transformers' processor for Qwen3.5): a tokenizer with the Qwen-VL special
+    tokens and Qwen3's added ones (`qwen3_5`: Qwen3.5's tokenizer class and pre-tokenizer) and
+    `chat_template`; 16 px patches merged 2x2, between MIN_PIXELS and the dims' max_pixels, mean and std 0.5
+    as in their preprocessor_config.json (Qwen2-VL: the CLIP mean/std)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
+    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS, qwen3_5=qwen3_5)
+    tok.chat_template = chat_template
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
     half = [0.5, 0.5, 0.5]
     return Qwen3VLProcessor(
@@ -42,16 +45,15 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from trl.chat_template_utils import qwen3_vl_chat_template
 
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS)
     # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
     # {% generation %} markers for assistant-only loss.
-    tok.chat_template = qwen3_vl_chat_template
-    processor = qwen3_vl_processor(tok, dims, qwen3_vl_chat_template)
+    processor = qwen3_vl_processor(corpus, dims, qwen3_vl_chat_template)
+    tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     config = Qwen3VLConfig(
         text_config=qwen_text_config(
+            tok,
             dims,
-            len(tok),
             ids,
             head_dim=dims["head_dim"],
             rope_parameters={
