@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    byte_level_bpe,
+    generation_ids,
+    save_tiny_model,
+    tiny_text_config,
+    train_byte_level_bpe,
+)
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
@@ -46,20 +53,11 @@ def glm4_tokenizer(corpus: list[str]):
     """A TokenizersBackend (the published tokenizer.json loads as one: PreTrainedTokenizerFast) around a
     byte-level BPE trained on `corpus` with GLM-4's pattern, the special tokens after it, nothing added by
     the tokenizer itself (the chat template writes [gMASK]<sop>); <|endoftext|> is eos and pad."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, GLM4_PATTERN)
-    for token in GLM4V_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(GLM4_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
+    vocab, merges = train_byte_level_bpe(corpus, GLM4_PATTERN, last=GLM4V_SPECIAL_TOKENS)
+    bpe = byte_level_bpe(vocab, merges, GLM4_PATTERN)
     bpe.add_special_tokens([AddedToken(token, special=True) for token in GLM4V_SPECIAL_TOKENS])
     return TokenizersBackend(
         tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=4096
@@ -146,15 +144,8 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
         video_end_token_id=ids["<|end_of_video|>"],
         tie_word_embeddings=False,
     )
-    save_tiny_model(
-        out,
-        model_class,
-        config,
-        processor,
-        dims,
-        eos_token_id=stops,
-        pad_token_id=ids["<|endoftext|>"],
-    )
+    generation = generation_ids(tok, eos=list(STOP_TOKENS), pad="<|endoftext|>")
+    save_tiny_model(out, model_class, config, processor, dims, **generation)
 
 
 # What build_tiny_glm4v builds, one dict per demo model (demo/models.py: DEMO_MODELS)

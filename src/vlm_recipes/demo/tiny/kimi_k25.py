@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    byte_level_bpe,
+    generation_ids,
+    save_tiny_model,
+    tiny_text_config,
+    train_byte_level_bpe,
+)
 
 MIRRORS = "moonshotai/Kimi-K2.5"  # the published checkpoint this tiny build mirrors
 
@@ -153,17 +160,13 @@ KIMI_K25_CHAT_TEMPLATE = """{%- macro render_content(msg) -%}
 def kimi_tokenizer(corpus: list[str]):
     """A TokenizersBackend around a byte-level BPE trained on `corpus` with Kimi's pattern, the special and
     added tokens after it; nothing added on encoding (the template writes no [BOS])."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, KIMI_PATTERN)
-    for token in (*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS):
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    split = pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated", invert=False)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    bpe.decoder = decoders.ByteLevel()
+    vocab, merges = train_byte_level_bpe(
+        corpus, KIMI_PATTERN, last=(*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS)
+    )
+    bpe = byte_level_bpe(vocab, merges, KIMI_PATTERN)
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in KIMI_SPECIAL_TOKENS])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_ADDED_TOKENS])
     named = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
@@ -227,8 +230,8 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,  # the published lm_head is its own matrix (the class default ties it)
     )
     # generation stops at the end of a turn (the published generation_config's eos: <|im_end|>)
-    gen = dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["[PAD]"], bos_token_id=ids["[BOS]"])
-    save_tiny_model(out, Kimi_K25ForConditionalGeneration, config, processor, dims, **gen)
+    generation = generation_ids(tok, eos="<|im_end|>", pad="[PAD]", bos="[BOS]")
+    save_tiny_model(out, Kimi_K25ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_kimi_k25 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    byte_level_bpe,
+    generation_ids,
+    save_tiny_model,
+    tiny_text_config,
+    train_byte_level_bpe,
+)
 
 MIRRORS = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
 
@@ -110,21 +117,12 @@ def llama4_tokenizer(corpus: list[str]):
     Llama 4's tiktoken file (convert_llama4_weights_to_hf.py: Llama4Converter): a byte-level BPE trained on
     `corpus` with Llama 4's pattern, ByteLevel decoding, the special tokens, <|begin_of_text|> prepended to
     every encoded text; eos <|eot|> (the Instruct checkpoints')."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, LLAMA4_PATTERN)
-    for token in (*LLAMA4_SPECIAL_TOKENS, LLAMA4_TOKENIZER_PAD):
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA4_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
     specials = (*LLAMA4_SPECIAL_TOKENS, LLAMA4_TOKENIZER_PAD)
+    vocab, merges = train_byte_level_bpe(corpus, LLAMA4_PATTERN, last=specials)
+    bpe = byte_level_bpe(vocab, merges, LLAMA4_PATTERN, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in specials])
     bos = "<|begin_of_text|>"
     bpe.post_processor = processors.Sequence(
@@ -222,8 +220,7 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     # the generation config as published, but stopping at <|eot|> only ([200001, 200007, 200008] there)
-    generation = {"eos_token_id": ids["<|eot|>"], "pad_token_id": ids["<|finetune_right_pad|>"]}
-    generation["bos_token_id"] = ids["<|begin_of_text|>"]
+    generation = generation_ids(tok, eos="<|eot|>", pad="<|finetune_right_pad|>", bos="<|begin_of_text|>")
     save_tiny_model(out, Llama4ForConditionalGeneration, config, processor, dims, **generation)
 
 

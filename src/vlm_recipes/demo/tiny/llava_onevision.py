@@ -7,9 +7,11 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import (
     TINY_TEXT_DIMS,
+    TINY_VISION_DIMS,
     qwen_generation,
     qwen_tokenizer,
     save_tiny_model,
+    siglip_vision_config,
     tiny_text_config,
 )
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
@@ -54,16 +56,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
             eos_token_id=ids["<|im_end|>"],
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": side,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
+        vision_config=siglip_vision_config(dims, image_size=side),
         image_token_index=ids["<image>"],
         video_token_index=ids["<video>"],
         vision_feature_select_strategy="full",
@@ -80,10 +73,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
 # What build_tiny_llava_onevision builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "tile": 28,  # 2x2 patches of 14 px: 4 tokens per tile (the real: 384 px, 27x27 = 729)
     # up to 2x2 tiles (the real: up to 6x6 of 384 px); anyres_max_2 (the real: 9) so that a 2x2 grid is
     # scaled down and the interpolation branch runs too. An image: 4 + at most 16 + 4 tokens.

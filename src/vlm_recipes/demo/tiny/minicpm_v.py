@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import (
+    TINY_TEXT_DIMS,
+    TINY_VISION_DIMS,
+    byte_level_bpe,
+    generation_ids,
+    save_tiny_model,
+    tiny_text_config,
+    tiny_vision_config,
+    train_byte_level_bpe,
+)
 
 MIRRORS = "openbmb/MiniCPM-V-4.6"  # the transformers docs also spell it openbmb/MiniCPM-V-4_6
 
@@ -144,12 +153,8 @@ def minicpm_v_tokenizer(corpus: list[str]):
     from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX  # the published pattern
 
     vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    bpe = tk.Tokenizer(tk.models.BPE(vocab, merges, fuse_unk=False))
+    bpe = byte_level_bpe(vocab, merges, PRETOKENIZE_REGEX)
     bpe.normalizer = tk.normalizers.NFC()
-    split = tk.pre_tokenizers.Split(tk.Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.pre_tokenizer = tk.pre_tokenizers.Sequence([split, byte_level])
-    bpe.decoder = tk.decoders.ByteLevel()
     bpe.post_processor = tk.processors.ByteLevel(trim_offsets=False)
     special = {t: t not in MINICPM_V_NOT_SPECIAL for t in MINICPM_V_ADDED_TOKENS}
     bpe.add_tokens([tk.AddedToken(t, special=s, normalized=False) for t, s in special.items()])
@@ -204,17 +209,11 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=True,
     )
-    vision = {
-        "hidden_size": dims["vision_dim"],
-        "intermediate_size": dims["vision_intermediate"],
-        "num_hidden_layers": dims["vision_layers"],
-        "num_attention_heads": dims["vision_heads"],
-        "image_size": dims["vision_image_size"],
-        "patch_size": dims["patch"],
-    }
     config = MiniCPMV4_6Config(
         text_config=text,
-        vision_config=vision,
+        vision_config=tiny_vision_config(
+            dims, image_size=dims["vision_image_size"], patch_size=dims["patch"]
+        ),
         insert_layer_id=dims["insert_layer_id"],
         image_size=dims["scale_resolution"],
         image_token_id=ids["<|image_pad|>"],
@@ -222,8 +221,7 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=True,  # as published: lm_head is the embedding matrix
     )
     # <|im_end|> stops (the published generation config stops on <|endoftext|> too); bos as published
-    generation = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
-    generation["bos_token_id"] = ids["<|im_start|>"]
+    generation = generation_ids(tok, eos="<|im_end|>", pad="<|endoftext|>", bos="<|im_start|>")
     save_tiny_model(out, MiniCPMV4_6ForConditionalGeneration, config, processor, dims, **generation)
 
 
@@ -235,10 +233,7 @@ TINY = {
     "head_dim": 32,  # a quarter of it rotary (the real: 256, 8 query heads over 2)
     "linear_heads": 2,  # as many key as value heads, as published (16 of 128 dimensions there)
     "linear_head_dim": 16,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "vision_image_size": 112,  # an 8x8 learned position grid (the real: 980 px, 70x70)
     "patch": 14,
     "insert_layer_id": 0,  # the window merger after the first of 2 layers (the real: after 7 of 27)
