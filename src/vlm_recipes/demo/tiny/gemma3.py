@@ -71,12 +71,7 @@ def gemma_tokenizer(corpus: list[str]):
 
 
 def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessor,
-        Gemma3Processor,
-    )
+    import transformers
     from trl.chat_template_utils import gemma3_chat_template
 
     tok = gemma_tokenizer(corpus)
@@ -84,8 +79,8 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
     # {% generation %} markers for assistant-only loss.
     tok.chat_template = gemma3_chat_template
     side = dims["image_size"]
-    processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessor(
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(
             size={"height": side, "width": side},
             do_pan_and_scan=False,
             pan_and_scan_min_crop_size=256,
@@ -97,7 +92,7 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
         image_seq_length=dims["tokens_per_image"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA_SPECIAL_TOKENS, *GEMMA_IMAGE_TOKENS)}
-    config = Gemma3Config(
+    config = transformers.Gemma3Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -119,7 +114,7 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # as gemma-3-*-it: a turn ends generation as well as <eos>
     generation = generation_ids(tok, eos=["<eos>", "<end_of_turn>"], pad="<pad>", bos="<bos>")
-    save_tiny_model(out, Gemma3ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Gemma3ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_gemma3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

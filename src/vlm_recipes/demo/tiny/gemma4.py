@@ -74,31 +74,24 @@ def gemma4_tokenizer(corpus: list[str]):
 
 
 def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Gemma4AudioFeatureExtractor,
-        Gemma4Config,
-        Gemma4ForConditionalGeneration,
-        Gemma4ImageProcessor,
-        Gemma4Processor,
-        Gemma4VideoProcessor,
-    )
+    import transformers
     from trl.chat_template_utils import gemma4_v5_chat_template
 
     tok = gemma4_tokenizer(corpus)
     # the current google/gemma-4-*-it template (TRL's gemma4_v5)
     tok.chat_template = gemma4_v5_chat_template
     vision = {"patch_size": dims["patch_size"], "pooling_kernel_size": dims["pooling"]}
-    processor = Gemma4Processor(
-        feature_extractor=Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
-        image_processor=Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
+    processor = transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
+        image_processor=transformers.Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
         tokenizer=tok,
-        video_processor=Gemma4VideoProcessor(max_soft_tokens=70, **vision),
+        video_processor=transformers.Gemma4VideoProcessor(max_soft_tokens=70, **vision),
         chat_template=gemma4_v5_chat_template,
         image_seq_length=dims["soft_tokens"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA4_SPECIAL_TOKENS, *GEMMA4_CONTROL_TOKENS.values())}
     media = {name: tok.convert_tokens_to_ids(t) for name, t in GEMMA4_MEDIA_TOKENS.items()}
-    config = Gemma4Config(
+    config = transformers.Gemma4Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -140,7 +133,7 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
     # as generation_config.json: <eos>, <turn|> and <|tool_response> (a turn handing over to a tool) stop
     stops = ["<eos>", "<turn|>", "<|tool_response>"]
     generation = generation_ids(tok, eos=stops, pad="<pad>", bos="<bos>")
-    save_tiny_model(out, Gemma4ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Gemma4ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_gemma4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

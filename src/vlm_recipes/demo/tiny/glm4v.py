@@ -67,24 +67,18 @@ def glm4_tokenizer(corpus: list[str]):
 def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
     GLM-4.5V's Glm4vMoeForConditionalGeneration (same processor and tower)."""
-    from transformers import (
-        Glm4vConfig,
-        Glm4vForConditionalGeneration,
-        Glm4vImageProcessor,
-        Glm4vMoeConfig,
-        Glm4vMoeForConditionalGeneration,
-        Glm4vProcessor,
-        Glm4vVideoProcessor,
-    )
+    import transformers
 
     tok = glm4_tokenizer(corpus)
     tok.chat_template = GLM4V_CHAT_TEMPLATE
     # the processor compares temporal_patch_size x height x width with these bounds (an image is two frames)
     size = {"shortest_edge": dims["min_pixels"], "longest_edge": dims["max_pixels"]}
-    processor = Glm4vProcessor(
-        image_processor=Glm4vImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
+    processor = transformers.Glm4vProcessor(
+        image_processor=transformers.Glm4vImageProcessor(
+            size=size, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
         tokenizer=tok,
-        video_processor=Glm4vVideoProcessor(size=size),
+        video_processor=transformers.Glm4vVideoProcessor(size=size),
         chat_template=GLM4V_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
@@ -118,9 +112,9 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
             "attention_bias": True,  # GLM-4.5-Air's biased q, k, v
         }
     config_class, model_class = (
-        (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration)
+        (transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration)
         if moe
-        else (Glm4vConfig, Glm4vForConditionalGeneration)
+        else (transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration)
     )
     config = config_class(
         text_config=text,

@@ -62,21 +62,15 @@ def internvl_tokenizer(corpus: list[str]):
 
 def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's INTERNVL_CHAT_TEMPLATE)."""
-    from transformers import (
-        GotOcr2ImageProcessor,
-        InternVLConfig,
-        InternVLForConditionalGeneration,
-        InternVLProcessor,
-        InternVLVideoProcessor,
-    )
+    import transformers
 
     tok = internvl_tokenizer(corpus)
     tok.chat_template = INTERNVL_CHAT_TEMPLATE
     tile, patch = dims["tile"], dims["patch"]
     size = {"height": tile, "width": tile}
     tokens_per_tile = (tile // patch) ** 2 // 4  # pixel shuffle 0.5: 2x2 patches into one token
-    processor = InternVLProcessor(
-        image_processor=GotOcr2ImageProcessor(
+    processor = transformers.InternVLProcessor(
+        image_processor=transformers.GotOcr2ImageProcessor(
             size=size,
             crop_to_patches=True,
             min_patches=1,
@@ -85,12 +79,14 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
             image_std=IMAGENET_STD,
         ),
         tokenizer=tok,
-        video_processor=InternVLVideoProcessor(size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
+        video_processor=transformers.InternVLVideoProcessor(
+            size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD
+        ),
         image_seq_length=tokens_per_tile,
         chat_template=INTERNVL_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN3_SPECIAL_TOKENS, *INTERNVL_TOKENS)}
-    config = InternVLConfig(
+    config = transformers.InternVLConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -121,7 +117,9 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
         vision_feature_select_strategy="default",
         tie_word_embeddings=False,  # the published lm_head is its own matrix (InternVLConfig defaults to tied)
     )
-    save_tiny_model(out, InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    save_tiny_model(
+        out, transformers.InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )
 
 
 # What build_tiny_internvl builds, one dict per demo model (demo/models.py: DEMO_MODELS)

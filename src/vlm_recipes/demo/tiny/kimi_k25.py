@@ -175,22 +175,16 @@ def kimi_tokenizer(corpus: list[str]):
 
 def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published chat template (KIMI_K25_CHAT_TEMPLATE)."""
-    from transformers import (
-        Kimi_K25Config,
-        Kimi_K25ForConditionalGeneration,
-        Kimi_K25ImageProcessor,
-        Kimi_K25Processor,
-        Kimi_K25VideoProcessor,
-    )
+    import transformers
 
     tok = kimi_tokenizer(corpus)
     tok.chat_template = KIMI_K25_CHAT_TEMPLATE
     bounds = {"size": {"max_height": dims["max_side"], "max_width": dims["max_side"]}}  # patches on a side
     bounds |= {"max_patches": dims["max_patches"], "patch_size": 14, "merge_size": 2}
-    processor = Kimi_K25Processor(
-        image_processor=Kimi_K25ImageProcessor(**bounds),
+    processor = transformers.Kimi_K25Processor(
+        image_processor=transformers.Kimi_K25ImageProcessor(**bounds),
         tokenizer=tok,
-        video_processor=Kimi_K25VideoProcessor(**bounds),
+        video_processor=transformers.Kimi_K25VideoProcessor(**bounds),
         chat_template=KIMI_K25_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in KIMI_SPECIAL_TOKENS}
@@ -215,7 +209,7 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["[PAD]"],
         tie_word_embeddings=False,
     )
-    config = Kimi_K25Config(
+    config = transformers.Kimi_K25Config(
         text_config=text,
         # 14 px patches merged 2x2 (the published geometry), 4 frames a video chunk
         vision_config={"model_type": "kimi_k25_vision", "patch_size": 14, "merge_kernel_size": [2, 2]}
@@ -231,7 +225,7 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # generation stops at the end of a turn (the published generation_config's eos: <|im_end|>)
     generation = generation_ids(tok, eos="<|im_end|>", pad="[PAD]", bos="[BOS]")
-    save_tiny_model(out, Kimi_K25ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Kimi_K25ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_kimi_k25 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -99,20 +99,15 @@ def lfm2_tokenizer(corpus: list[str]):
 
 def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (LFM2_VL_CHAT_TEMPLATE)."""
-    from transformers import (
-        Lfm2VlConfig,
-        Lfm2VlForConditionalGeneration,
-        Lfm2VlImageProcessor,
-        Lfm2VlProcessor,
-    )
+    import transformers
 
     tok = lfm2_tokenizer(corpus)
     tok.chat_template = LFM2_VL_CHAT_TEMPLATE
     patch, factor = dims["patch"], dims["downsample"]
-    processor = Lfm2VlProcessor(
+    processor = transformers.Lfm2VlProcessor(
         # LFM2-VL-1.6B's processor: 16 px patches merged 2x2 (one token per 32x32 px), images up to the token
         # budget kept whole, larger ones cut into tiles with a row/column marker each and a thumbnail
-        image_processor=Lfm2VlImageProcessor(
+        image_processor=transformers.Lfm2VlImageProcessor(
             encoder_patch_size=patch,
             downsample_factor=factor,
             min_image_tokens=dims["min_image_tokens"],
@@ -129,7 +124,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*LFM2_CONTROL_TOKENS, "<image>")}
     layers = dims["layer_types"]
-    config = Lfm2VlConfig(
+    config = transformers.Lfm2VlConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -170,7 +165,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=True,  # LFM2 ties the lm_head to the embeddings
     )
     generation = generation_ids(tok, eos="<|im_end|>", pad="<|pad|>", bos="<|startoftext|>")
-    save_tiny_model(out, Lfm2VlForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Lfm2VlForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_lfm2_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)

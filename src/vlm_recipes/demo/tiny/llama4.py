@@ -145,20 +145,17 @@ def llama4_tokenizer(corpus: list[str]):
 
 def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the Instruct checkpoints' chat template (LLAMA4_CHAT_TEMPLATE)."""
-    from transformers import (
-        Llama4Config,
-        Llama4ForConditionalGeneration,
-        Llama4ImageProcessor,
-        Llama4Processor,
-    )
+    import transformers
 
     tok = llama4_tokenizer(corpus)
     tok.chat_template = LLAMA4_CHAT_TEMPLATE
     tile, patch = dims["tile"], dims["patch"]
     # as the published preprocessor_config.json (Llama4ImageProcessorFast there, this class in transformers
     # 5.x): square tiles, at most max_patches of them and a global one, mean/std 0.5, bilinear
-    tiles = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=dims["max_tiles"])
-    processor = Llama4Processor(
+    tiles = transformers.Llama4ImageProcessor(
+        size={"height": tile, "width": tile}, max_patches=dims["max_tiles"]
+    )
+    processor = transformers.Llama4Processor(
         image_processor=tiles,
         tokenizer=tok,
         patch_size=patch,
@@ -194,7 +191,7 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     vision = dims["vision_dim"]
-    config = Llama4Config(
+    config = transformers.Llama4Config(
         text_config=text,
         vision_config={
             "model_type": "llama4_vision_model",
@@ -221,7 +218,7 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # the generation config as published, but stopping at <|eot|> only ([200001, 200007, 200008] there)
     generation = generation_ids(tok, eos="<|eot|>", pad="<|finetune_right_pad|>", bos="<|begin_of_text|>")
-    save_tiny_model(out, Llama4ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Llama4ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_llama4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

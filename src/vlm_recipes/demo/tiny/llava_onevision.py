@@ -22,29 +22,25 @@ LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
 
 def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
-    from transformers import (
-        LlavaOnevisionConfig,
-        LlavaOnevisionForConditionalGeneration,
-        LlavaOnevisionImageProcessor,
-        LlavaOnevisionProcessor,
-        LlavaOnevisionVideoProcessor,
-    )
+    import transformers
 
     tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
     tok.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
     side = dims["tile"]
     size = {"height": side, "width": side}
-    processor = LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=dims["pinpoints"]),
+    processor = transformers.LlavaOnevisionProcessor(
+        image_processor=transformers.LlavaOnevisionImageProcessor(
+            size=size, image_grid_pinpoints=dims["pinpoints"]
+        ),
         tokenizer=tok,
-        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        video_processor=transformers.LlavaOnevisionVideoProcessor(size=size),
         num_image_tokens=(side // 14) ** 2,
         vision_feature_select_strategy="full",
         chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
         vision_aspect_ratio=dims["aspect_ratio"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
-    config = LlavaOnevisionConfig(
+    config = transformers.LlavaOnevisionConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -66,7 +62,12 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
         tie_word_embeddings=False,
     )
     save_tiny_model(
-        out, LlavaOnevisionForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+        out,
+        transformers.LlavaOnevisionForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        **qwen_generation(ids),
     )
 
 

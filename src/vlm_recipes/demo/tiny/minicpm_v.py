@@ -171,22 +171,16 @@ def minicpm_v_tokenizer(corpus: list[str]):
 
 def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (MINICPM_V_CHAT_TEMPLATE)."""
-    from transformers import (
-        MiniCPMV4_6Config,
-        MiniCPMV4_6ForConditionalGeneration,
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+    import transformers
 
     tok = minicpm_v_tokenizer(corpus)
     tok.chat_template = MINICPM_V_CHAT_TEMPLATE
     # preprocessor_config.json's settings (14 px patches, up to 9 slices, image ids, mean/std 0.5) but the
     # slice side: 112 px (the real: 448), 8x8 patches, 2x2 tokens after the two 2x2 merges ("16x")
     sizes = {"scale_resolution": dims["scale_resolution"], "patch_size": dims["patch"]}
-    processor = MiniCPMV4_6Processor(
-        image_processor=MiniCPMV4_6ImageProcessor(**sizes),
-        video_processor=MiniCPMV4_6VideoProcessor(**sizes),
+    processor = transformers.MiniCPMV4_6Processor(
+        image_processor=transformers.MiniCPMV4_6ImageProcessor(**sizes),
+        video_processor=transformers.MiniCPMV4_6VideoProcessor(**sizes),
         tokenizer=tok,
         chat_template=MINICPM_V_CHAT_TEMPLATE,
     )
@@ -209,7 +203,7 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=True,
     )
-    config = MiniCPMV4_6Config(
+    config = transformers.MiniCPMV4_6Config(
         text_config=text,
         vision_config=tiny_vision_config(
             dims, image_size=dims["vision_image_size"], patch_size=dims["patch"]
@@ -222,7 +216,9 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # <|im_end|> stops (the published generation config stops on <|endoftext|> too); bos as published
     generation = generation_ids(tok, eos="<|im_end|>", pad="<|endoftext|>", bos="<|im_start|>")
-    save_tiny_model(out, MiniCPMV4_6ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(
+        out, transformers.MiniCPMV4_6ForConditionalGeneration, config, processor, dims, **generation
+    )
 
 
 # What build_tiny_minicpm_v builds (demo/models.py: DEMO_MODELS)

@@ -73,22 +73,17 @@ def tekken_tokenizer(corpus: list[str]):
 
 def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's MISTRAL3_CHAT_TEMPLATE)."""
-    from transformers import (
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        PixtralImageProcessor,
-        PixtralProcessor,
-    )
+    import transformers
 
     # the template writes the default system prompt into every conversation without one: its words are
     # learned as the real tokenizer has them, a few tokens each
     tok = tekken_tokenizer([*corpus, *[DEFAULT_SYSTEM_PROMPT_EXAMPLE] * 20])
     tok.chat_template = MISTRAL3_CHAT_TEMPLATE
     patch, merge = dims["patch"], dims["merge"]
-    processor = PixtralProcessor(
+    processor = transformers.PixtralProcessor(
         # as Mistral-Small-3.1's preprocessor_config.json: the tower's patch (the processor passes patch x
         # merge on every call), a longest edge (1540 px there), CLIP mean/std, bicubic
-        image_processor=PixtralImageProcessor(
+        image_processor=transformers.PixtralImageProcessor(
             patch_size={"height": patch, "width": patch}, size={"longest_edge": dims["longest_edge"]}
         ),
         tokenizer=tok,
@@ -97,7 +92,7 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         chat_template=MISTRAL3_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
-    config = Mistral3Config(
+    config = transformers.Mistral3Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -129,7 +124,7 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     generation = generation_ids(tok, eos="</s>", pad="<pad>", bos="<s>")
-    save_tiny_model(out, Mistral3ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Mistral3ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_mistral3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

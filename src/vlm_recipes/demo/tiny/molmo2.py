@@ -61,22 +61,16 @@ def molmo2_tokenizer(corpus: list[str]):
 
 def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (MOLMO2_CHAT_TEMPLATE)."""
-    from transformers import (
-        Molmo2Config,
-        Molmo2ForConditionalGeneration,
-        Molmo2ImageProcessor,
-        Molmo2Processor,
-        Molmo2VideoProcessor,
-    )
+    import transformers
 
     tok, vocab_size = molmo2_tokenizer(corpus)
     tok.chat_template = MOLMO2_CHAT_TEMPLATE
     crop, patch = dims["crop"], 14
     size = {"height": crop, "width": crop}
-    processor = Molmo2Processor(
+    processor = transformers.Molmo2Processor(
         # as convert_molmo2_to_hf.py writes Molmo2-4B's but for the crop size and margins: 14 px patches
         # pooled 2x2, up to 8 overlapping crops (+ the low-res view), bilinear, ImageNet-standard mean/std (0.5)
-        image_processor=Molmo2ImageProcessor(
+        image_processor=transformers.Molmo2ImageProcessor(
             size=size,
             max_crops=dims["max_crops"],
             overlap_margins=dims["margins"],
@@ -84,7 +78,9 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
             pooling_size=[2, 2],
         ),
         # frames pooled 3x3 as the published; 4 frames at most (the published: 64)
-        video_processor=Molmo2VideoProcessor(size=size, patch_size=patch, pooling_size=[3, 3], num_frames=4),
+        video_processor=transformers.Molmo2VideoProcessor(
+            size=size, patch_size=patch, pooling_size=[3, 3], num_frames=4
+        ),
         tokenizer=tok,
         chat_template=MOLMO2_CHAT_TEMPLATE,
         # the published processor_config.json's: no <im_col> in the low-res view, which starts with
@@ -98,7 +94,7 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN_CHAT_TOKENS, *MOLMO2_TOKENS)}
     head_dim = dims["hidden"] // dims["heads"]
     vision_head_dim = dims["vision_dim"] // dims["vision_heads"]
-    config = Molmo2Config(
+    config = transformers.Molmo2Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -143,7 +139,7 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     generation = generation_ids(tok, eos="<|im_end|>", pad="<|endoftext|>", bos="<|im_end|>")
-    save_tiny_model(out, Molmo2ForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.Molmo2ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_molmo2 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

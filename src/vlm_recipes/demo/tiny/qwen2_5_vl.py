@@ -15,13 +15,13 @@ from vlm_recipes.demo.tiny.qwen2_vl import (
 
 
 def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    import transformers
 
     # Qwen2-VL's special tokens (Qwen2.5-VL's unused FIM/tool ones left out), template and image processor
-    processor = qwen2_vl_processor(Qwen2_5_VLProcessor, corpus, dims)
+    processor = qwen2_vl_processor(transformers.Qwen2_5_VLProcessor, corpus, dims)
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen2_5_VLConfig(
+    config = transformers.Qwen2_5_VLConfig(
         text_config=qwen2_text_config(tok, dims, ids),
         vision_config={
             "depth": dims["vision_depth"],
@@ -39,7 +39,9 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
-    save_tiny_model(out, Qwen2_5_VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    save_tiny_model(
+        out, transformers.Qwen2_5_VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )
 
 
 # What build_tiny_qwen2_5_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -49,12 +49,12 @@ def qwen2_vl_processor(processor_class, corpus: list[str], dims: dict):
 
 
 def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    import transformers
 
-    processor = qwen2_vl_processor(Qwen2VLProcessor, corpus, dims)
+    processor = qwen2_vl_processor(transformers.Qwen2VLProcessor, corpus, dims)
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen2VLConfig(
+    config = transformers.Qwen2VLConfig(
         text_config=qwen2_text_config(tok, dims, ids),
         vision_config={
             "depth": dims["vision_depth"],
@@ -69,7 +69,9 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
-    save_tiny_model(out, Qwen2VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    save_tiny_model(
+        out, transformers.Qwen2VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )
 
 
 def qwen_text_config(tok, dims: dict, ids: dict[str, int], **extra) -> dict:

@@ -13,12 +13,7 @@ from vlm_recipes.demo.tiny.qwen3_vl import qwen3_vision_config, qwen3_vl_process
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeConfig,
-        Qwen3_5MoeForConditionalGeneration,
-    )
+    import transformers
     from trl.chat_template_utils import qwen3_5_think_chat_template
 
     # Qwen3.5-4B and larger ship the thinking template (2B and smaller the same with thinking off by
@@ -57,9 +52,9 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
         }
         del text["intermediate_size"]  # every layer's MLP is the sparse block
     config_class, model_class = (
-        (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
         if moe
-        else (Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+        else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
     )
     config = config_class(
         text_config=text,

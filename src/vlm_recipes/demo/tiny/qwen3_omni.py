@@ -135,14 +135,7 @@ def qwen3_omni_tokenizer(corpus: list[str]):
 
 def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     """The thinker, with the published processor settings but for the image size bounds (dims' max_pixels)."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3OmniMoeProcessor,
-        Qwen3OmniMoeThinkerConfig,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-        WhisperFeatureExtractor,
-    )
+    import transformers
 
     tok = qwen3_omni_tokenizer(corpus)
     tok.chat_template = QWEN3_OMNI_CHAT_TEMPLATE
@@ -151,17 +144,17 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     size = {"shortest_edge": 3136, "longest_edge": dims["max_pixels"]}
     vision = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "size": size}
     vision |= {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-    processor = Qwen3OmniMoeProcessor(
-        image_processor=Qwen2VLImageProcessor(**vision),
-        video_processor=Qwen2VLVideoProcessor(**vision),
-        feature_extractor=WhisperFeatureExtractor(
+    processor = transformers.Qwen3OmniMoeProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(**vision),
+        video_processor=transformers.Qwen2VLVideoProcessor(**vision),
+        feature_extractor=transformers.WhisperFeatureExtractor(
             feature_size=128, chunk_length=300, return_attention_mask=True
         ),
         tokenizer=tok,
         chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, "user")}
-    config = Qwen3OmniMoeThinkerConfig(
+    config = transformers.Qwen3OmniMoeThinkerConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -201,7 +194,12 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # generation stops at <|im_end|>, the template's end of turn; pads with <|endoftext|>; no bos
     save_tiny_model(
-        out, Qwen3OmniMoeThinkerForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+        out,
+        transformers.Qwen3OmniMoeThinkerForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        **qwen_generation(ids),
     )
 
 

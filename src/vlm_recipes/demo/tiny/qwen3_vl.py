@@ -42,7 +42,7 @@ def qwen3_vl_processor(corpus: list[str], dims: dict, chat_template: str, qwen3_
 
 
 def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
     from trl.chat_template_utils import qwen3_vl_chat_template
 
     # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
@@ -50,7 +50,7 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     processor = qwen3_vl_processor(corpus, dims, qwen3_vl_chat_template)
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
+    config = transformers.Qwen3VLConfig(
         text_config=qwen_text_config(
             tok,
             dims,
@@ -67,7 +67,9 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         **qwen_vision_token_ids(ids),
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
-    save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    save_tiny_model(
+        out, transformers.Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )
 
 
 def qwen3_vision_config(dims: dict, **extra) -> dict:

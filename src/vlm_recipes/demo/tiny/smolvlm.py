@@ -62,13 +62,7 @@ def smolvlm_tokenizer(corpus: list[str]):
 
 
 def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
+    import transformers
     from trl.chat_template_utils import smolvlm_chat_template
 
     tok = smolvlm_tokenizer(corpus)
@@ -78,15 +72,17 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
     tile = {"longest_edge": dims["tile"]}
     size = {"longest_edge": dims["longest_edge"]}
     seq_len = (dims["tile"] // dims["patch"]) ** 2 // dims["scale_factor"] ** 2
-    processor = SmolVLMProcessor(
-        image_processor=SmolVLMImageProcessor(size=size, max_image_size=tile, do_image_splitting=True),
+    processor = transformers.SmolVLMProcessor(
+        image_processor=transformers.SmolVLMImageProcessor(
+            size=size, max_image_size=tile, do_image_splitting=True
+        ),
         tokenizer=tok,
-        video_processor=SmolVLMVideoProcessor(size=size, max_image_size=tile),
+        video_processor=transformers.SmolVLMVideoProcessor(size=size, max_image_size=tile),
         image_seq_len=seq_len,
         chat_template=smolvlm_chat_template,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
-    config = SmolVLMConfig(
+    config = transformers.SmolVLMConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -106,7 +102,7 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["<|im_end|>"],
     )
     generation = generation_ids(tok, eos="<end_of_utterance>", pad="<|im_end|>")
-    save_tiny_model(out, SmolVLMForConditionalGeneration, config, processor, dims, **generation)
+    save_tiny_model(out, transformers.SmolVLMForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_smolvlm builds, one dict per demo model (demo/models.py: DEMO_MODELS)
