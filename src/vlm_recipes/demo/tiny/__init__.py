@@ -163,8 +163,8 @@ def generation_ids(tok, eos: str | list[str], pad: str, bos: str | None = None) 
 
 def tiny_text_config(tok, dims: dict, **fields) -> dict:
     """A tiny language model's config fields: the vocabulary (the dims' `vocab`, else the tokenizer's
-    rounded up to a multiple of 64; the tokenizer never yields the rest) and `dims`' sizes, then the
-    family's own `fields` (which may replace any of them)."""
+    rounded up to a multiple of 64; the tokenizer never yields the rest), `dims`' sizes and 4096
+    positions, then the family's own `fields` (which may replace any of them)."""
     return {
         **({"model_type": fields.pop("model_type")} if "model_type" in fields else {}),
         "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),
@@ -173,6 +173,7 @@ def tiny_text_config(tok, dims: dict, **fields) -> dict:
         "num_hidden_layers": dims["layers"],
         "num_attention_heads": dims["heads"],
         "num_key_value_heads": dims["kv_heads"],
+        "max_position_embeddings": 4096,
         **fields,
     }
 

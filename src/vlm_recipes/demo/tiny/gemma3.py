@@ -100,7 +100,6 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
             query_pre_attn_scalar=dims["head_dim"],
             sliding_window=dims["sliding_window"],
             layer_types=["sliding_attention", "full_attention"][: dims["layers"]],
-            max_position_embeddings=4096,
             pad_token_id=ids["<pad>"],
             bos_token_id=ids["<bos>"],
             eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],

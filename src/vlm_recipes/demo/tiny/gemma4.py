@@ -106,7 +106,6 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
             use_bidirectional_attention="vision",  # an image's tokens see each other (26B, 31B)
             hidden_size_per_layer_input=0,  # no per-layer embeddings (those are E2B's and E4B's)
             final_logit_softcapping=30.0,
-            max_position_embeddings=4096,
             pad_token_id=ids["<pad>"],
             bos_token_id=ids["<bos>"],
             eos_token_id=ids["<eos>"],

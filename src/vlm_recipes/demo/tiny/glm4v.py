@@ -86,7 +86,6 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     text = tiny_text_config(
         tok,
         dims,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
         rope_parameters={

@@ -92,7 +92,6 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
             dims,
             model_type="qwen3",
             head_dim=dims["hidden"] // dims["heads"],
-            max_position_embeddings=4096,
             rope_theta=1e6,
             pad_token_id=ids["<|endoftext|>"],
             bos_token_id=None,

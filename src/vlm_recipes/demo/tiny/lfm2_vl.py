@@ -131,7 +131,6 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             model_type="lfm2",
             num_hidden_layers=len(layers),
             layer_types=layers,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             norm_eps=1e-5,
             conv_L_cache=3,

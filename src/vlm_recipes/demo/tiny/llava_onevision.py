@@ -45,7 +45,6 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
             tok,
             dims,
             model_type="qwen2",
-            max_position_embeddings=4096,
             rope_theta=1e6,
             pad_token_id=ids["<|endoftext|>"],
             bos_token_id=None,

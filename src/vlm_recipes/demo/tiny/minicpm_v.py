@@ -18,6 +18,7 @@ from vlm_recipes.demo.tiny import (
     tiny_vision_config,
     train_byte_level_bpe,
 )
+from vlm_recipes.demo.tiny.qwen3_5 import hybrid_attention_fields
 
 MIRRORS = "openbmb/MiniCPM-V-4.6"  # the transformers docs also spell it openbmb/MiniCPM-V-4_6
 
@@ -190,14 +191,9 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         dims,
         model_type="qwen3_5_text",
         head_dim=dims["head_dim"],
-        layer_types=dims["layer_types"],
-        linear_num_key_heads=dims["linear_heads"],
-        linear_num_value_heads=dims["linear_heads"],
-        linear_key_head_dim=dims["linear_head_dim"],
-        linear_value_head_dim=dims["linear_head_dim"],
+        **hybrid_attention_fields(dims),
         # a quarter of each head rotary over plain 1-D positions (no mrope_section, as published)
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -227,7 +223,8 @@ TINY = {
     # Gated DeltaNet, then gated full attention: the real 3:1 pattern of 24 layers cut to one of each
     "layer_types": ["linear_attention", "full_attention"],
     "head_dim": 32,  # a quarter of it rotary (the real: 256, 8 query heads over 2)
-    "linear_heads": 2,  # as many key as value heads, as published (16 of 128 dimensions there)
+    "linear_key_heads": 2,  # as many key as value heads, as published (16 of 128 dimensions there)
+    "linear_value_heads": 2,
     "linear_head_dim": 16,
     **TINY_VISION_DIMS,
     "vision_image_size": 112,  # an 8x8 learned position grid (the real: 980 px, 70x70)

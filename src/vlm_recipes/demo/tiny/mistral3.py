@@ -98,7 +98,6 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
             dims,
             model_type="mistral",
             head_dim=dims["hidden"] // dims["heads"],
-            max_position_embeddings=4096,
             rope_theta=1e9,  # the real text model's
             sliding_window=None,
             bos_token_id=ids["<s>"],

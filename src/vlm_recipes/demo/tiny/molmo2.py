@@ -104,7 +104,6 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
             head_dim=head_dim,
             qk_norm_type="qwen3",
             attention_bias=False,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 5e6},  # Qwen3-4B-Instruct-2507's
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,

@@ -76,9 +76,7 @@ def build_tiny_qwen2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
 
 def qwen_text_config(tok, dims: dict, ids: dict[str, int], **extra) -> dict:
     """The text model config every tiny Qwen-VL shares; `extra` adds or replaces keys."""
-    return tiny_text_config(
-        tok, dims, max_position_embeddings=4096, pad_token_id=ids["<|endoftext|>"], **extra
-    )
+    return tiny_text_config(tok, dims, pad_token_id=ids["<|endoftext|>"], **extra)
 
 
 def qwen2_text_config(tok, dims: dict, ids: dict[str, int]) -> dict:

@@ -35,11 +35,7 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
             "mrope_section": dims["mrope"],
             "mrope_interleaved": True,
         },
-        layer_types=dims["layer_types"],
-        linear_num_key_heads=dims["linear_key_heads"],
-        linear_num_value_heads=dims["linear_value_heads"],
-        linear_key_head_dim=dims["linear_head_dim"],
-        linear_value_head_dim=dims["linear_head_dim"],
+        **hybrid_attention_fields(dims),
         eos_token_id=ids["<|im_end|>"],
     )
     moe = "experts" in dims
@@ -63,6 +59,18 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=dims.get("tie_embeddings", False),
     )
     save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
+
+
+def hybrid_attention_fields(dims: dict) -> dict:
+    """The text config fields of Qwen3.5's hybrid layers (Gated DeltaNet beside full attention; MiniCPM-V
+    4.6's text model is Qwen3.5's): which layer is which, and the Gated DeltaNet heads."""
+    return {
+        "layer_types": dims["layer_types"],
+        "linear_num_key_heads": dims["linear_key_heads"],
+        "linear_num_value_heads": dims["linear_value_heads"],
+        "linear_key_head_dim": dims["linear_head_dim"],
+        "linear_value_head_dim": dims["linear_head_dim"],
+    }
 
 
 # What build_tiny_qwen3_5 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

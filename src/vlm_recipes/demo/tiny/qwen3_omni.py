@@ -165,7 +165,6 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
             moe_intermediate_size=dims["moe_intermediate"],
             decoder_sparse_step=1,  # every layer sparse, as published
             norm_topk_prob=True,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]}
             | {"interleaved": True, "mrope_interleaved": True},
             tie_word_embeddings=False,
