@@ -1,5 +1,6 @@
 """The tiny offline builders, one module per family (``tiny/qwen2_vl.py``, ...), and what they share: a
-byte-level BPE trained locally on the demo texts, the Qwen tokenizer, saving random weights.
+byte-level BPE trained locally on the demo texts, the Qwen tokenizer, the generation config's token ids,
+saving random weights (``tiny/dims.py``: the sizes and the config fields made of them).
 
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
 processor class, special tokens and chat template, a small tokenizer trained here, random weights. Each
@@ -14,10 +15,6 @@ import json
 from pathlib import Path
 
 MODEL_SEED = 0  # random weights of every tiny model are drawn from this seed
-# Every tiny model's language model: 64 wide, 2 layers, 4 query heads over 2 key/value heads (head_dim 16)
-TINY_TEXT_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
-# and its vision tower: 32 wide, 2 layers of 2 heads
-TINY_VISION_DIMS = {"vision_layers": 2, "vision_dim": 32, "vision_intermediate": 64, "vision_heads": 2}
 
 
 def train_byte_level_bpe(
@@ -69,12 +66,21 @@ def byte_level_pre_tokenizer(pretokenize_regex: str):
     )
 
 
-def byte_level_bpe(vocab: dict[str, int], merges: list, pretokenize_regex: str, **bpe_options):
-    """A `tokenizers.Tokenizer` around a trained byte-level BPE, shaped as the published tokenizer.json of a
-    family with no tokenizer class of its own: the family's split then bytes, ByteLevel decoding;
-    `bpe_options`: `models.BPE`'s (ignore_merges, ...). The caller adds its tokens and post-processor."""
+def byte_level_bpe(
+    corpus: list[str],
+    pretokenize_regex: str,
+    *,
+    first: tuple[str, ...] = (),
+    last: tuple[str, ...] = (),
+    **bpe_options,
+):
+    """A `tokenizers.Tokenizer` around a byte-level BPE trained on `corpus` (`train_byte_level_bpe`: `first`
+    and `last` numbered before and after it), shaped as the published tokenizer.json of a family with no
+    tokenizer class of its own: the family's split then bytes, ByteLevel decoding; `bpe_options`:
+    `models.BPE`'s (ignore_merges, ...). The caller adds its tokens and post-processor."""
     from tokenizers import Tokenizer, decoders, models
 
+    vocab, merges = train_byte_level_bpe(corpus, pretokenize_regex, first=first, last=last)
     bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, **bpe_options))
     bpe.pre_tokenizer = byte_level_pre_tokenizer(pretokenize_regex)
     bpe.decoder = decoders.ByteLevel()
@@ -159,43 +165,6 @@ def generation_ids(tok, eos: str | list[str], pad: str, bos: str | None = None) 
         "pad_token_id": tok.convert_tokens_to_ids(pad),
         "bos_token_id": None if bos is None else tok.convert_tokens_to_ids(bos),
     }
-
-
-def tiny_text_config(tok, dims: dict, **fields) -> dict:
-    """A tiny language model's config fields: the vocabulary (the dims' `vocab`, else the tokenizer's
-    rounded up to a multiple of 64; the tokenizer never yields the rest), `dims`' sizes and 4096
-    positions, then the family's own `fields` (which may replace any of them)."""
-    return {
-        **({"model_type": fields.pop("model_type")} if "model_type" in fields else {}),
-        "vocab_size": dims.get("vocab", -(-len(tok) // 64) * 64),
-        "hidden_size": dims["hidden"],
-        "intermediate_size": dims["intermediate"],
-        "num_hidden_layers": dims["layers"],
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        "max_position_embeddings": 4096,
-        **fields,
-    }
-
-
-def tiny_vision_config(dims: dict, **fields) -> dict:
-    """A tiny vision tower's config fields: `dims`' vision sizes, then the family's own `fields` (which
-    may replace any of them)."""
-    return {
-        **({"model_type": fields.pop("model_type")} if "model_type" in fields else {}),
-        "hidden_size": dims["vision_dim"],
-        "intermediate_size": dims["vision_intermediate"],
-        "num_hidden_layers": dims["vision_layers"],
-        "num_attention_heads": dims["vision_heads"],
-        **fields,
-    }
-
-
-def siglip_vision_config(dims: dict, image_size: int) -> dict:
-    """A SigLIP tower of 14 px patches without its pooling head (Gemma 3's and LLaVA-OneVision's)."""
-    return tiny_vision_config(
-        dims, model_type="siglip_vision_model", image_size=image_size, patch_size=14, vision_use_head=False
-    )
 
 
 def save_tiny_model(out: Path, model_class, config, processor, dims: dict, **generation) -> None:

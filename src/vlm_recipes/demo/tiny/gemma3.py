@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_VISION_DIMS,
-    generation_ids,
-    save_tiny_model,
-    siglip_vision_config,
-    tiny_text_config,
-    vocab_and_merges,
-)
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, vocab_and_merges
+from vlm_recipes.demo.tiny.dims import TINY_VISION_DIMS, siglip_vision_config, tiny_text_config
 
 # Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
 # <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,

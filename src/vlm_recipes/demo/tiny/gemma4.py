@@ -7,14 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-)
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.gemma3 import train_gemma_bpe
 
 # Gemma 4's special tokens, in the order the real tokenizer numbers them: pad, eos, bos, unk, mask; the tool

@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
@@ -56,8 +50,7 @@ def glm4_tokenizer(corpus: list[str]):
     from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, GLM4_PATTERN, last=GLM4V_SPECIAL_TOKENS)
-    bpe = byte_level_bpe(vocab, merges, GLM4_PATTERN)
+    bpe = byte_level_bpe(corpus, GLM4_PATTERN, last=GLM4V_SPECIAL_TOKENS)
     bpe.add_special_tokens([AddedToken(token, special=True) for token in GLM4V_SPECIAL_TOKENS])
     return TokenizersBackend(
         tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=4096

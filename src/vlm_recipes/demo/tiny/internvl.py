@@ -6,16 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    qwen_generation,
-    qwen_tokenizer_from,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_qwen_bpe,
-)
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 

@@ -7,14 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "moonshotai/Kimi-K2.5"  # the published checkpoint this tiny build mirrors
 
@@ -163,10 +157,7 @@ def kimi_tokenizer(corpus: list[str]):
     from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(
-        corpus, KIMI_PATTERN, last=(*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS)
-    )
-    bpe = byte_level_bpe(vocab, merges, KIMI_PATTERN)
+    bpe = byte_level_bpe(corpus, KIMI_PATTERN, last=(*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS))
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in KIMI_SPECIAL_TOKENS])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_ADDED_TOKENS])
     named = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}

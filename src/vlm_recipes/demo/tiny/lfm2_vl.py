@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 MIRRORS = "LiquidAI/LFM2-VL-1.6B"
 
@@ -83,8 +75,7 @@ def lfm2_tokenizer(corpus: list[str]):
     from transformers import TokenizersBackend
 
     specials = (*LFM2_CONTROL_TOKENS, *LFM2_VL_IMAGE_TOKENS)
-    vocab, merges = train_byte_level_bpe(corpus, LFM2_PATTERN, first=specials)
-    bpe = byte_level_bpe(vocab, merges, LFM2_PATTERN, ignore_merges=True)
+    bpe = byte_level_bpe(corpus, LFM2_PATTERN, first=specials, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return TokenizersBackend(
         tokenizer_object=bpe,

@@ -8,14 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
 
@@ -121,15 +115,16 @@ def llama4_tokenizer(corpus: list[str]):
     from transformers import TokenizersBackend
 
     specials = (*LLAMA4_SPECIAL_TOKENS, LLAMA4_TOKENIZER_PAD)
-    vocab, merges = train_byte_level_bpe(corpus, LLAMA4_PATTERN, last=specials)
-    bpe = byte_level_bpe(vocab, merges, LLAMA4_PATTERN, ignore_merges=True)
+    bpe = byte_level_bpe(corpus, LLAMA4_PATTERN, last=specials, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in specials])
     bos = "<|begin_of_text|>"
     bpe.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),
             processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])]
+                single=f"{bos} $A",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, bpe.token_to_id(bos))],
             ),
         ]
     )

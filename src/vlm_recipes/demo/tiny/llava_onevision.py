@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.dims import (
     TINY_TEXT_DIMS,
     TINY_VISION_DIMS,
-    qwen_generation,
-    qwen_tokenizer,
-    save_tiny_model,
     siglip_vision_config,
     tiny_text_config,
 )

@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_5 import hybrid_attention_fields
 
 MIRRORS = "openbmb/MiniCPM-V-4.6"  # the transformers docs also spell it openbmb/MiniCPM-V-4_6
@@ -153,8 +145,7 @@ def minicpm_v_tokenizer(corpus: list[str]):
     from transformers import TokenizersBackend
     from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX  # the published pattern
 
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    bpe = byte_level_bpe(vocab, merges, PRETOKENIZE_REGEX)
+    bpe = byte_level_bpe(corpus, PRETOKENIZE_REGEX)
     bpe.normalizer = tk.normalizers.NFC()
     bpe.post_processor = tk.processors.ByteLevel(trim_offsets=False)
     special = {t: t not in MINICPM_V_NOT_SPECIAL for t in MINICPM_V_ADDED_TOKENS}

@@ -6,16 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    byte_level_bpe,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
 # Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
@@ -57,8 +49,7 @@ def tekken_tokenizer(corpus: list[str]):
     from tokenizers import AddedToken, processors
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, TEKKEN_PATTERN, first=MISTRAL_SPECIAL_TOKENS)
-    bpe = byte_level_bpe(vocab, merges, TEKKEN_PATTERN, ignore_merges=True)
+    bpe = byte_level_bpe(corpus, TEKKEN_PATTERN, first=MISTRAL_SPECIAL_TOKENS, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, special=True) for token in MISTRAL_SPECIAL_TOKENS])
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
     return TokenizersBackend(

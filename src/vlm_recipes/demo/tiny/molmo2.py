@@ -7,16 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    generation_ids,
-    qwen_tokenizer_from,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_qwen_bpe,
-)
+from vlm_recipes.demo.tiny import generation_ids, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # The published checkpoints' chat template, byte for byte (the family module holds it, with the training variant
 # stages use: its last answer ends with <|im_end|>, each answer marked for the loss)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, qwen_generation, save_tiny_model
+from vlm_recipes.demo.tiny import qwen_generation, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS
 from vlm_recipes.demo.tiny.qwen2_vl import (
     QWEN_VL_SPECIAL_TOKENS,
     qwen2_text_config,

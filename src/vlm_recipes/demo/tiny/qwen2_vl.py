@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    qwen_generation,
-    qwen_tokenizer,
-    save_tiny_model,
-    tiny_text_config,
-)
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 # The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
 QWEN_VL_SPECIAL_TOKENS = (

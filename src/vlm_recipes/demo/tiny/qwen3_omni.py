@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    qwen_generation,
-    qwen_tokenizer_from,
-    save_tiny_model,
-    tiny_text_config,
-    train_qwen_bpe,
-)
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config
 

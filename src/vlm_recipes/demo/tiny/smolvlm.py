@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    TINY_VISION_DIMS,
-    generation_ids,
-    save_tiny_model,
-    tiny_text_config,
-    tiny_vision_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, train_byte_level_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
 # as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
