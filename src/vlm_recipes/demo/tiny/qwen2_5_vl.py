@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS
 from vlm_recipes.demo.tiny.qwen2_vl import (
-    QWEN_VL_SPECIAL_TOKENS,
     qwen2_text_config,
     qwen2_vl_processor,
-    qwen_vision_token_ids,
+    qwen_vision_config,
+    save_qwen_vl,
 )
 
 
@@ -20,29 +19,15 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
 
     # Qwen2-VL's special tokens (Qwen2.5-VL's unused FIM/tool ones left out), template and image processor
     processor = qwen2_vl_processor(transformers.Qwen2_5_VLProcessor, corpus, dims)
-    tok = processor.tokenizer
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=qwen2_text_config(tok, dims, ids),
-        vision_config={
-            "depth": dims["vision_depth"],
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_heads": dims["vision_heads"],
-            "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": dims["window_size"],
-            "fullatt_block_indexes": dims["fullatt_block_indexes"],
-            "tokens_per_second": 2,
-        },
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
+    tower = qwen_vision_config(
+        dims,
+        14,
+        window_size=dims["window_size"],
+        fullatt_block_indexes=dims["fullatt_block_indexes"],
+        tokens_per_second=2,
     )
-    save_tiny_model(
-        out, transformers.Qwen2_5_VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
-    )
+    text = qwen2_text_config(processor.tokenizer, dims)
+    save_qwen_vl(out, transformers.Qwen2_5_VLForConditionalGeneration, processor, dims, text, tower)
 
 
 # What build_tiny_qwen2_5_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, save_tiny_model
-from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.demo.tiny.qwen3_vl import qwen3_vision_config, qwen3_vl_processor
+from vlm_recipes.demo.tiny.qwen2_vl import save_qwen_vl
+from vlm_recipes.demo.tiny.qwen3_vl import qwen3_text_config, qwen3_vision_config, qwen3_vl_processor
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
@@ -21,22 +20,14 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
     # the assistant's output with {% generation %}.
     processor = qwen3_vl_processor(corpus, dims, qwen3_5_think_chat_template, qwen3_5=True)
     tok = processor.tokenizer
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    text = qwen_text_config(
+    text = qwen3_text_config(
         tok,
         dims,
-        ids,
-        head_dim=dims["head_dim"],
+        rope_theta=1e7,
         # rotary on a quarter of each head, interleaved t/h/w as Qwen3-VL's (the real [11, 11, 10] of 32)
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": dims["mrope"],
-            "mrope_interleaved": True,
-        },
+        rope={"partial_rotary_factor": 0.25},
         **hybrid_attention_fields(dims),
-        eos_token_id=ids["<|im_end|>"],
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
     )
     moe = "experts" in dims
     if moe:
@@ -47,18 +38,12 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
             "shared_expert_intermediate_size": dims["expert_intermediate"],
         }
         del text["intermediate_size"]  # every layer's MLP is the sparse block
-    config_class, model_class = (
-        (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+    model_class = (
+        transformers.Qwen3_5MoeForConditionalGeneration
         if moe
-        else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
+        else transformers.Qwen3_5ForConditionalGeneration
     )
-    config = config_class(
-        text_config=text,
-        vision_config=qwen3_vision_config(dims),
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
+    save_qwen_vl(out, model_class, processor, dims, text, qwen3_vision_config(dims))
 
 
 def hybrid_attention_fields(dims: dict) -> dict:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+from vlm_recipes.demo.tiny import qwen_tokenizer
+from vlm_recipes.demo.tiny.qwen2_vl import (
+    QWEN_VL_SPECIAL_TOKENS,
+    qwen_text_config,
+    qwen_vision_config,
+    save_qwen_vl,
+)
 
 # Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
 QWEN3_ADDED_TOKENS = (
@@ -48,45 +53,23 @@ def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
     # {% generation %} markers for assistant-only loss.
     processor = qwen3_vl_processor(corpus, dims, qwen3_vl_chat_template)
-    tok = processor.tokenizer
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = transformers.Qwen3VLConfig(
-        text_config=qwen_text_config(
-            tok,
-            dims,
-            ids,
-            head_dim=dims["head_dim"],
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5e6,
-                "mrope_section": dims["mrope"],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=qwen3_vision_config(dims, deepstack_visual_indexes=dims["deepstack"]),
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(
-        out, transformers.Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
-    )
+    text = qwen3_text_config(processor.tokenizer, dims, rope_theta=5e6)
+    tower = qwen3_vision_config(dims, deepstack_visual_indexes=dims["deepstack"])
+    save_qwen_vl(out, transformers.Qwen3VLForConditionalGeneration, processor, dims, text, tower)
+
+
+def qwen3_text_config(tok, dims: dict, rope_theta: float, rope: dict | None = None, **extra) -> dict:
+    """Qwen3's text model with interleaved mRoPE (t/h/w frequencies interleaved), as Qwen3-VL and Qwen3.5
+    configure it; `rope` adds rotary settings (Qwen3.5's partial rotary factor), `extra` adds keys."""
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta, **(rope or {})}
+    rope_parameters |= {"mrope_section": dims["mrope"], "mrope_interleaved": True}
+    return qwen_text_config(tok, dims, head_dim=dims["head_dim"], rope_parameters=rope_parameters, **extra)
 
 
 def qwen3_vision_config(dims: dict, **extra) -> dict:
     """Qwen3-VL's tower (Qwen3.5's too, without DeepStack): 16 px patches, learned positions; `extra` adds
     keys."""
-    return {
-        "depth": dims["vision_depth"],
-        "hidden_size": dims["vision_dim"],
-        "intermediate_size": dims["vision_intermediate"],
-        "num_heads": dims["vision_heads"],
-        "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-        "num_position_embeddings": dims["vision_positions"],
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        **extra,
-    }
+    return qwen_vision_config(dims, 16, num_position_embeddings=dims["vision_positions"], **extra)
 
 
 # What build_tiny_qwen3_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
