@@ -85,9 +85,7 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
             model_type="qwen3",
             head_dim=dims["hidden"] // dims["heads"],
             rope_theta=1e6,
-            pad_token_id=ids["<|endoftext|>"],
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
+            **qwen_generation(ids),  # the same pad and eos, no bos
             tie_word_embeddings=False,
         ),
         vision_config=tiny_vision_config(

@@ -113,7 +113,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         tokenizer=tok,
         chat_template=LFM2_VL_CHAT_TEMPLATE,
     )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (*LFM2_CONTROL_TOKENS, "<image>")}
+    generation = generation_ids(tok, eos="<|im_end|>", pad="<|pad|>", bos="<|startoftext|>")
     layers = dims["layer_types"]
     config = transformers.Lfm2VlConfig(
         text_config=tiny_text_config(
@@ -131,9 +131,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             block_auto_adjust_ff_dim=True,
             block_ffn_dim_multiplier=1.0,
             block_multiple_of=dims["block_multiple_of"],
-            bos_token_id=ids["<|startoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|pad|>"],
+            **generation,  # the same bos, eos and pad
             tie_word_embeddings=True,
         ),
         vision_config=tiny_vision_config(
@@ -146,7 +144,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             layer_norm_eps=1e-6,
             vision_use_head=False,
         ),
-        image_token_id=ids["<image>"],
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
         downsample_factor=factor,
         projector_hidden_size=dims["projector_hidden"],
         projector_hidden_act="gelu",
@@ -154,7 +152,6 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         projector_use_layernorm=True,
         tie_word_embeddings=True,  # LFM2 ties the lm_head to the embeddings
     )
-    generation = generation_ids(tok, eos="<|im_end|>", pad="<|pad|>", bos="<|startoftext|>")
     save_tiny_model(out, transformers.Lfm2VlForConditionalGeneration, config, processor, dims, **generation)
 
 

@@ -44,9 +44,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
             dims,
             model_type="qwen2",
             rope_theta=1e6,
-            pad_token_id=ids["<|endoftext|>"],
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
+            **qwen_generation(ids),  # the same pad and eos, no bos
             tie_word_embeddings=False,
         ),
         vision_config=siglip_vision_config(dims, image_size=side),

@@ -83,6 +83,7 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         chat_template=MISTRAL3_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
+    generation = generation_ids(tok, eos="</s>", pad="<pad>", bos="<s>")
     config = transformers.Mistral3Config(
         text_config=tiny_text_config(
             tok,
@@ -91,9 +92,7 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
             head_dim=dims["hidden"] // dims["heads"],
             rope_theta=1e9,  # the real text model's
             sliding_window=None,
-            bos_token_id=ids["<s>"],
-            eos_token_id=ids["</s>"],
-            pad_token_id=ids["<pad>"],
+            **generation,  # the same bos, eos and pad
             tie_word_embeddings=False,
         ),
         vision_config=tiny_vision_config(
@@ -113,7 +112,6 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         # the published lm_head is its own matrix: Mistral3Config's default (True, transformers 5.24) would tie it
         tie_word_embeddings=False,
     )
-    generation = generation_ids(tok, eos="</s>", pad="<pad>", bos="<s>")
     save_tiny_model(out, transformers.Mistral3ForConditionalGeneration, config, processor, dims, **generation)
 
 
