@@ -1,6 +1,7 @@
 """The tiny offline Qwen2-VL (`demo:tiny-qwen2-vl`, `demo:bench-qwen2-vl`, `demo:qwen2-vl-2b-shaped`), and
-what the tiny Qwen-VL builders share (`tiny/qwen2_5_vl.py`, `tiny/qwen3_vl.py`): the special tokens, the
-text model config, the vision token ids."""
+what the tiny Qwen-VL builders share (`tiny/qwen2_5_vl.py`, `tiny/qwen3_vl.py`, `tiny/qwen3_5.py`): the
+special tokens, the text model config, the tower fields of Qwen2.5-VL and later, the last step (config with
+the vision token ids, saving: `save_qwen_vl`)."""
 
 from __future__ import annotations
 
