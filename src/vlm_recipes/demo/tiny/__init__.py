@@ -1,5 +1,6 @@
 """The tiny offline builders, one module per family (``tiny/qwen2_vl.py``, ...), and what they share: a
-byte-level BPE trained locally on the demo texts, the Qwen tokenizer, saving random weights.
+byte-level BPE trained locally on the demo texts, the Qwen tokenizer, the generation config's token ids,
+saving random weights (``tiny/dims.py``: the sizes and the config fields made of them).
 
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
 processor class, special tokens and chat template, a small tokenizer trained here, random weights. Each
@@ -14,30 +15,76 @@ import json
 from pathlib import Path
 
 MODEL_SEED = 0  # random weights of every tiny model are drawn from this seed
-# Every tiny model's language model: 64 wide, 2 layers, 4 query heads over 2 key/value heads (head_dim 16)
-TINY_TEXT_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 
-def train_byte_level_bpe(corpus: list[str], pretokenize_regex: str, vocab_size: int = 1024):
+def train_byte_level_bpe(
+    corpus: list[str],
+    pretokenize_regex: str,
+    *,
+    first: tuple[str, ...] = (),
+    last: tuple[str, ...] = (),
+):
     """(vocab, merges) of a byte-level BPE trained on `corpus`, splitting text with the family's own
-    pre-tokenizer regex so the merges mean what they would in the real tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    pre-tokenizer regex so the merges mean what they would in the real tokenizer; the family's `first`
+    tokens numbered before the BPE vocab (ids 0..), its `last` ones after it, in their order."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+    bpe.pre_tokenizer = byte_level_pre_tokenizer(pretokenize_regex)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    vocab, merges = vocab_and_merges(bpe)
+    vocab = {
+        **{token: rank for rank, token in enumerate(first)},
+        **{token: rank + len(first) for token, rank in vocab.items()},
+    }
+    for token in last:
+        vocab[token] = len(vocab)
+    return vocab, merges
+
+
+def vocab_and_merges(bpe) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A trained BPE `tokenizers.Tokenizer`'s vocab (token -> id) and merges, to build a tokenizer from."""
+    state = json.loads(bpe.to_str())["model"]
+    return dict(state["vocab"]), [tuple(m) for m in state["merges"]]
+
+
+def byte_level_pre_tokenizer(pretokenize_regex: str):
+    """The family's regex split, then each piece mapped to byte-level symbols (as every byte-level BPE
+    tokenizer.json here has it)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def byte_level_bpe(
+    corpus: list[str],
+    pretokenize_regex: str,
+    *,
+    first: tuple[str, ...] = (),
+    last: tuple[str, ...] = (),
+    **bpe_options,
+):
+    """A `tokenizers.Tokenizer` around a byte-level BPE trained on `corpus` (`train_byte_level_bpe`: `first`
+    and `last` numbered before and after it), shaped as the published tokenizer.json of a family with no
+    tokenizer class of its own: the family's split then bytes, ByteLevel decoding; `bpe_options`:
+    `models.BPE`'s (ignore_merges, ...). The caller adds its tokens and post-processor."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab, merges = train_byte_level_bpe(corpus, pretokenize_regex, first=first, last=last)
+    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, **bpe_options))
+    bpe.pre_tokenizer = byte_level_pre_tokenizer(pretokenize_regex)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    bpe.train_from_iterator(corpus, trainer)
-    state = json.loads(bpe.to_str())["model"]
-    return dict(state["vocab"]), [tuple(m) for m in state["merges"]]
+    return bpe
 
 
 def qwen_tokenizer(
@@ -54,30 +101,53 @@ def qwen_tokenizer(
     tokenizers number them; `special_tokens` must include <|endoftext|> (pad) and <|im_end|> (eos).
     `added_tokens` are never split but are not special (Qwen3's <think>, <tool_call>, ...): decoding
     with skip_special_tokens keeps them, as with the real tokenizer."""
+    vocab, merges = train_qwen_bpe(corpus, (*special_tokens, *added_tokens), qwen3_5)
+    extra_special = [t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")]
+    return qwen_tokenizer_from(vocab, merges, extra_special, added_tokens, qwen3_5)
+
+
+def train_qwen_bpe(corpus: list[str], last: tuple[str, ...], qwen3_5: bool = False):
+    """`train_byte_level_bpe` with Qwen's pre-tokenizer (`qwen3_5`: Qwen3.5's), `last` after the BPE vocab."""
+    if qwen3_5:
+        from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+    else:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    return train_byte_level_bpe(corpus, PRETOKENIZE_REGEX, last=last)
+
+
+def qwen_tokenizer_from(
+    vocab: dict[str, int],
+    merges: list,
+    extra_special_tokens: list[str] | dict[str, str],
+    not_special: tuple[str, ...] = (),
+    qwen3_5: bool = False,
+    **named_tokens: str,
+):
+    """A Qwen2Tokenizer (`qwen3_5`: a Qwen3_5Tokenizer) over a trained vocab, as every Qwen-based tokenizer
+    here: <|im_end|> eos, <|endoftext|> pad, no unk; `extra_special_tokens` and `named_tokens` (bos_token,
+    image_token, ...) as the family's tokenizer_config.json has them. `not_special`: tokens of the vocab
+    never split but not special (Qwen3's <think>, <tool_call>, ...): decoding with skip_special_tokens keeps
+    them, as with the real tokenizer."""
     from tokenizers import AddedToken
 
     if qwen3_5:
         from transformers import Qwen3_5Tokenizer as tokenizer_class
-        from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
     else:
         from transformers import Qwen2Tokenizer as tokenizer_class
-        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in (*special_tokens, *added_tokens):
-        vocab[token] = len(vocab)
     tok = tokenizer_class(
         vocab=vocab,
         merges=merges,
         unk_token=None,  # byte-level BPE covers every input, so no unk is needed
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")],
+        extra_special_tokens=extra_special_tokens,
         model_max_length=4096,
+        **named_tokens,
     )
-    if added_tokens:
+    if not_special:
         # already in the vocab: they keep their ids and are never split
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in not_special])
     return tok
 
 
@@ -87,18 +157,13 @@ def qwen_generation(ids: dict[str, int]) -> dict[str, int | None]:
     return {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None}
 
 
-def tiny_text_config(tok, dims: dict, **fields) -> dict:
-    """A tiny language model's config fields: the vocabulary (the tokenizer's, rounded up to a multiple of
-    64; the tokenizer never yields the rest) and `dims`' sizes, then the family's own `fields`."""
+def generation_ids(tok, eos: str | list[str], pad: str, bos: str | None = None) -> dict:
+    """The generation config's token ids, named by their tokens: `eos` (one or a list) stops generation,
+    `pad` pads, `bos` (None: no bos)."""
     return {
-        **({"model_type": fields.pop("model_type")} if "model_type" in fields else {}),
-        "vocab_size": -(-len(tok) // 64) * 64,
-        "hidden_size": dims["hidden"],
-        "intermediate_size": dims["intermediate"],
-        "num_hidden_layers": dims["layers"],
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        **fields,
+        "eos_token_id": tok.convert_tokens_to_ids(eos),
+        "pad_token_id": tok.convert_tokens_to_ids(pad),
+        "bos_token_id": None if bos is None else tok.convert_tokens_to_ids(bos),
     }
 
 

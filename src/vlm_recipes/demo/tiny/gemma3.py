@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import save_tiny_model, tiny_text_config
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, vocab_and_merges
+from vlm_recipes.demo.tiny.dims import TINY_VISION_DIMS, siglip_vision_config, tiny_text_config
 
 # Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
 # <bos> 2, <unk> 3, <mask> 4; the turn markers at 105 and 106 there), then the image tokens (255999,
@@ -20,28 +21,37 @@ GEMMA_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>"
 SENTENCEPIECE_PIECES = r"▁?\p{L}+|\p{N}|▁?[^\p{L}\p{N}▁]+|▁"
 
 
-def gemma_tokenizer(corpus: list[str]):
-    """A GemmaTokenizer (the class Gemma3Processor is given) around a BPE trained on `corpus` the way
-    Gemma's is built: spaces replaced by "▁", digits split, byte fallback (<0x00>..<0xFF>) for anything
-    unseen."""
-    import json
-
-    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import GemmaTokenizer
+def train_gemma_bpe(
+    corpus: list[str], special_tokens: tuple[str, ...], template_words: list[str], last: tuple[str, ...]
+):
+    """(vocab, merges) of a BPE trained on `corpus` the way Gemma's is built: spaces replaced by "▁",
+    digits split, byte fallback (<0x00>..<0xFF>, after `special_tokens` at ids 0..) for anything unseen;
+    the chat template's own `template_words` learned whole; `last` numbered after the BPE vocab."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     bpe.normalizer = normalizers.Replace(" ", "▁")
     bpe.pre_tokenizer = pre_tokenizers.Split(Regex(SENTENCEPIECE_PIECES), behavior="isolated")
     trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=[*GEMMA_SPECIAL_TOKENS, *bytes_], show_progress=False
+        vocab_size=1024, special_tokens=[*special_tokens, *bytes_], show_progress=False
     )
-    # the template's own words, and "\n\n" as one token, as in Gemma's vocab
-    bpe.train_from_iterator([*corpus, *["user\n", "model\n", "\n\n"] * 50], trainer)
-    state = json.loads(bpe.to_str())["model"]
-    vocab, merges = dict(state["vocab"]), [tuple(m) for m in state["merges"]]
-    for token in GEMMA_IMAGE_TOKENS:
+    bpe.train_from_iterator([*corpus, *template_words * 50], trainer)
+    vocab, merges = vocab_and_merges(bpe)
+    for token in last:
         vocab[token] = len(vocab)
+    return vocab, merges
+
+
+def gemma_tokenizer(corpus: list[str]):
+    """A GemmaTokenizer (the class Gemma3Processor is given) around a BPE trained on `corpus` the way
+    Gemma's is built (`train_gemma_bpe`), the image tokens after it."""
+    from tokenizers import AddedToken
+    from transformers import GemmaTokenizer
+
+    # the template's own words, and "\n\n" as one token, as in Gemma's vocab
+    template_words = ["user\n", "model\n", "\n\n"]
+    vocab, merges = train_gemma_bpe(corpus, GEMMA_SPECIAL_TOKENS, template_words, last=GEMMA_IMAGE_TOKENS)
     boi, eoi, image = GEMMA_IMAGE_TOKENS
     tok = GemmaTokenizer(
         vocab=vocab,
@@ -55,12 +65,7 @@ def gemma_tokenizer(corpus: list[str]):
 
 
 def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessor,
-        Gemma3Processor,
-    )
+    import transformers
     from trl.chat_template_utils import gemma3_chat_template
 
     tok = gemma_tokenizer(corpus)
@@ -68,8 +73,8 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
     # {% generation %} markers for assistant-only loss.
     tok.chat_template = gemma3_chat_template
     side = dims["image_size"]
-    processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessor(
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(
             size={"height": side, "width": side},
             do_pan_and_scan=False,
             pan_and_scan_min_crop_size=256,
@@ -81,7 +86,7 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
         image_seq_length=dims["tokens_per_image"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA_SPECIAL_TOKENS, *GEMMA_IMAGE_TOKENS)}
-    config = Gemma3Config(
+    config = transformers.Gemma3Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -89,38 +94,20 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
             query_pre_attn_scalar=dims["head_dim"],
             sliding_window=dims["sliding_window"],
             layer_types=["sliding_attention", "full_attention"][: dims["layers"]],
-            max_position_embeddings=4096,
             pad_token_id=ids["<pad>"],
             bos_token_id=ids["<bos>"],
             eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
         ),
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": side,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
+        vision_config=siglip_vision_config(dims, image_size=side),
         mm_tokens_per_image=dims["tokens_per_image"],
         boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
         tie_word_embeddings=True,
     )
-    save_tiny_model(
-        out,
-        Gemma3ForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        # as gemma-3-*-it: a turn ends generation as well as <eos>
-        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
-        pad_token_id=ids["<pad>"],
-        bos_token_id=ids["<bos>"],
-    )
+    # as gemma-3-*-it: a turn ends generation as well as <eos>
+    generation = generation_ids(tok, eos=["<eos>", "<end_of_turn>"], pad="<pad>", bos="<bos>")
+    save_tiny_model(out, transformers.Gemma3ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_gemma3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
@@ -132,10 +119,7 @@ TINY = {
     "kv_heads": 2,
     "head_dim": 16,
     "sliding_window": 32,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
     "tokens_per_image": 4,
 }

@@ -5,11 +5,11 @@ and a Gemma 4 text model, with no audio tower."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model
-from vlm_recipes.demo.tiny.gemma3 import SENTENCEPIECE_PIECES
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
+from vlm_recipes.demo.tiny.gemma3 import train_gemma_bpe
 
 # Gemma 4's special tokens, in the order the real tokenizer numbers them: pad, eos, bos, unk, mask; the tool
 # declarations, calls and responses and the string escape (<|tool_response> is 50 there, a stop token of
@@ -45,26 +45,15 @@ VIDEO_TOKEN = "<|video|>"
 
 def gemma4_tokenizer(corpus: list[str]):
     """A GemmaTokenizer (the class Gemma4Processor is given) around a BPE trained on `corpus` the way
-    Gemma's is built: spaces replaced by "▁", digits split, byte fallback (<0x00>..<0xFF>) for anything
-    unseen (gemma3.py: SENTENCEPIECE_PIECES)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    Gemma's is built (gemma3.py: `train_gemma_bpe`), the media tokens after it."""
+    from tokenizers import AddedToken
     from transformers import GemmaTokenizer
 
     control = tuple(GEMMA4_CONTROL_TOKENS.values())
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    bpe.normalizer = normalizers.Replace(" ", "▁")
-    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(SENTENCEPIECE_PIECES), behavior="isolated")
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=[*GEMMA4_SPECIAL_TOKENS, *control, *bytes_], show_progress=False
-    )
     # the template's own words (turn roles, the thought channel, tool calls and responses)
     template_words = ["user\n", "model\n", "system\n", "thought\n", "call:", "response:", "value:"]
-    bpe.train_from_iterator([*corpus, *template_words * 50], trainer)
-    state = json.loads(bpe.to_str())["model"]
-    vocab, merges = dict(state["vocab"]), [tuple(m) for m in state["merges"]]
-    for token in (*GEMMA4_MEDIA_TOKENS.values(), VIDEO_TOKEN):
-        vocab[token] = len(vocab)
+    media = (*GEMMA4_MEDIA_TOKENS.values(), VIDEO_TOKEN)
+    vocab, merges = train_gemma_bpe(corpus, (*GEMMA4_SPECIAL_TOKENS, *control), template_words, last=media)
     tok = GemmaTokenizer(
         vocab=vocab,
         merges=merges,
@@ -79,66 +68,50 @@ def gemma4_tokenizer(corpus: list[str]):
 
 
 def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Gemma4AudioFeatureExtractor,
-        Gemma4Config,
-        Gemma4ForConditionalGeneration,
-        Gemma4ImageProcessor,
-        Gemma4Processor,
-        Gemma4VideoProcessor,
-    )
+    import transformers
     from trl.chat_template_utils import gemma4_v5_chat_template
 
     tok = gemma4_tokenizer(corpus)
     # the current google/gemma-4-*-it template (TRL's gemma4_v5)
     tok.chat_template = gemma4_v5_chat_template
     vision = {"patch_size": dims["patch_size"], "pooling_kernel_size": dims["pooling"]}
-    processor = Gemma4Processor(
-        feature_extractor=Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
-        image_processor=Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
+    processor = transformers.Gemma4Processor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),  # as published; the tiny model has no audio tower
+        image_processor=transformers.Gemma4ImageProcessor(max_soft_tokens=dims["soft_tokens"], **vision),
         tokenizer=tok,
-        video_processor=Gemma4VideoProcessor(max_soft_tokens=70, **vision),
+        video_processor=transformers.Gemma4VideoProcessor(max_soft_tokens=70, **vision),
         chat_template=gemma4_v5_chat_template,
         image_seq_length=dims["soft_tokens"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*GEMMA4_SPECIAL_TOKENS, *GEMMA4_CONTROL_TOKENS.values())}
     media = {name: tok.convert_tokens_to_ids(t) for name, t in GEMMA4_MEDIA_TOKENS.items()}
-    layers = dims["layers"]
-    config = Gemma4Config(
-        text_config={
-            "vocab_size": -(-len(tok) // 64) * 64,  # rounded up; the tokenizer never yields the rest
-            "vocab_size_per_layer_input": -(-len(tok) // 64) * 64,
-            "hidden_size": dims["hidden"],
-            "intermediate_size": dims["intermediate"],
-            "num_hidden_layers": layers,
-            "num_attention_heads": dims["heads"],
-            "num_key_value_heads": dims["kv_heads"],
-            "head_dim": dims["head_dim"],
+    config = transformers.Gemma4Config(
+        text_config=tiny_text_config(
+            tok,
+            dims,
+            vocab_size_per_layer_input=-(-len(tok) // 64) * 64,  # vocab_size's
+            head_dim=dims["head_dim"],
             # the global layers' own geometry, and keys that are their values (the 26B and 31B's)
-            "global_head_dim": dims["global_head_dim"],
-            "num_global_key_value_heads": dims["global_kv_heads"],
-            "attention_k_eq_v": True,
-            "sliding_window": dims["sliding_window"],
-            "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
-            "use_bidirectional_attention": "vision",  # an image's tokens see each other (26B, 31B)
-            "hidden_size_per_layer_input": 0,  # no per-layer embeddings (those are E2B's and E4B's)
-            "final_logit_softcapping": 30.0,
-            "max_position_embeddings": 4096,
-            "pad_token_id": ids["<pad>"],
-            "bos_token_id": ids["<bos>"],
-            "eos_token_id": ids["<eos>"],
-        },
-        vision_config={
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "num_key_value_heads": dims["vision_heads"],
-            "head_dim": dims["vision_dim"] // dims["vision_heads"],
-            "position_embedding_size": dims["vision_positions"],
-            "use_clipped_linears": True,  # as E2B and E4B's tower: clamps around every linear layer
+            global_head_dim=dims["global_head_dim"],
+            num_global_key_value_heads=dims["global_kv_heads"],
+            attention_k_eq_v=True,
+            sliding_window=dims["sliding_window"],
+            layer_types=["sliding_attention"] * (dims["layers"] - 1) + ["full_attention"],
+            use_bidirectional_attention="vision",  # an image's tokens see each other (26B, 31B)
+            hidden_size_per_layer_input=0,  # no per-layer embeddings (those are E2B's and E4B's)
+            final_logit_softcapping=30.0,
+            pad_token_id=ids["<pad>"],
+            bos_token_id=ids["<bos>"],
+            eos_token_id=ids["<eos>"],
+        ),
+        vision_config=tiny_vision_config(
+            dims,
+            num_key_value_heads=dims["vision_heads"],
+            head_dim=dims["vision_dim"] // dims["vision_heads"],
+            position_embedding_size=dims["vision_positions"],
+            use_clipped_linears=True,  # as E2B and E4B's tower: clamps around every linear layer
             **vision,
-        },
+        ),
         audio_config=None,
         boi_token_id=media["boi_token"],
         eoi_token_id=media["eoi_token"],
@@ -150,17 +123,10 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=True,
     )
     config.eos_token_id = [ids["<eos>"], ids["<turn|>"]]  # as config.json: [1, 106]
-    save_tiny_model(
-        out,
-        Gemma4ForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        # as generation_config.json: <eos>, <turn|> and <|tool_response> (a turn handing over to a tool) stop
-        eos_token_id=[ids["<eos>"], ids["<turn|>"], ids["<|tool_response>"]],
-        pad_token_id=ids["<pad>"],
-        bos_token_id=ids["<bos>"],
-    )
+    # as generation_config.json: <eos>, <turn|> and <|tool_response> (a turn handing over to a tool) stop
+    stops = ["<eos>", "<turn|>", "<|tool_response>"]
+    generation = generation_ids(tok, eos=stops, pad="<pad>", bos="<bos>")
+    save_tiny_model(out, transformers.Gemma4ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_gemma4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
@@ -175,10 +141,7 @@ TINY = {
     # 128), and r1 from it 0.27 of the demo's shapes rows over seeds 0-5 (0.32). Two-image rows (~140
     # tokens) still pass the window.
     "sliding_window": 128,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "vision_positions": 1024,  # rows and columns of patches the position table covers (the real: 10240)
     "patch_size": 16,  # the real geometry: a token is 3x3 patches of 16 px, so data.max_pixels means the same
     "pooling": 3,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
@@ -46,20 +47,10 @@ def glm4_tokenizer(corpus: list[str]):
     """A TokenizersBackend (the published tokenizer.json loads as one: PreTrainedTokenizerFast) around a
     byte-level BPE trained on `corpus` with GLM-4's pattern, the special tokens after it, nothing added by
     the tokenizer itself (the chat template writes [gMASK]<sop>); <|endoftext|> is eos and pad."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, GLM4_PATTERN)
-    for token in GLM4V_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(GLM4_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
+    bpe = byte_level_bpe(corpus, GLM4_PATTERN, last=GLM4V_SPECIAL_TOKENS)
     bpe.add_special_tokens([AddedToken(token, special=True) for token in GLM4V_SPECIAL_TOKENS])
     return TokenizersBackend(
         tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=4096
@@ -69,24 +60,18 @@ def glm4_tokenizer(corpus: list[str]):
 def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
     GLM-4.5V's Glm4vMoeForConditionalGeneration (same processor and tower)."""
-    from transformers import (
-        Glm4vConfig,
-        Glm4vForConditionalGeneration,
-        Glm4vImageProcessor,
-        Glm4vMoeConfig,
-        Glm4vMoeForConditionalGeneration,
-        Glm4vProcessor,
-        Glm4vVideoProcessor,
-    )
+    import transformers
 
     tok = glm4_tokenizer(corpus)
     tok.chat_template = GLM4V_CHAT_TEMPLATE
     # the processor compares temporal_patch_size x height x width with these bounds (an image is two frames)
     size = {"shortest_edge": dims["min_pixels"], "longest_edge": dims["max_pixels"]}
-    processor = Glm4vProcessor(
-        image_processor=Glm4vImageProcessor(size=size, patch_size=14, temporal_patch_size=2, merge_size=2),
+    processor = transformers.Glm4vProcessor(
+        image_processor=transformers.Glm4vImageProcessor(
+            size=size, patch_size=14, temporal_patch_size=2, merge_size=2
+        ),
         tokenizer=tok,
-        video_processor=Glm4vVideoProcessor(size=size),
+        video_processor=transformers.Glm4vVideoProcessor(size=size),
         chat_template=GLM4V_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL_TOKENS}
@@ -94,7 +79,6 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     text = tiny_text_config(
         tok,
         dims,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         # half of each head rotates (GLM-4), its frequencies split over (temporal, height, width)
         rope_parameters={
@@ -120,9 +104,9 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
             "attention_bias": True,  # GLM-4.5-Air's biased q, k, v
         }
     config_class, model_class = (
-        (Glm4vMoeConfig, Glm4vMoeForConditionalGeneration)
+        (transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration)
         if moe
-        else (Glm4vConfig, Glm4vForConditionalGeneration)
+        else (transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration)
     )
     config = config_class(
         text_config=text,
@@ -146,15 +130,8 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
         video_end_token_id=ids["<|end_of_video|>"],
         tie_word_embeddings=False,
     )
-    save_tiny_model(
-        out,
-        model_class,
-        config,
-        processor,
-        dims,
-        eos_token_id=stops,
-        pad_token_id=ids["<|endoftext|>"],
-    )
+    generation = generation_ids(tok, eos=list(STOP_TOKENS), pad="<|endoftext|>")
+    save_tiny_model(out, model_class, config, processor, dims, **generation)
 
 
 # What build_tiny_glm4v builds, one dict per demo model (demo/models.py: DEMO_MODELS)

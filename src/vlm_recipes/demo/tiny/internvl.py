@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    qwen_generation,
-    save_tiny_model,
-    tiny_text_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 
@@ -47,22 +42,9 @@ def internvl_tokenizer(corpus: list[str]):
     """A Qwen2Tokenizer (Qwen3's class) around a BPE trained on `corpus`: Qwen's special tokens, Qwen3's
     added ones (<think>, ...), InternVL's image tokens, numbered in that order after the BPE vocab."""
     from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in (*QWEN3_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *INTERNVL_TOKENS):
-        vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=NAMED_TOKENS,
-        model_max_length=4096,
-    )
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
+    vocab, merges = train_qwen_bpe(corpus, (*QWEN3_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *INTERNVL_TOKENS))
+    tok = qwen_tokenizer_from(vocab, merges, NAMED_TOKENS, not_special=QWEN3_ADDED_TOKENS)
     # already in the vocab: they keep their ids, are never split, and are special (skipped when decoding)
     tok.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in INTERNVL_TOKENS], special_tokens=True
@@ -72,21 +54,15 @@ def internvl_tokenizer(corpus: list[str]):
 
 def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's INTERNVL_CHAT_TEMPLATE)."""
-    from transformers import (
-        GotOcr2ImageProcessor,
-        InternVLConfig,
-        InternVLForConditionalGeneration,
-        InternVLProcessor,
-        InternVLVideoProcessor,
-    )
+    import transformers
 
     tok = internvl_tokenizer(corpus)
     tok.chat_template = INTERNVL_CHAT_TEMPLATE
     tile, patch = dims["tile"], dims["patch"]
     size = {"height": tile, "width": tile}
     tokens_per_tile = (tile // patch) ** 2 // 4  # pixel shuffle 0.5: 2x2 patches into one token
-    processor = InternVLProcessor(
-        image_processor=GotOcr2ImageProcessor(
+    processor = transformers.InternVLProcessor(
+        image_processor=transformers.GotOcr2ImageProcessor(
             size=size,
             crop_to_patches=True,
             min_patches=1,
@@ -95,37 +71,33 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
             image_std=IMAGENET_STD,
         ),
         tokenizer=tok,
-        video_processor=InternVLVideoProcessor(size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD),
+        video_processor=transformers.InternVLVideoProcessor(
+            size=size, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD
+        ),
         image_seq_length=tokens_per_tile,
         chat_template=INTERNVL_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN3_SPECIAL_TOKENS, *INTERNVL_TOKENS)}
-    config = InternVLConfig(
+    config = transformers.InternVLConfig(
         text_config=tiny_text_config(
             tok,
             dims,
             model_type="qwen3",
             head_dim=dims["hidden"] // dims["heads"],
-            max_position_embeddings=4096,
             rope_theta=1e6,
-            pad_token_id=ids["<|endoftext|>"],
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
+            **qwen_generation(ids),  # the same pad and eos, no bos
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": tile,
-            "patch_size": patch,
+        vision_config=tiny_vision_config(
+            dims,
+            image_size=tile,
+            patch_size=patch,
             # InternViT-300M's (internvl_custom2hf.py's vit_300m_config): biased qkv, LayerNorm, no qk norm
-            "attention_bias": True,
-            "norm_type": "layer_norm",
-            "use_qk_norm": False,
-            "use_mean_pooling": True,
-        },
+            attention_bias=True,
+            norm_type="layer_norm",
+            use_qk_norm=False,
+            use_mean_pooling=True,
+        ),
         image_token_id=ids["<IMG_CONTEXT>"],
         image_seq_length=tokens_per_tile,
         downsample_ratio=0.5,
@@ -134,16 +106,15 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
         vision_feature_select_strategy="default",
         tie_word_embeddings=False,  # the published lm_head is its own matrix (InternVLConfig defaults to tied)
     )
-    save_tiny_model(out, InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    save_tiny_model(
+        out, transformers.InternVLForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+    )
 
 
 # What build_tiny_internvl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "tile": 56,  # 4x4 patches of 14 px, shuffled to 2x2 = 4 tokens a tile (the real: 448 px, 256 tokens)
     "patch": 14,
     "max_patches": 6,  # up to 6 tiles and a thumbnail (the real: 12): at most 28 tokens an image

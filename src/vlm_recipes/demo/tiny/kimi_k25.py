@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "moonshotai/Kimi-K2.5"  # the published checkpoint this tiny build mirrors
 
@@ -153,17 +154,10 @@ KIMI_K25_CHAT_TEMPLATE = """{%- macro render_content(msg) -%}
 def kimi_tokenizer(corpus: list[str]):
     """A TokenizersBackend around a byte-level BPE trained on `corpus` with Kimi's pattern, the special and
     added tokens after it; nothing added on encoding (the template writes no [BOS])."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, KIMI_PATTERN)
-    for token in (*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS):
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
-    split = pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated", invert=False)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
-    bpe.decoder = decoders.ByteLevel()
+    bpe = byte_level_bpe(corpus, KIMI_PATTERN, last=(*KIMI_SPECIAL_TOKENS, *KIMI_ADDED_TOKENS))
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in KIMI_SPECIAL_TOKENS])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in KIMI_ADDED_TOKENS])
     named = {"bos_token": "[BOS]", "eos_token": "[EOS]", "unk_token": "[UNK]", "pad_token": "[PAD]"}
@@ -172,22 +166,16 @@ def kimi_tokenizer(corpus: list[str]):
 
 def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published chat template (KIMI_K25_CHAT_TEMPLATE)."""
-    from transformers import (
-        Kimi_K25Config,
-        Kimi_K25ForConditionalGeneration,
-        Kimi_K25ImageProcessor,
-        Kimi_K25Processor,
-        Kimi_K25VideoProcessor,
-    )
+    import transformers
 
     tok = kimi_tokenizer(corpus)
     tok.chat_template = KIMI_K25_CHAT_TEMPLATE
     bounds = {"size": {"max_height": dims["max_side"], "max_width": dims["max_side"]}}  # patches on a side
     bounds |= {"max_patches": dims["max_patches"], "patch_size": 14, "merge_size": 2}
-    processor = Kimi_K25Processor(
-        image_processor=Kimi_K25ImageProcessor(**bounds),
+    processor = transformers.Kimi_K25Processor(
+        image_processor=transformers.Kimi_K25ImageProcessor(**bounds),
         tokenizer=tok,
-        video_processor=Kimi_K25VideoProcessor(**bounds),
+        video_processor=transformers.Kimi_K25VideoProcessor(**bounds),
         chat_template=KIMI_K25_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in KIMI_SPECIAL_TOKENS}
@@ -212,7 +200,7 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
         pad_token_id=ids["[PAD]"],
         tie_word_embeddings=False,
     )
-    config = Kimi_K25Config(
+    config = transformers.Kimi_K25Config(
         text_config=text,
         # 14 px patches merged 2x2 (the published geometry), 4 frames a video chunk
         vision_config={"model_type": "kimi_k25_vision", "patch_size": 14, "merge_kernel_size": [2, 2]}
@@ -227,8 +215,8 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,  # the published lm_head is its own matrix (the class default ties it)
     )
     # generation stops at the end of a turn (the published generation_config's eos: <|im_end|>)
-    gen = dict(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["[PAD]"], bos_token_id=ids["[BOS]"])
-    save_tiny_model(out, Kimi_K25ForConditionalGeneration, config, processor, dims, **gen)
+    generation = generation_ids(tok, eos="<|im_end|>", pad="[PAD]", bos="[BOS]")
+    save_tiny_model(out, transformers.Kimi_K25ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_kimi_k25 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 MIRRORS = "LiquidAI/LFM2-VL-1.6B"
 
@@ -70,23 +71,11 @@ def lfm2_tokenizer(corpus: list[str]):
     transformers 5) shaped as LFM2's tokenizer.json: the special tokens first, then a byte-level BPE trained
     on `corpus` with LFM2's pattern, merges ignored for whole-vocab words, <|startoftext|> added in front
     (add_bos_token) as the published tokenizer does."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import TokenizersBackend
 
     specials = (*LFM2_CONTROL_TOKENS, *LFM2_VL_IMAGE_TOKENS)
-    vocab, merges = train_byte_level_bpe(corpus, LFM2_PATTERN)
-    vocab = {
-        **{token: rank for rank, token in enumerate(specials)},
-        **{token: rank + len(specials) for token, rank in vocab.items()},
-    }
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LFM2_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
+    bpe = byte_level_bpe(corpus, LFM2_PATTERN, first=specials, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return TokenizersBackend(
         tokenizer_object=bpe,
@@ -101,20 +90,15 @@ def lfm2_tokenizer(corpus: list[str]):
 
 def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (LFM2_VL_CHAT_TEMPLATE)."""
-    from transformers import (
-        Lfm2VlConfig,
-        Lfm2VlForConditionalGeneration,
-        Lfm2VlImageProcessor,
-        Lfm2VlProcessor,
-    )
+    import transformers
 
     tok = lfm2_tokenizer(corpus)
     tok.chat_template = LFM2_VL_CHAT_TEMPLATE
     patch, factor = dims["patch"], dims["downsample"]
-    processor = Lfm2VlProcessor(
+    processor = transformers.Lfm2VlProcessor(
         # LFM2-VL-1.6B's processor: 16 px patches merged 2x2 (one token per 32x32 px), images up to the token
         # budget kept whole, larger ones cut into tiles with a row/column marker each and a thumbnail
-        image_processor=Lfm2VlImageProcessor(
+        image_processor=transformers.Lfm2VlImageProcessor(
             encoder_patch_size=patch,
             downsample_factor=factor,
             min_image_tokens=dims["min_image_tokens"],
@@ -129,16 +113,15 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         tokenizer=tok,
         chat_template=LFM2_VL_CHAT_TEMPLATE,
     )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (*LFM2_CONTROL_TOKENS, "<image>")}
+    generation = generation_ids(tok, eos="<|im_end|>", pad="<|pad|>", bos="<|startoftext|>")
     layers = dims["layer_types"]
-    config = Lfm2VlConfig(
+    config = transformers.Lfm2VlConfig(
         text_config=tiny_text_config(
             tok,
             dims,
             model_type="lfm2",
             num_hidden_layers=len(layers),
             layer_types=layers,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
             norm_eps=1e-5,
             conv_L_cache=3,
@@ -148,25 +131,20 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
             block_auto_adjust_ff_dim=True,
             block_ffn_dim_multiplier=1.0,
             block_multiple_of=dims["block_multiple_of"],
-            bos_token_id=ids["<|startoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|pad|>"],
+            **generation,  # the same bos, eos and pad
             tie_word_embeddings=True,
         ),
-        vision_config={
-            "model_type": "siglip2_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "num_channels": 3,
-            "num_patches": dims["vision_positions"],
-            "patch_size": patch,
-            "hidden_act": "gelu_pytorch_tanh",
-            "layer_norm_eps": 1e-6,
-            "vision_use_head": False,
-        },
-        image_token_id=ids["<image>"],
+        vision_config=tiny_vision_config(
+            dims,
+            model_type="siglip2_vision_model",
+            num_channels=3,
+            num_patches=dims["vision_positions"],
+            patch_size=patch,
+            hidden_act="gelu_pytorch_tanh",
+            layer_norm_eps=1e-6,
+            vision_use_head=False,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
         downsample_factor=factor,
         projector_hidden_size=dims["projector_hidden"],
         projector_hidden_act="gelu",
@@ -174,16 +152,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
         projector_use_layernorm=True,
         tie_word_embeddings=True,  # LFM2 ties the lm_head to the embeddings
     )
-    save_tiny_model(
-        out,
-        Lfm2VlForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|pad|>"],
-        bos_token_id=ids["<|startoftext|>"],
-    )
+    save_tiny_model(out, transformers.Lfm2VlForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_lfm2_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
@@ -193,10 +162,7 @@ TINY = {
     "block_multiple_of": 64,
     # one short-convolution layer, then full attention (the real: 10 conv + 6 attention layers)
     "layer_types": ["conv", "full_attention"],
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "vision_positions": 256,  # the real 16x16 position grid, resized to each image's patch grid
     "projector_hidden": 128,
     "patch": 16,  # the real tower's 16 px patches, unshuffled 2x2: one token per 32x32 px

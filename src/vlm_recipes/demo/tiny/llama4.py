@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
 
@@ -110,28 +111,20 @@ def llama4_tokenizer(corpus: list[str]):
     Llama 4's tiktoken file (convert_llama4_weights_to_hf.py: Llama4Converter): a byte-level BPE trained on
     `corpus` with Llama 4's pattern, ByteLevel decoding, the special tokens, <|begin_of_text|> prepended to
     every encoded text; eos <|eot|> (the Instruct checkpoints')."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, LLAMA4_PATTERN)
-    for token in (*LLAMA4_SPECIAL_TOKENS, LLAMA4_TOKENIZER_PAD):
-        vocab[token] = len(vocab)
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA4_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
     specials = (*LLAMA4_SPECIAL_TOKENS, LLAMA4_TOKENIZER_PAD)
+    bpe = byte_level_bpe(corpus, LLAMA4_PATTERN, last=specials, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, normalized=False, special=True) for token in specials])
     bos = "<|begin_of_text|>"
     bpe.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),
             processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])]
+                single=f"{bos} $A",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, bpe.token_to_id(bos))],
             ),
         ]
     )
@@ -147,20 +140,17 @@ def llama4_tokenizer(corpus: list[str]):
 
 def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the Instruct checkpoints' chat template (LLAMA4_CHAT_TEMPLATE)."""
-    from transformers import (
-        Llama4Config,
-        Llama4ForConditionalGeneration,
-        Llama4ImageProcessor,
-        Llama4Processor,
-    )
+    import transformers
 
     tok = llama4_tokenizer(corpus)
     tok.chat_template = LLAMA4_CHAT_TEMPLATE
     tile, patch = dims["tile"], dims["patch"]
     # as the published preprocessor_config.json (Llama4ImageProcessorFast there, this class in transformers
     # 5.x): square tiles, at most max_patches of them and a global one, mean/std 0.5, bilinear
-    tiles = Llama4ImageProcessor(size={"height": tile, "width": tile}, max_patches=dims["max_tiles"])
-    processor = Llama4Processor(
+    tiles = transformers.Llama4ImageProcessor(
+        size={"height": tile, "width": tile}, max_patches=dims["max_tiles"]
+    )
+    processor = transformers.Llama4Processor(
         image_processor=tiles,
         tokenizer=tok,
         patch_size=patch,
@@ -196,7 +186,7 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     vision = dims["vision_dim"]
-    config = Llama4Config(
+    config = transformers.Llama4Config(
         text_config=text,
         vision_config={
             "model_type": "llama4_vision_model",
@@ -222,9 +212,8 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=False,
     )
     # the generation config as published, but stopping at <|eot|> only ([200001, 200007, 200008] there)
-    generation = {"eos_token_id": ids["<|eot|>"], "pad_token_id": ids["<|finetune_right_pad|>"]}
-    generation["bos_token_id"] = ids["<|begin_of_text|>"]
-    save_tiny_model(out, Llama4ForConditionalGeneration, config, processor, dims, **generation)
+    generation = generation_ids(tok, eos="<|eot|>", pad="<|finetune_right_pad|>", bos="<|begin_of_text|>")
+    save_tiny_model(out, transformers.Llama4ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_llama4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny.dims import (
     TINY_TEXT_DIMS,
-    qwen_generation,
-    qwen_tokenizer,
-    save_tiny_model,
+    TINY_VISION_DIMS,
+    siglip_vision_config,
     tiny_text_config,
 )
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
@@ -20,50 +20,34 @@ LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
 
 def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
-    from transformers import (
-        LlavaOnevisionConfig,
-        LlavaOnevisionForConditionalGeneration,
-        LlavaOnevisionImageProcessor,
-        LlavaOnevisionProcessor,
-        LlavaOnevisionVideoProcessor,
-    )
+    import transformers
 
     tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
     tok.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE
     side = dims["tile"]
     size = {"height": side, "width": side}
-    processor = LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=dims["pinpoints"]),
+    processor = transformers.LlavaOnevisionProcessor(
+        image_processor=transformers.LlavaOnevisionImageProcessor(
+            size=size, image_grid_pinpoints=dims["pinpoints"]
+        ),
         tokenizer=tok,
-        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        video_processor=transformers.LlavaOnevisionVideoProcessor(size=size),
         num_image_tokens=(side // 14) ** 2,
         vision_feature_select_strategy="full",
         chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE,
         vision_aspect_ratio=dims["aspect_ratio"],
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_ONEVISION_SPECIAL_TOKENS}
-    config = LlavaOnevisionConfig(
+    config = transformers.LlavaOnevisionConfig(
         text_config=tiny_text_config(
             tok,
             dims,
             model_type="qwen2",
-            max_position_embeddings=4096,
             rope_theta=1e6,
-            pad_token_id=ids["<|endoftext|>"],
-            bos_token_id=None,
-            eos_token_id=ids["<|im_end|>"],
+            **qwen_generation(ids),  # the same pad and eos, no bos
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": side,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
+        vision_config=siglip_vision_config(dims, image_size=side),
         image_token_index=ids["<image>"],
         video_token_index=ids["<video>"],
         vision_feature_select_strategy="full",
@@ -73,17 +57,19 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
         tie_word_embeddings=False,
     )
     save_tiny_model(
-        out, LlavaOnevisionForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+        out,
+        transformers.LlavaOnevisionForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        **qwen_generation(ids),
     )
 
 
 # What build_tiny_llava_onevision builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "tile": 28,  # 2x2 patches of 14 px: 4 tokens per tile (the real: 384 px, 27x27 = 729)
     # up to 2x2 tiles (the real: up to 6x6 of 384 px); anyres_max_2 (the real: 9) so that a 2x2 grid is
     # scaled down and the interpolation branch runs too. An image: 4 + at most 16 + 4 tokens.

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
+from vlm_recipes.demo.tiny.qwen3_5 import hybrid_attention_fields
 
 MIRRORS = "openbmb/MiniCPM-V-4.6"  # the transformers docs also spell it openbmb/MiniCPM-V-4_6
 
@@ -143,13 +145,8 @@ def minicpm_v_tokenizer(corpus: list[str]):
     from transformers import TokenizersBackend
     from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX  # the published pattern
 
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    bpe = tk.Tokenizer(tk.models.BPE(vocab, merges, fuse_unk=False))
+    bpe = byte_level_bpe(corpus, PRETOKENIZE_REGEX)
     bpe.normalizer = tk.normalizers.NFC()
-    split = tk.pre_tokenizers.Split(tk.Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False)
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.pre_tokenizer = tk.pre_tokenizers.Sequence([split, byte_level])
-    bpe.decoder = tk.decoders.ByteLevel()
     bpe.post_processor = tk.processors.ByteLevel(trim_offsets=False)
     special = {t: t not in MINICPM_V_NOT_SPECIAL for t in MINICPM_V_ADDED_TOKENS}
     bpe.add_tokens([tk.AddedToken(t, special=s, normalized=False) for t, s in special.items()])
@@ -166,22 +163,16 @@ def minicpm_v_tokenizer(corpus: list[str]):
 
 def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (MINICPM_V_CHAT_TEMPLATE)."""
-    from transformers import (
-        MiniCPMV4_6Config,
-        MiniCPMV4_6ForConditionalGeneration,
-        MiniCPMV4_6ImageProcessor,
-        MiniCPMV4_6Processor,
-        MiniCPMV4_6VideoProcessor,
-    )
+    import transformers
 
     tok = minicpm_v_tokenizer(corpus)
     tok.chat_template = MINICPM_V_CHAT_TEMPLATE
     # preprocessor_config.json's settings (14 px patches, up to 9 slices, image ids, mean/std 0.5) but the
     # slice side: 112 px (the real: 448), 8x8 patches, 2x2 tokens after the two 2x2 merges ("16x")
     sizes = {"scale_resolution": dims["scale_resolution"], "patch_size": dims["patch"]}
-    processor = MiniCPMV4_6Processor(
-        image_processor=MiniCPMV4_6ImageProcessor(**sizes),
-        video_processor=MiniCPMV4_6VideoProcessor(**sizes),
+    processor = transformers.MiniCPMV4_6Processor(
+        image_processor=transformers.MiniCPMV4_6ImageProcessor(**sizes),
+        video_processor=transformers.MiniCPMV4_6VideoProcessor(**sizes),
         tokenizer=tok,
         chat_template=MINICPM_V_CHAT_TEMPLATE,
     )
@@ -191,30 +182,19 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         dims,
         model_type="qwen3_5_text",
         head_dim=dims["head_dim"],
-        layer_types=dims["layer_types"],
-        linear_num_key_heads=dims["linear_heads"],
-        linear_num_value_heads=dims["linear_heads"],
-        linear_key_head_dim=dims["linear_head_dim"],
-        linear_value_head_dim=dims["linear_head_dim"],
+        **hybrid_attention_fields(dims),
         # a quarter of each head rotary over plain 1-D positions (no mrope_section, as published)
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=True,
     )
-    vision = {
-        "hidden_size": dims["vision_dim"],
-        "intermediate_size": dims["vision_intermediate"],
-        "num_hidden_layers": dims["vision_layers"],
-        "num_attention_heads": dims["vision_heads"],
-        "image_size": dims["vision_image_size"],
-        "patch_size": dims["patch"],
-    }
-    config = MiniCPMV4_6Config(
+    config = transformers.MiniCPMV4_6Config(
         text_config=text,
-        vision_config=vision,
+        vision_config=tiny_vision_config(
+            dims, image_size=dims["vision_image_size"], patch_size=dims["patch"]
+        ),
         insert_layer_id=dims["insert_layer_id"],
         image_size=dims["scale_resolution"],
         image_token_id=ids["<|image_pad|>"],
@@ -222,9 +202,10 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
         tie_word_embeddings=True,  # as published: lm_head is the embedding matrix
     )
     # <|im_end|> stops (the published generation config stops on <|endoftext|> too); bos as published
-    generation = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
-    generation["bos_token_id"] = ids["<|im_start|>"]
-    save_tiny_model(out, MiniCPMV4_6ForConditionalGeneration, config, processor, dims, **generation)
+    generation = generation_ids(tok, eos="<|im_end|>", pad="<|endoftext|>", bos="<|im_start|>")
+    save_tiny_model(
+        out, transformers.MiniCPMV4_6ForConditionalGeneration, config, processor, dims, **generation
+    )
 
 
 # What build_tiny_minicpm_v builds (demo/models.py: DEMO_MODELS)
@@ -233,12 +214,10 @@ TINY = {
     # Gated DeltaNet, then gated full attention: the real 3:1 pattern of 24 layers cut to one of each
     "layer_types": ["linear_attention", "full_attention"],
     "head_dim": 32,  # a quarter of it rotary (the real: 256, 8 query heads over 2)
-    "linear_heads": 2,  # as many key as value heads, as published (16 of 128 dimensions there)
+    "linear_key_heads": 2,  # as many key as value heads, as published (16 of 128 dimensions there)
+    "linear_value_heads": 2,
     "linear_head_dim": 16,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "vision_image_size": 112,  # an 8x8 learned position grid (the real: 980 px, 70x70)
     "patch": 14,
     "insert_layer_id": 0,  # the window merger after the first of 2 layers (the real: after 7 of 27)

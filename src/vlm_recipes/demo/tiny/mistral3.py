@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
 # Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
@@ -45,23 +46,10 @@ def tekken_tokenizer(corpus: list[str]):
     """A TokenizersBackend built the way transformers converts a tekken.json (integrations/mistral:
     MistralConverter): the control tokens at ranks 0.., then a byte-level BPE trained on `corpus` with
     Tekken's pattern, ByteLevel decoding, no BOS added by the tokenizer (the chat template writes <s>)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
     from transformers import TokenizersBackend
 
-    vocab, merges = train_byte_level_bpe(corpus, TEKKEN_PATTERN)
-    specials = len(MISTRAL_SPECIAL_TOKENS)
-    vocab = {
-        **{token: rank for rank, token in enumerate(MISTRAL_SPECIAL_TOKENS)},
-        **{token: rank + specials for token, rank in vocab.items()},
-    }
-    bpe = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(TEKKEN_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
+    bpe = byte_level_bpe(corpus, TEKKEN_PATTERN, first=MISTRAL_SPECIAL_TOKENS, ignore_merges=True)
     bpe.add_special_tokens([AddedToken(token, special=True) for token in MISTRAL_SPECIAL_TOKENS])
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
     return TokenizersBackend(
@@ -76,22 +64,17 @@ def tekken_tokenizer(corpus: list[str]):
 
 def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's MISTRAL3_CHAT_TEMPLATE)."""
-    from transformers import (
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        PixtralImageProcessor,
-        PixtralProcessor,
-    )
+    import transformers
 
     # the template writes the default system prompt into every conversation without one: its words are
     # learned as the real tokenizer has them, a few tokens each
     tok = tekken_tokenizer([*corpus, *[DEFAULT_SYSTEM_PROMPT_EXAMPLE] * 20])
     tok.chat_template = MISTRAL3_CHAT_TEMPLATE
     patch, merge = dims["patch"], dims["merge"]
-    processor = PixtralProcessor(
+    processor = transformers.PixtralProcessor(
         # as Mistral-Small-3.1's preprocessor_config.json: the tower's patch (the processor passes patch x
         # merge on every call), a longest edge (1540 px there), CLIP mean/std, bicubic
-        image_processor=PixtralImageProcessor(
+        image_processor=transformers.PixtralImageProcessor(
             patch_size={"height": patch, "width": patch}, size={"longest_edge": dims["longest_edge"]}
         ),
         tokenizer=tok,
@@ -100,32 +83,27 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         chat_template=MISTRAL3_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL_TOKENS}
-    config = Mistral3Config(
+    generation = generation_ids(tok, eos="</s>", pad="<pad>", bos="<s>")
+    config = transformers.Mistral3Config(
         text_config=tiny_text_config(
             tok,
             dims,
             model_type="mistral",
             head_dim=dims["hidden"] // dims["heads"],
-            max_position_embeddings=4096,
             rope_theta=1e9,  # the real text model's
             sliding_window=None,
-            bos_token_id=ids["<s>"],
-            eos_token_id=ids["</s>"],
-            pad_token_id=ids["<pad>"],
+            **generation,  # the same bos, eos and pad
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "model_type": "pixtral",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "head_dim": dims["vision_dim"] // dims["vision_heads"],
-            "hidden_act": "silu",
-            "image_size": 1540,
-            "patch_size": patch,
-            "rope_theta": 10000.0,
-        },
+        vision_config=tiny_vision_config(
+            dims,
+            model_type="pixtral",
+            head_dim=dims["vision_dim"] // dims["vision_heads"],
+            hidden_act="silu",
+            image_size=1540,
+            patch_size=patch,
+            rope_theta=10000.0,
+        ),
         image_token_index=ids["[IMG]"],
         spatial_merge_size=merge,
         projector_hidden_act="gelu",
@@ -134,25 +112,13 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
         # the published lm_head is its own matrix: Mistral3Config's default (True, transformers 5.24) would tie it
         tie_word_embeddings=False,
     )
-    save_tiny_model(
-        out,
-        Mistral3ForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        eos_token_id=ids["</s>"],
-        pad_token_id=ids["<pad>"],
-        bos_token_id=ids["<s>"],
-    )
+    save_tiny_model(out, transformers.Mistral3ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_mistral3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "patch": 14,  # the real tower's 14 px patches, merged 2x2: one token per 28x28 px
     "merge": 2,
     "longest_edge": 112,  # at most 4x4 tokens an image (the real: 1540 px, 55x55)

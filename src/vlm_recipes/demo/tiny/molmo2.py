@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import generation_ids, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # The published checkpoints' chat template, byte for byte (the family module holds it, with the training variant
 # stages use: its last answer ends with <|im_end|>, each answer marked for the loss)
@@ -40,47 +41,28 @@ def molmo2_tokenizer(corpus: list[str]):
     """A Qwen2Tokenizer (the class of Molmo2-4B's tokenizer_config.json) around a BPE trained on `corpus` with
     Qwen's pre-tokenizer: the BPE vocab, Qwen's chat tokens, |<EXTRA_TOKENS_i>| up to a multiple of 64 (the
     text model's vocab_size), then MOLMO2_TOKENS. Returns (tokenizer, vocab_size)."""
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in QWEN_CHAT_TOKENS:
-        vocab[token] = len(vocab)
+    vocab, merges = train_qwen_bpe(corpus, QWEN_CHAT_TOKENS)
     vocab_size = -(-len(vocab) // 64) * 64
     padding = tuple(f"|<EXTRA_TOKENS_{i}>|" for i in range(vocab_size - len(vocab)))
     for token in (*padding, *MOLMO2_TOKENS):
         vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,  # byte-level BPE covers every input, so no unk is needed
-        bos_token="<|im_end|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=["<|im_start|>", *padding, *MOLMO2_TOKENS],
-        model_max_length=4096,
-    )
+    extra_special = ["<|im_start|>", *padding, *MOLMO2_TOKENS]
+    tok = qwen_tokenizer_from(vocab, merges, extra_special, bos_token="<|im_end|>")
     return tok, vocab_size
 
 
 def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (MOLMO2_CHAT_TEMPLATE)."""
-    from transformers import (
-        Molmo2Config,
-        Molmo2ForConditionalGeneration,
-        Molmo2ImageProcessor,
-        Molmo2Processor,
-        Molmo2VideoProcessor,
-    )
+    import transformers
 
     tok, vocab_size = molmo2_tokenizer(corpus)
     tok.chat_template = MOLMO2_CHAT_TEMPLATE
     crop, patch = dims["crop"], 14
     size = {"height": crop, "width": crop}
-    processor = Molmo2Processor(
+    processor = transformers.Molmo2Processor(
         # as convert_molmo2_to_hf.py writes Molmo2-4B's but for the crop size and margins: 14 px patches
         # pooled 2x2, up to 8 overlapping crops (+ the low-res view), bilinear, ImageNet-standard mean/std (0.5)
-        image_processor=Molmo2ImageProcessor(
+        image_processor=transformers.Molmo2ImageProcessor(
             size=size,
             max_crops=dims["max_crops"],
             overlap_margins=dims["margins"],
@@ -88,7 +70,9 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
             pooling_size=[2, 2],
         ),
         # frames pooled 3x3 as the published; 4 frames at most (the published: 64)
-        video_processor=Molmo2VideoProcessor(size=size, patch_size=patch, pooling_size=[3, 3], num_frames=4),
+        video_processor=transformers.Molmo2VideoProcessor(
+            size=size, patch_size=patch, pooling_size=[3, 3], num_frames=4
+        ),
         tokenizer=tok,
         chat_template=MOLMO2_CHAT_TEMPLATE,
         # the published processor_config.json's: no <im_col> in the low-res view, which starts with
@@ -102,7 +86,7 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*QWEN_CHAT_TOKENS, *MOLMO2_TOKENS)}
     head_dim = dims["hidden"] // dims["heads"]
     vision_head_dim = dims["vision_dim"] // dims["vision_heads"]
-    config = Molmo2Config(
+    config = transformers.Molmo2Config(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -112,23 +96,19 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
             head_dim=head_dim,
             qk_norm_type="qwen3",
             attention_bias=False,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 5e6},  # Qwen3-4B-Instruct-2507's
             rms_norm_eps=1e-6,
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "model_type": "molmo2_vision",
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_layers"],
-            "num_attention_heads": dims["vision_heads"],
-            "num_key_value_heads": dims["vision_heads"],
-            "head_dim": vision_head_dim,
-            "hidden_act": "gelu_pytorch_tanh",
-            "image_size": [crop, crop],  # one position embedding per patch of a crop, never interpolated
-            "patch_size": patch,
-        },
+        vision_config=tiny_vision_config(
+            dims,
+            model_type="molmo2_vision",
+            num_key_value_heads=dims["vision_heads"],
+            head_dim=vision_head_dim,
+            hidden_act="gelu_pytorch_tanh",
+            image_size=[crop, crop],  # one position embedding per patch of a crop, never interpolated
+            patch_size=patch,
+        ),
         adapter_config={
             "model_type": "molmo2_adapter",
             # the published reads ViT layers [-3, -9] of 27 (kept: 25), concatenated; here the last two
@@ -149,25 +129,14 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
         frame_end_token_id=ids["<frame_end>"],
         tie_word_embeddings=False,
     )
-    save_tiny_model(
-        out,
-        Molmo2ForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=ids["<|im_end|>"],
-    )
+    generation = generation_ids(tok, eos="<|im_end|>", pad="<|endoftext|>", bos="<|im_end|>")
+    save_tiny_model(out, transformers.Molmo2ForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_molmo2 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_layers": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     # crops of 56 px: 4x4 patches of 14 px (the real: 378 px, 27x27), overlapping by 1 patch each side (the
     # real: 4): a low-res view of 2x2 pooled tokens, then up to 8 crops tiling 28 px windows
     "crop": 56,

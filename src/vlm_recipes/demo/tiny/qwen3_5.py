@@ -7,46 +7,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
-from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config, qwen3_vl_processor
+from vlm_recipes.demo.tiny.qwen2_vl import save_qwen_vl
+from vlm_recipes.demo.tiny.qwen3_vl import qwen3_text_config, qwen3_vision_config, qwen3_vl_processor
 
 
 def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeConfig,
-        Qwen3_5MoeForConditionalGeneration,
-    )
+    import transformers
     from trl.chat_template_utils import qwen3_5_think_chat_template
 
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS, qwen3_5=True)
     # Qwen3.5-4B and larger ship the thinking template (2B and smaller the same with thinking off by
     # default); TRL swaps in its training variant, which always writes the <think> block and marks
     # the assistant's output with {% generation %}.
-    tok.chat_template = qwen3_5_think_chat_template
-    processor = qwen3_vl_processor(tok, dims, qwen3_5_think_chat_template)  # Qwen3.5's, as Qwen3-VL's
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    text = qwen_text_config(
+    processor = qwen3_vl_processor(corpus, dims, qwen3_5_think_chat_template, qwen3_5=True)
+    tok = processor.tokenizer
+    text = qwen3_text_config(
+        tok,
         dims,
-        len(tok),
-        ids,
-        head_dim=dims["head_dim"],
+        rope_theta=1e7,
         # rotary on a quarter of each head, interleaved t/h/w as Qwen3-VL's (the real [11, 11, 10] of 32)
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": dims["mrope"],
-            "mrope_interleaved": True,
-        },
-        layer_types=dims["layer_types"],
-        linear_num_key_heads=dims["linear_key_heads"],
-        linear_num_value_heads=dims["linear_value_heads"],
-        linear_key_head_dim=dims["linear_head_dim"],
-        linear_value_head_dim=dims["linear_head_dim"],
-        eos_token_id=ids["<|im_end|>"],
+        rope={"partial_rotary_factor": 0.25},
+        **hybrid_attention_fields(dims),
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
     )
     moe = "experts" in dims
     if moe:
@@ -57,18 +38,24 @@ def build_tiny_qwen3_5(out: Path, dims: dict, corpus: list[str]) -> None:
             "shared_expert_intermediate_size": dims["expert_intermediate"],
         }
         del text["intermediate_size"]  # every layer's MLP is the sparse block
-    config_class, model_class = (
-        (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+    model_class = (
+        transformers.Qwen3_5MoeForConditionalGeneration
         if moe
-        else (Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+        else transformers.Qwen3_5ForConditionalGeneration
     )
-    config = config_class(
-        text_config=text,
-        vision_config=qwen3_vision_config(dims),
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
+    save_qwen_vl(out, model_class, processor, dims, text, qwen3_vision_config(dims))
+
+
+def hybrid_attention_fields(dims: dict) -> dict:
+    """The text config fields of Qwen3.5's hybrid layers (Gated DeltaNet beside full attention; MiniCPM-V
+    4.6's text model is Qwen3.5's): which layer is which, and the Gated DeltaNet heads."""
+    return {
+        "layer_types": dims["layer_types"],
+        "linear_num_key_heads": dims["linear_key_heads"],
+        "linear_num_value_heads": dims["linear_value_heads"],
+        "linear_key_head_dim": dims["linear_head_dim"],
+        "linear_value_head_dim": dims["linear_head_dim"],
+    }
 
 
 # What build_tiny_qwen3_5 builds, one dict per demo model (demo/models.py: DEMO_MODELS)

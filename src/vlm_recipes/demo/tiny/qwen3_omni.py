@@ -9,13 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import (
-    TINY_TEXT_DIMS,
-    qwen_generation,
-    save_tiny_model,
-    tiny_text_config,
-    train_byte_level_bpe,
-)
+from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config
 
@@ -125,37 +120,16 @@ def qwen3_omni_tokenizer(corpus: list[str]):
     """Qwen3-Omni's Qwen2Tokenizer around a BPE trained on `corpus` with Qwen's pre-tokenizer: the special
     tokens, Qwen3's added ones (not special) and the audio/TTS ones, numbered in the published order, and the
     named image/video/audio tokens of its tokenizer_config.json."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    vocab, merges = train_byte_level_bpe(corpus, PRETOKENIZE_REGEX)
-    for token in (*QWEN_VL_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *QWEN3_OMNI_AUDIO_TOKENS):
-        vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
-        model_max_length=4096,
-        **NAMED_TOKENS,
+    vocab, merges = train_qwen_bpe(
+        corpus, (*QWEN_VL_SPECIAL_TOKENS, *QWEN3_ADDED_TOKENS, *QWEN3_OMNI_AUDIO_TOKENS)
     )
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED_TOKENS])
-    return tok
+    extra_special = [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")]
+    return qwen_tokenizer_from(vocab, merges, extra_special, QWEN3_ADDED_TOKENS, **NAMED_TOKENS)
 
 
 def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     """The thinker, with the published processor settings but for the image size bounds (dims' max_pixels)."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3OmniMoeProcessor,
-        Qwen3OmniMoeThinkerConfig,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-        WhisperFeatureExtractor,
-    )
+    import transformers
 
     tok = qwen3_omni_tokenizer(corpus)
     tok.chat_template = QWEN3_OMNI_CHAT_TEMPLATE
@@ -164,17 +138,17 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     size = {"shortest_edge": 3136, "longest_edge": dims["max_pixels"]}
     vision = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "size": size}
     vision |= {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-    processor = Qwen3OmniMoeProcessor(
-        image_processor=Qwen2VLImageProcessor(**vision),
-        video_processor=Qwen2VLVideoProcessor(**vision),
-        feature_extractor=WhisperFeatureExtractor(
+    processor = transformers.Qwen3OmniMoeProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(**vision),
+        video_processor=transformers.Qwen2VLVideoProcessor(**vision),
+        feature_extractor=transformers.WhisperFeatureExtractor(
             feature_size=128, chunk_length=300, return_attention_mask=True
         ),
         tokenizer=tok,
         chat_template=QWEN3_OMNI_CHAT_TEMPLATE,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, "user")}
-    config = Qwen3OmniMoeThinkerConfig(
+    config = transformers.Qwen3OmniMoeThinkerConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -185,7 +159,6 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
             moe_intermediate_size=dims["moe_intermediate"],
             decoder_sparse_step=1,  # every layer sparse, as published
             norm_topk_prob=True,
-            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]}
             | {"interleaved": True, "mrope_interleaved": True},
             tie_word_embeddings=False,
@@ -214,7 +187,12 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     # generation stops at <|im_end|>, the template's end of turn; pads with <|endoftext|>; no bos
     save_tiny_model(
-        out, Qwen3OmniMoeThinkerForConditionalGeneration, config, processor, dims, **qwen_generation(ids)
+        out,
+        transformers.Qwen3OmniMoeThinkerForConditionalGeneration,
+        config,
+        processor,
+        dims,
+        **qwen_generation(ids),
     )
 
 

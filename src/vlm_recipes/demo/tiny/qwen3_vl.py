@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
-from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS, qwen_text_config, qwen_vision_token_ids
+from vlm_recipes.demo.tiny import qwen_tokenizer
+from vlm_recipes.demo.tiny.qwen2_vl import (
+    QWEN_VL_SPECIAL_TOKENS,
+    qwen_text_config,
+    qwen_vision_config,
+    save_qwen_vl,
+)
 
 # Qwen3's added tokens that are not special (kept by decode(skip_special_tokens=True)), in its order.
 QWEN3_ADDED_TOKENS = (
@@ -20,12 +25,15 @@ QWEN3_ADDED_TOKENS = (
 MIN_PIXELS = 32 * 32 * 4  # at least 4 merged image tokens per image (the most: the dims' max_pixels)
 
 
-def qwen3_vl_processor(tok, dims: dict, chat_template: str):
-    """Qwen3-VL's processor (also transformers' processor for Qwen3.5): 16 px patches merged 2x2, between
-    MIN_PIXELS and the dims' max_pixels, mean and std 0.5 as in their preprocessor_config.json (Qwen2-VL:
-    the CLIP mean/std)."""
+def qwen3_vl_processor(corpus: list[str], dims: dict, chat_template: str, qwen3_5: bool = False):
+    """Qwen3-VL's processor (also transformers' processor for Qwen3.5): a tokenizer with the Qwen-VL special
+    tokens and Qwen3's added ones (`qwen3_5`: Qwen3.5's tokenizer class and pre-tokenizer) and
+    `chat_template`; 16 px patches merged 2x2, between MIN_PIXELS and the dims' max_pixels, mean and std 0.5
+    as in their preprocessor_config.json (Qwen2-VL: the CLIP mean/std)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
+    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS, qwen3_5=qwen3_5)
+    tok.chat_template = chat_template
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": dims["max_pixels"]}
     half = [0.5, 0.5, 0.5]
     return Qwen3VLProcessor(
@@ -39,50 +47,29 @@ def qwen3_vl_processor(tok, dims: dict, chat_template: str):
 
 
 def build_tiny_qwen3_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    import transformers
     from trl.chat_template_utils import qwen3_vl_chat_template
 
-    tok = qwen_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, QWEN3_ADDED_TOKENS)
     # Qwen3-VL-*-Instruct's template (TRL's qwen3_vl), which TRL swaps for its training variant with
     # {% generation %} markers for assistant-only loss.
-    tok.chat_template = qwen3_vl_chat_template
-    processor = qwen3_vl_processor(tok, dims, qwen3_vl_chat_template)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
-        text_config=qwen_text_config(
-            dims,
-            len(tok),
-            ids,
-            head_dim=dims["head_dim"],
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5e6,
-                "mrope_section": dims["mrope"],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=qwen3_vision_config(dims, deepstack_visual_indexes=dims["deepstack"]),
-        **qwen_vision_token_ids(ids),
-        tie_word_embeddings=dims.get("tie_embeddings", False),
-    )
-    save_tiny_model(out, Qwen3VLForConditionalGeneration, config, processor, dims, **qwen_generation(ids))
+    processor = qwen3_vl_processor(corpus, dims, qwen3_vl_chat_template)
+    text = qwen3_text_config(processor.tokenizer, dims, rope_theta=5e6)
+    tower = qwen3_vision_config(dims, deepstack_visual_indexes=dims["deepstack"])
+    save_qwen_vl(out, transformers.Qwen3VLForConditionalGeneration, processor, dims, text, tower)
+
+
+def qwen3_text_config(tok, dims: dict, rope_theta: float, rope: dict | None = None, **extra) -> dict:
+    """Qwen3's text model with interleaved mRoPE (t/h/w frequencies interleaved), as Qwen3-VL and Qwen3.5
+    configure it; `rope` adds rotary settings (Qwen3.5's partial rotary factor), `extra` adds keys."""
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta, **(rope or {})}
+    rope_parameters |= {"mrope_section": dims["mrope"], "mrope_interleaved": True}
+    return qwen_text_config(tok, dims, head_dim=dims["head_dim"], rope_parameters=rope_parameters, **extra)
 
 
 def qwen3_vision_config(dims: dict, **extra) -> dict:
     """Qwen3-VL's tower (Qwen3.5's too, without DeepStack): 16 px patches, learned positions; `extra` adds
     keys."""
-    return {
-        "depth": dims["vision_depth"],
-        "hidden_size": dims["vision_dim"],
-        "intermediate_size": dims["vision_intermediate"],
-        "num_heads": dims["vision_heads"],
-        "out_hidden_size": dims["hidden"],  # merger output = text hidden size
-        "num_position_embeddings": dims["vision_positions"],
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        **extra,
-    }
+    return qwen_vision_config(dims, 16, num_position_embeddings=dims["vision_positions"], **extra)
 
 
 # What build_tiny_qwen3_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)

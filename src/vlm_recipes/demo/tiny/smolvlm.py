@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import TINY_TEXT_DIMS, save_tiny_model, tiny_text_config, train_byte_level_bpe
+from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, train_byte_level_bpe
+from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
 # as SmolLM2's Digits(individual_digits=True) pre-tokenizer does.
@@ -30,9 +31,7 @@ def smolvlm_tokenizer(corpus: list[str]):
     from tokenizers import pre_tokenizers
     from transformers import GPT2Tokenizer
 
-    vocab, merges = train_byte_level_bpe(corpus, _PRETOKENIZE_REGEX)
-    for token in SMOLVLM_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
+    vocab, merges = train_byte_level_bpe(corpus, _PRETOKENIZE_REGEX, last=SMOLVLM_SPECIAL_TOKENS)
     tok = GPT2Tokenizer(
         vocab=vocab,
         merges=merges,
@@ -56,13 +55,7 @@ def smolvlm_tokenizer(corpus: list[str]):
 
 
 def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
-    from transformers import (
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
+    import transformers
     from trl.chat_template_utils import smolvlm_chat_template
 
     tok = smolvlm_tokenizer(corpus)
@@ -72,15 +65,17 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
     tile = {"longest_edge": dims["tile"]}
     size = {"longest_edge": dims["longest_edge"]}
     seq_len = (dims["tile"] // dims["patch"]) ** 2 // dims["scale_factor"] ** 2
-    processor = SmolVLMProcessor(
-        image_processor=SmolVLMImageProcessor(size=size, max_image_size=tile, do_image_splitting=True),
+    processor = transformers.SmolVLMProcessor(
+        image_processor=transformers.SmolVLMImageProcessor(
+            size=size, max_image_size=tile, do_image_splitting=True
+        ),
         tokenizer=tok,
-        video_processor=SmolVLMVideoProcessor(size=size, max_image_size=tile),
+        video_processor=transformers.SmolVLMVideoProcessor(size=size, max_image_size=tile),
         image_seq_len=seq_len,
         chat_template=smolvlm_chat_template,
     )
     ids = {t: tok.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
-    config = SmolVLMConfig(
+    config = transformers.SmolVLMConfig(
         text_config=tiny_text_config(
             tok,
             dims,
@@ -93,38 +88,20 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
             eos_token_id=ids["<end_of_utterance>"],
             tie_word_embeddings=False,
         ),
-        vision_config={
-            "hidden_size": dims["vision_dim"],
-            "intermediate_size": dims["vision_intermediate"],
-            "num_hidden_layers": dims["vision_depth"],
-            "num_attention_heads": dims["vision_heads"],
-            "image_size": dims["tile"],
-            "patch_size": dims["patch"],
-        },
+        vision_config=tiny_vision_config(dims, image_size=dims["tile"], patch_size=dims["patch"]),
         scale_factor=dims["scale_factor"],
         image_token_id=ids["<image>"],
         tie_word_embeddings=False,
         pad_token_id=ids["<|im_end|>"],
     )
-    save_tiny_model(
-        out,
-        SmolVLMForConditionalGeneration,
-        config,
-        processor,
-        dims,
-        eos_token_id=ids["<end_of_utterance>"],
-        pad_token_id=ids["<|im_end|>"],
-        bos_token_id=None,
-    )
+    generation = generation_ids(tok, eos="<end_of_utterance>", pad="<|im_end|>")
+    save_tiny_model(out, transformers.SmolVLMForConditionalGeneration, config, processor, dims, **generation)
 
 
 # What build_tiny_smolvlm builds, one dict per demo model (demo/models.py: DEMO_MODELS)
 TINY = {
     **TINY_TEXT_DIMS,
-    "vision_depth": 2,
-    "vision_dim": 32,
-    "vision_intermediate": 64,
-    "vision_heads": 2,
+    **TINY_VISION_DIMS,
     "tile": 64,  # 64 px tiles of 16 px patches: 4x4 patches, pixel-shuffled 2x2 into 4 tokens per tile
     "patch": 16,
     "scale_factor": 2,
