@@ -4,6 +4,7 @@ live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from transformers import Trainer
 
@@ -126,56 +127,77 @@ def speed_up_frozen_vision(
     return cache, decisions
 
 
-def speed_up_model(built: BuiltModel, stage: Stage) -> list[Decision]:
-    """The speed-ups that change how the model computes, never what: Liger's kernels, per-sample attention
-    for packed rows, the patch embedding as a matmul, sparse LoRA dropout; their decisions."""
-    decisions = []
-    if stage.training.liger_kernels:
-        decisions.append(use_liger_kernels(built.model))
-    if stage.training.matmul_patch_embedding:
-        switched = use_matmul_patch_embedding(built.family.vision_tower(built.model))
-        if not switched:
-            raise GuardError(
-                f"stage `{stage.name}`: training.matmul_patch_embedding: the {built.family.name} vision tower "
-                "has no convolution over non-overlapping patches; remove the setting"
-            )
-        decisions.append(
-            Decision(
-                "matmul-patch-embedding",
-                f"{', '.join(switched)} computed as a matmul",
-                "training.matmul_patch_embedding is on: a convolution whose stride is its kernel is one "
-                "linear map per patch, and the CPU convolution (its weight gradient most) is slower",
-            )
+def liger_kernels(built: BuiltModel, stage: Stage) -> list[Decision]:
+    return [use_liger_kernels(built.model)]
+
+
+def matmul_patch_embedding(built: BuiltModel, stage: Stage) -> list[Decision]:
+    switched = use_matmul_patch_embedding(built.family.vision_tower(built.model))
+    if not switched:
+        raise GuardError(
+            f"stage `{stage.name}`: training.matmul_patch_embedding: the {built.family.name} vision tower "
+            "has no convolution over non-overlapping patches; remove the setting"
         )
-    per_sample = built.family.text_positions_reach_attention
-    if stage.training.padding_free and per_sample and attend_per_sample(built.model):
-        decisions.append(
-            Decision(
-                "per-sample-attention",
-                f"text attention {PER_SAMPLE_SDPA}",
-                "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
-                "own, causally, instead of densely over the whole row under a block mask",
-            )
+    return [
+        Decision(
+            "matmul-patch-embedding",
+            f"{', '.join(switched)} computed as a matmul",
+            "training.matmul_patch_embedding is on: a convolution whose stride is its kernel is one "
+            "linear map per patch, and the CPU convolution (its weight gradient most) is slower",
         )
-    elif stage.training.padding_free and not per_sample:
-        decisions.append(
+    ]
+
+
+def per_sample_attention(built: BuiltModel, stage: Stage) -> list[Decision]:
+    if not built.family.text_positions_reach_attention:
+        return [
             Decision(
                 "per-sample-attention",
                 "off: packed rows attended under transformers' block mask",
                 f"the {built.family.name} text model hands its layers the 3-D multimodal positions, not the "
                 "text ones each sample's bounds are read from",
             )
+        ]
+    if not attend_per_sample(built.model):
+        return []
+    return [
+        Decision(
+            "per-sample-attention",
+            f"text attention {PER_SAMPLE_SDPA}",
+            "training.padding_free is on and the model uses sdpa: each packed sample is attended on its "
+            "own, causally, instead of densely over the whole row under a block mask",
         )
-    if stage.training.sparse_lora_dropout:
-        swapped = use_sparse_lora_dropout(built.model)
-        decisions.append(
-            Decision(
-                "sparse-lora-dropout",
-                f"{swapped} LoRA dropouts draw only the dropped positions",
-                "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
-                "the random numbers",
-            )
+    ]
+
+
+def sparse_lora_dropout(built: BuiltModel, stage: Stage) -> list[Decision]:
+    swapped = use_sparse_lora_dropout(built.model)
+    return [
+        Decision(
+            "sparse-lora-dropout",
+            f"{swapped} LoRA dropouts draw only the dropped positions",
+            "training.sparse_lora_dropout is on: the same drop probability per element, a fraction of "
+            "the random numbers",
         )
+    ]
+
+
+# The speed-ups that change how the model computes, never what, by the `training` setting that asks for
+# each, in the order they are installed; each returns its decisions.
+MODEL_SPEEDUPS: dict[str, Callable[[BuiltModel, Stage], list[Decision]]] = {
+    "liger_kernels": liger_kernels,
+    "matmul_patch_embedding": matmul_patch_embedding,
+    "padding_free": per_sample_attention,  # packed rows: each sample attended on its own
+    "sparse_lora_dropout": sparse_lora_dropout,
+}
+
+
+def speed_up_model(built: BuiltModel, stage: Stage) -> list[Decision]:
+    """Install the model speed-ups the stage asks for (MODEL_SPEEDUPS); their decisions."""
+    decisions = []
+    for setting, install in MODEL_SPEEDUPS.items():
+        if getattr(stage.training, setting):
+            decisions += install(built, stage)
     return decisions
 
 
