@@ -27,10 +27,15 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from vlm_recipes.benchmarking.sft_vs_trl import cache_env, git_sha, processor_name, run_process, threads_env
+from vlm_recipes.benchmarking.processes import (
+    git_sha,
+    processor_name,
+    run_baseline_script,
+    run_recipe,
+    threads_env,
+)
 
 HERE = Path(__file__).resolve().parent
 BASELINE_SCRIPT = HERE / "plain_trl_grpo.py"
@@ -80,37 +85,17 @@ def ensure_bench_prompts(side: int = IMAGE_SIDE) -> Path:
 def run_way(way: str, setup: dict, caches: Path) -> dict:
     """One fresh process of one way; what it measured, with samples/s and the mean reward."""
     if way == BASELINE:
-        with tempfile.NamedTemporaryFile(suffix=".json") as result:
-            command = [
-                sys.executable,
-                str(BASELINE_SCRIPT),
-                f"--model={setup['model']}",
-                f"--data={setup['data']}",
-                f"--rows={setup['rows']}",
-                f"--max-completion-length={setup['max_completion_length']}",
-                f"--seed={setup['seed']}",
-                f"--out={result.name}",
-                *(["--bf16"] if setup["precision"] == "bf16" else []),
-            ]
-            wall, rss = run_process(command, cache_env(setup["env"], caches))
-            measured = json.loads(Path(result.name).read_text())
+        flags = {"max-completion-length": setup["max_completion_length"], "seed": setup["seed"]}
+        wall, rss, measured = run_baseline_script(BASELINE_SCRIPT, flags, setup, caches)
         steps, runtime, curve = measured["steps"], measured["train_runtime_s"], measured["reward_curve"]
         step_time = measured.get("step_time_median_s")
     else:
-        out, run_name = caches / "runs", f"grpo-{time.time_ns()}"
-        command = [
-            *(sys.executable, "-m", "vlm_recipes", "--recipe", str(RECIPE)),
-            *("--output-dir", str(out), "--run-name", run_name),
-            f"model={setup['model']}",
-            f"data.train={setup['data']}",
-            f"data.max_train_samples={setup['rows']}",
-            f"precision={setup['precision']}",
+        settings = [
             f"grpo.max_completion_length={setup['max_completion_length']}",
             f"training.seed={setup['seed']}",
             *SPEEDUPS[way],
         ]
-        wall, rss = run_process(command, cache_env(setup["env"], caches))
-        metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
+        wall, rss, metrics = run_recipe(RECIPE, "grpo", settings, setup, caches)
         steps, runtime = metrics["steps"], metrics["train_runtime_s"]
         curve = {point["step"]: point["reward"] for point in metrics["reward_curve"]}
         step_time = metrics.get("step_time_median_s")

@@ -32,15 +32,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from importlib.metadata import version
 from pathlib import Path
 
+from vlm_recipes.benchmarking.processes import (
+    git_sha,
+    processor_name,
+    run_baseline_script,
+    run_recipe,
+    threads_env,
+)
 from vlm_recipes.benchmarking.sft_tables import (
     BASELINE,
     SCENARIOS,
@@ -89,21 +93,6 @@ LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes
 # --------------------------------------------------------------------------- running
 
 
-def run_process(command: list[str], env: dict) -> tuple[float, float]:
-    """Run a command to its end; its wall seconds and the whole process's peak RSS in GB."""
-    with tempfile.TemporaryFile() as output:
-        started = time.perf_counter()
-        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - started
-        process.returncode = os.waitstatus_to_exitcode(status)
-        if process.returncode != 0:
-            output.seek(0)
-            tail = output.read()[-3000:].decode(errors="replace")
-            sys.exit(f"benchmark run failed ({process.returncode}): {' '.join(command)}\n{tail}")
-    return wall, usage.ru_maxrss / 2**20  # Linux: kilobytes
-
-
 def ways_of(scenario: str, without_overhead_check: bool) -> list[str]:
     """The ways a scenario runs: TRL and ours with the speed-ups on, and in first-epoch ours with them off."""
     if without_overhead_check:
@@ -114,31 +103,15 @@ def ways_of(scenario: str, without_overhead_check: bool) -> list[str]:
 def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: Path) -> dict:
     """One vlm-recipes run, its caches in `caches`."""
     epochs, seed, _, _ = SCENARIOS[scenario]
-    out, run_name = caches / "runs", f"{scenario}-{time.time_ns()}"
-    command = [
-        sys.executable,
-        "-m",
-        "vlm_recipes",
-        "--recipe",
-        str(BENCH_RECIPES / RECIPES[stage]),
-        "--output-dir",
-        str(out),
-        "--run-name",
-        run_name,
-        "--epochs",
-        str(epochs),
+    settings = [
         f"training.seed={seed}",
         f"training.per_device_batch_size={setup['batch_size']}",
         f"training.eval_batch_size={setup['batch_size']}",
-        f"precision={setup['precision']}",
-        f"model={setup['model']}",
-        f"data.train={setup['data']}",
         f"data.eval={setup['data']}",
-        f"data.max_train_samples={setup['rows']}",
         *extra,
     ]
-    wall, rss = run_process(command, cache_env(setup["env"], caches))
-    metrics = json.loads(next(out.glob(f"*/{run_name}/stage-1-*/metrics.json")).read_text())
+    recipe = BENCH_RECIPES / RECIPES[stage]
+    wall, rss, metrics = run_recipe(recipe, scenario, settings, setup, caches, ("--epochs", str(epochs)))
     gpu = metrics["peak_memory"]
     return {
         "wall_s": wall,
@@ -154,44 +127,10 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
     }
 
 
-def threads_env(threads: int) -> dict:
-    """This process's environment, every run's torch held to `threads` threads."""
-    fixed = {
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    return {**os.environ, **fixed}
-
-
-def cache_env(env: dict, caches: Path) -> dict:
-    """Every cache a run fills (datasets' Arrow files; ours: token counts and the speed-ups') in `caches`."""
-    return {
-        **env,
-        "HF_DATASETS_CACHE": str(caches / "datasets"),
-        "VLM_RECIPES_CACHE": str(caches),
-        "VLM_RECIPES_SPEEDUP_CACHE": str(caches),
-    }
-
-
 def run_baseline(stage: str, scenario: str, setup: dict, caches: Path) -> dict:
     epochs, seed, _, _ = SCENARIOS[scenario]
-    with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        command = [
-            sys.executable,
-            str(BASELINE_SCRIPT),
-            f"--stage={stage}",
-            f"--model={setup['model']}",
-            f"--data={setup['data']}",
-            f"--rows={setup['rows']}",
-            f"--epochs={epochs}",
-            f"--seed={seed}",
-            f"--batch-size={setup['batch_size']}",
-            f"--out={result.name}",
-            *(["--bf16"] if setup["precision"] == "bf16" else []),
-        ]
-        wall, rss = run_process(command, cache_env(setup["env"], caches))
-        measured = json.loads(Path(result.name).read_text())
+    flags = {"stage": stage, "epochs": epochs, "seed": seed, "batch-size": setup["batch_size"]}
+    wall, rss, measured = run_baseline_script(BASELINE_SCRIPT, flags, setup, caches)
     return {
         **measured,
         "wall_s": wall,
@@ -218,27 +157,6 @@ def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> d
 
 
 # --------------------------------------------------------------------------- what was run where
-
-
-def git_sha() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=HERE, capture_output=True, text=True)
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "?"
-
-
-def processor_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        cpu = Path("/proc/cpuinfo").read_text()
-        name = next(
-            line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:

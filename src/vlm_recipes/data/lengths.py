@@ -10,6 +10,8 @@ so that data/ depends on nothing in caches/ (which builds its keys from data/).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import datasets
 from PIL import Image
@@ -143,29 +145,53 @@ def _image_size(image) -> tuple[int, int]:
     return upright_size(image)
 
 
-def check_lengths(
-    ds: datasets.Dataset,
-    processor,
-    family: Family,
-    max_length: int | None,
-    source: str,
-    on_bad_sample: str = "fail",
-    video: VideoSampling | None = None,
-    remember: Remember | None = None,
-) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """Refuse samples longer than max_length: cutting through image tokens breaks the model
-    ("image features and image tokens do not match"), and cutting the answer trains on nothing.
+@dataclass(frozen=True)
+class LengthCheck:
+    """A method's length check (every method's `check_lengths`): `measure` counts each row's tokens, image and
+    video tokens included, from the rows undecoded (images read as headers only); the rows whose images the
+    processor refuses, then those longer than max_length, are refused (`too_long`: the error's words, how to
+    fix them). `rows`: the rows measured and returned in place of those given (KTO's pairs, unpaired).
 
-    Returns the dataset (without too-long rows under `skip`), the lengths kept, and the skip count."""
-    return lengths_within(
-        ds,
-        lambda rows: sample_lengths(undecoded(rows), processor, family, video, remember),
-        max_length,
-        source,
-        on_bad_sample,
-        "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer "
-        "tokens, or data.max_frames / data.video_max_pixels for videos)",
-    )
+    Returns the rows kept (without the refused ones under `skip`), their lengths and the skip counts."""
+
+    measure: Callable[[datasets.Dataset, Any, Family, VideoSampling | None, Remember | None], list[int]]
+    too_long: str
+    rows: Callable[[datasets.Dataset], datasets.Dataset] = lambda ds: ds
+
+    def __call__(
+        self,
+        ds: datasets.Dataset,
+        processor,
+        family: Family,
+        max_length: int | None,
+        source: str,
+        on_bad_sample: str = "fail",
+        video: VideoSampling | None = None,
+        remember: Remember | None = None,
+    ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+        def lengths_of(rows: datasets.Dataset) -> list[int]:
+            return self.measure(undecoded(rows), processor, family, video, remember)
+
+        return lengths_within(self.rows(ds), lengths_of, max_length, source, on_bad_sample, self.too_long)
+
+
+# SFT's: cutting through image tokens breaks the model ("image features and image tokens do not match"), and
+# cutting the answer trains on nothing
+check_lengths = LengthCheck(
+    sample_lengths,
+    "sample(s) longer than data.max_length (raise it, or lower data.max_pixels so images take fewer "
+    "tokens, or data.max_frames / data.video_max_pixels for videos)",
+)
+
+
+def conversation_lengths(
+    rows: datasets.Dataset, messages: list[list[dict]], processor, family: Family, remember: Remember | None
+) -> list[int]:
+    """Tokens of each row's `messages` (a conversation made of its columns: a prompt and an answer) with the
+    row's images, image tokens included: what preference and prompt rows measure."""
+    images = rows["images"] if "images" in rows.column_names else [[]] * len(rows)
+    conversations = datasets.Dataset.from_dict({"messages": messages, "images": images})
+    return sample_lengths(conversations, processor, family, remember=remember)
 
 
 def lengths_within(

@@ -19,13 +19,8 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import Remember, lengths_within, sample_lengths
-from vlm_recipes.data.rows import (
-    RowFormat,
-    count_image_parts,
-    image_problem,
-    undecoded,
-)
+from vlm_recipes.data.lengths import LengthCheck, conversation_lengths
+from vlm_recipes.data.rows import RowFormat, count_image_parts, images_problem
 from vlm_recipes.families.base import Family
 
 
@@ -53,15 +48,9 @@ def answered_row_problem(
             return f"no {key}", f"the row needs `{key}` ({kind})"
         if detail := messages_problem(row[key], key, answer):
             return f"bad {key}", detail
-    images = row.get("images") or []
     if sum(count_image_parts(row[name]) for name in answers):
         return "image in answer", f"images belong in the prompt, not in {' or '.join(answers)}"
-    if (placeholders := count_image_parts(row["prompt"])) != len(images):
-        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
-    for image in images:
-        if problem := image_problem(image, image_root, allow_remote_images):
-            return problem
-    return None
+    return images_problem(row, "prompt", image_root, allow_remote_images)
 
 
 def preference_row_problem(
@@ -119,74 +108,41 @@ def unpaired(ds: datasets.Dataset) -> datasets.Dataset:
     )
 
 
-def check_unpaired_lengths(
-    ds: datasets.Dataset,
-    processor,
-    family: Family,
-    max_length: int | None,
-    source: str,
-    on_bad_sample: str = "fail",
-    video=None,  # KTO rows hold no video (refused at the row check)
-    remember: Remember | None = None,
-) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """The rows unpaired (`unpaired`), then each prompt + completion longer than max_length (image tokens
-    counted) refused: KTOTrainer would cut the answer.
+def _completion_lengths(plain: datasets.Dataset, processor, family: Family, video, remember) -> list[int]:
+    """Each unpaired row's prompt + completion (KTO rows hold no video: refused at the row check)."""
+    messages = [p + c for p, c in zip(plain["prompt"], plain["completion"], strict=True)]
+    return conversation_lengths(plain, messages, processor, family, remember)
 
-    Returns the unpaired dataset (without too-long rows under `skip`), each row's length, and the skip count."""
 
-    def lengths(rows: datasets.Dataset) -> list[int]:
-        plain = undecoded(rows)
-        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
-        messages = [p + c for p, c in zip(plain["prompt"], plain["completion"], strict=True)]
-        return sample_lengths(
-            datasets.Dataset.from_dict({"messages": messages, "images": images}),
+def _longer_side(plain: datasets.Dataset, processor, family: Family, video, remember) -> list[int]:
+    """Each pair's longer side, prompt + chosen or prompt + rejected (preference rows hold no video: refused
+    at the row check)."""
+    sides = [
+        conversation_lengths(
+            plain,
+            [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)],
             processor,
             family,
-            remember=remember,
+            remember,
         )
-
-    return lengths_within(
-        unpaired(ds),
-        lengths,
-        max_length,
-        source,
-        on_bad_sample,
-        "row(s) with prompt + completion longer than the stage's max length (raise kto.max_length or "
-        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
-    )
+        for answer in ("chosen", "rejected")
+    ]
+    return [max(c, r) for c, r in zip(*sides, strict=True)]
 
 
-def check_preference_lengths(
-    ds: datasets.Dataset,
-    processor,
-    family: Family,
-    max_length: int | None,
-    source: str,
-    on_bad_sample: str = "fail",
-    video=None,  # preference rows hold no video (refused at the row check)
-    remember: Remember | None = None,
-) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """Refuse pairs whose prompt + chosen or prompt + rejected is longer than max_length (image tokens
-    counted): DPOTrainer would cut the answer, comparing truncated log-probabilities.
+# KTO's: the rows unpaired (`unpaired`), then each prompt + completion longer than max_length refused:
+# KTOTrainer would cut the answer
+check_unpaired_lengths = LengthCheck(
+    _completion_lengths,
+    "row(s) with prompt + completion longer than the stage's max length (raise kto.max_length or "
+    "data.max_length, or lower data.max_pixels so images take fewer tokens)",
+    rows=unpaired,
+)
 
-    Returns the dataset (without too-long rows under `skip`), each row's longer side, and the skip count."""
-
-    def longer_side(rows: datasets.Dataset) -> list[int]:
-        plain = undecoded(rows)
-        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
-        sides = []
-        for answer in ("chosen", "rejected"):
-            messages = [p + a for p, a in zip(plain["prompt"], plain[answer], strict=True)]
-            both = datasets.Dataset.from_dict({"messages": messages, "images": images})
-            sides.append(sample_lengths(both, processor, family, remember=remember))
-        return [max(c, r) for c, r in zip(*sides, strict=True)]
-
-    return lengths_within(
-        ds,
-        longer_side,
-        max_length,
-        source,
-        on_bad_sample,
-        "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
-        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
-    )
+# DPO's: a pair whose prompt + chosen or prompt + rejected is longer than max_length refused: DPOTrainer would
+# cut the answer, comparing truncated log-probabilities
+check_preference_lengths = LengthCheck(
+    _longer_side,
+    "pair(s) with prompt + answer longer than the stage's max length (raise dpo.max_length or "
+    "data.max_length, or lower data.max_pixels so images take fewer tokens)",
+)

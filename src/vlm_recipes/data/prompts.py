@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import datasets
 
-from vlm_recipes.data.lengths import Remember, lengths_within, sample_lengths
+from vlm_recipes.data.lengths import LengthCheck, conversation_lengths
 from vlm_recipes.data.preference import messages_problem
-from vlm_recipes.data.rows import ALL_COLUMNS, RowFormat, count_image_parts, image_problem, undecoded
+from vlm_recipes.data.rows import ALL_COLUMNS, RowFormat, images_problem
 from vlm_recipes.families.base import Family
 
 
@@ -28,14 +28,7 @@ def prompt_row_problem(row: dict, image_root, allow_remote_images: bool = False)
         return "bad prompt", detail
     if "solution" in row and not isinstance(row["solution"], str):
         return "bad solution", f"`solution` must be text, got {type(row['solution']).__name__}"
-    images = row.get("images") or []
-    placeholders = count_image_parts(row["prompt"])
-    if placeholders != len(images):
-        return "image count mismatch", f"{placeholders} image parts in prompt but {len(images)} images"
-    for image in images:
-        if problem := image_problem(image, image_root, allow_remote_images):
-            return problem
-    return None
+    return images_problem(row, "prompt", image_root, allow_remote_images)
 
 
 PROMPTS: RowFormat = (prompt_row_problem, ALL_COLUMNS)
@@ -53,33 +46,16 @@ def generation_prompt_tokens(processor, prompt: list[dict]) -> int:
     return len(tokenizer(opened)["input_ids"]) - len(tokenizer(closed)["input_ids"])
 
 
-def check_prompt_lengths(
-    ds: datasets.Dataset,
-    processor,
-    family: Family,
-    max_length: int | None,
-    source: str,
-    on_bad_sample: str = "fail",
-    video=None,  # prompt rows with video: not yet (the row check refuses none, the family's processor decides)
-    remember: Remember | None = None,
-) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
-    """Refuse prompts longer than `max_length` (<method>.max_prompt_length), image tokens counted.
+def _prompt_lengths(plain: datasets.Dataset, processor, family: Family, video, remember) -> list[int]:
+    """Each prompt as TRL generates from it (prompt rows with video: not yet; the row check refuses none, the
+    family's processor decides)."""
+    opened = generation_prompt_tokens(processor, plain[0]["prompt"])
+    return [n + opened for n in conversation_lengths(plain, plain["prompt"], processor, family, remember)]
 
-    Returns the dataset (without too-long rows under `skip`), each prompt's length and the skip count."""
 
-    def prompt_lengths(rows: datasets.Dataset) -> list[int]:
-        plain = undecoded(rows)
-        images = plain["images"] if "images" in plain.column_names else [[]] * len(plain)
-        as_messages = datasets.Dataset.from_dict({"messages": plain["prompt"], "images": images})
-        opened = generation_prompt_tokens(processor, plain[0]["prompt"])
-        return [n + opened for n in sample_lengths(as_messages, processor, family, remember=remember)]
-
-    return lengths_within(
-        ds,
-        prompt_lengths,
-        max_length,
-        source,
-        on_bad_sample,
-        "prompt(s) longer than grpo.max_prompt_length (rloo.max_prompt_length in an rloo stage; raise it or "
-        "data.max_length, or lower data.max_pixels so images take fewer tokens)",
-    )
+# GRPO's and RLOO's: prompts longer than `max_length` (<method>.max_prompt_length) refused
+check_prompt_lengths = LengthCheck(
+    _prompt_lengths,
+    "prompt(s) longer than grpo.max_prompt_length (rloo.max_prompt_length in an rloo stage; raise it or "
+    "data.max_length, or lower data.max_pixels so images take fewer tokens)",
+)

@@ -135,10 +135,18 @@ def row_problem(
         return "bad roles", f"roles must be system/user/assistant, got {roles}"
     if "assistant" not in roles:
         return "no assistant turn", "nothing to learn from"
+    return images_problem(row, "messages", image_root, allow_remote_images)
+
+
+def images_problem(
+    row: dict, key: str, image_root: Path | None, allow_remote_images: bool
+) -> tuple[str, str] | None:
+    """(reason, detail) for a row whose `images` do not match the image parts of its `key` messages one for
+    one, or name an image that cannot be used; None: they are fine. Every row format's check ends with it."""
     images = row.get("images") or []
-    placeholders = count_image_parts(messages)
+    placeholders = count_image_parts(row[key])
     if placeholders != len(images):
-        return "image count mismatch", f"{placeholders} image parts in messages but {len(images)} images"
+        return "image count mismatch", f"{placeholders} image parts in {key} but {len(images)} images"
     for image in images:
         if problem := image_problem(image, image_root, allow_remote_images):
             return problem

@@ -17,6 +17,7 @@ import json
 import logging
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -311,15 +312,17 @@ def _build_preference_dataset(out: Path) -> None:
 _PROMPT_PREFIX = "prompt-"
 
 
+def _ensure_train_and_eval(name: str, build: Callable[[Path], None]) -> Path:
+    """The `<name>-data` directory of this version's cache with ``train.jsonl``, ``eval.jsonl`` and
+    ``dataset_info.json``, built once by `build`."""
+    files = ("train.jsonl", "eval.jsonl", "dataset_info.json")
+    return build_dir_atomically(cache_dir() / VERSION / f"{name}-data", files, build, f"demo {name} dataset")
+
+
 def ensure_prompt_dataset() -> Path:
     """``train.jsonl`` / ``eval.jsonl`` prompt rows (method: grpo) over the demo tasks' images: the question
     as `prompt`, the answer as `solution` (exact match and JSON F1 check it)."""
-    return build_dir_atomically(
-        cache_dir() / VERSION / "prompt-data",
-        ("train.jsonl", "eval.jsonl", "dataset_info.json"),
-        _build_prompt_dataset,
-        "demo prompt dataset",
-    )
+    return _ensure_train_and_eval("prompt", _build_prompt_dataset)
 
 
 def _build_prompt_dataset(out: Path) -> None:
@@ -349,12 +352,7 @@ _PRETRAINING_SEEDS = {"train": 1111, "eval": 2222}
 def ensure_pretraining_dataset() -> Path:
     """What the demo models are pretrained on (demo/pretraining.yaml): one shape on white, asked its colour,
     its kind or both, scenes counted and placed, labels read (`pretraining_sample`)."""
-    return build_dir_atomically(
-        cache_dir() / VERSION / "pretraining-data",
-        ("train.jsonl", "eval.jsonl", "dataset_info.json"),
-        _build_pretraining_dataset,
-        "demo pretraining dataset",
-    )
+    return _ensure_train_and_eval("pretraining", _build_pretraining_dataset)
 
 
 def _build_pretraining_dataset(out: Path) -> None:

@@ -32,6 +32,18 @@ class VisionGeometry:
     window: int | None = None
     full_attention_layers: int | None = None
 
+    @classmethod
+    def of_tower(cls, vision_config, patches_per_token: int, tile_side: int | None = None) -> VisionGeometry:
+        """A ViT tower's (`hidden_size` wide, `num_hidden_layers` deep). `tile_side`: each tile attended on
+        its own, a window of one tile (that many merged tokens a side); None: layers see the whole image."""
+        return cls(
+            patches_per_token,
+            vision_config.hidden_size,
+            vision_config.num_hidden_layers,
+            window=tile_side,
+            full_attention_layers=None if tile_side is None else 0,
+        )
+
     def attention_pairs(self, image_tokens: int, grid: tuple[int, int] | None = None) -> int:
         """Query-key pairs (L^2 summed over attention groups) over all tower layers, for one image of
         `image_tokens` merged tokens. `grid`: its merged (height, width), which places the windows exactly;
@@ -108,6 +120,23 @@ class DecoderLayer:
         return self.pre_norm | {self.pre_mlp_norm, self.post_mlp_norm}
 
 
+def expand_image_placeholders(
+    texts: list[str], sizes: list[list[tuple[int, int]]], placeholder: str, expand: Callable[[list, int], str]
+) -> list[str]:
+    """Each text with its image placeholders replaced by `expand(sample's image sizes, index)`, the text the
+    processor writes for that image (ValueError: not one placeholder per image)."""
+    expanded = []
+    for text, image_sizes in zip(texts, sizes, strict=True):
+        parts = text.split(placeholder)
+        if len(parts) - 1 != len(image_sizes):
+            raise ValueError(f"{len(parts) - 1} {placeholder} in the text, {len(image_sizes)} images")
+        pieces = [parts[0]]
+        for index, rest in enumerate(parts[1:]):
+            pieces += [expand(image_sizes, index), rest]
+        expanded.append("".join(pieces))
+    return expanded
+
+
 def count_expanded_tokens(
     processor, texts: list[str], sizes: list[list[tuple[int, int]]], expand: Callable[[list, int], str]
 ) -> list[tuple[int, int]]:
@@ -115,20 +144,18 @@ def count_expanded_tokens(
     `expand(sample's image sizes, index)`, the processor's own text for that image (its
     `replace_image_token`), then tokenized as the processor does: for processors that write more around each
     image than repeated placeholders (rows and their breaks, tiles and their frames, begin and end tokens)."""
-    expanded = []
-    for text, image_sizes in zip(texts, sizes, strict=True):
-        parts = text.split(processor.image_token)
-        if len(parts) - 1 != len(image_sizes):
-            raise ValueError(
-                f"{len(parts) - 1} {processor.image_token} in the text, {len(image_sizes)} images"
-            )
-        pieces = [parts[0]]
-        for index, rest in enumerate(parts[1:]):
-            pieces += [expand(image_sizes, index), rest]
-        expanded.append("".join(pieces))
+    expanded = expand_image_placeholders(texts, sizes, processor.image_token, expand)
     ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
     image_id = processor.image_token_id
     return [(len(sample) - sample.count(image_id), sample.count(image_id)) for sample in ids]
+
+
+# The module names transformers gives the models built like LLaVA (a tower, a projector, a language model)
+LLAVA_STYLE_ROLES = {
+    "vision": ("model.vision_tower",),
+    "projector": ("model.multi_modal_projector",),
+    "llm": ("model.language_model", "lm_head"),
+}
 
 
 @dataclass(frozen=True)
@@ -136,7 +163,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]  # config.model_type values this family handles
     role_prefixes: dict[str, tuple[str, ...]]  # role → module-name prefixes
-    lm_head_prefixes: tuple[str, ...]  # the output head (part of llm; kept out of 4-bit by default)
+    lm_head_prefixes: tuple[str, ...] = ("lm_head",)  # the output head (in llm; kept out of 4-bit by default)
 
     # ------------------------------------------------------------------ what the speed-ups and caches ask
     # (class attributes: a family class that differs sets its own)
@@ -237,8 +264,8 @@ class Family:
 
     def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
         """What `get_image_features` returned for a batch's images, as one dict of tensors per image (what
-        the vision feature cache stores). Everything the model reads from the output must be in it."""
-        raise NotImplementedError
+        the vision feature cache stores): everything the model reads from it, by default `pooler_output`."""
+        return [{"features": features} for features in output.pooler_output]
 
     def join_image_features(self, images: list[dict[str, torch.Tensor]]):
         """The inverse of `split_image_features`: the output `get_image_features` returns for these images."""
@@ -266,6 +293,24 @@ class Family:
         for text_ids, image_sizes in zip(ids, sizes, strict=True):
             image_tokens = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
             counts.append((len(text_ids) - len(image_sizes), image_tokens))
+        return counts
+
+    def count_expanded_images(
+        self,
+        processor,
+        texts: list[str],
+        sizes: list[list[tuple[int, int]]],
+        placeholder: str,
+        expand: Callable[[list, int], str],
+    ) -> list[tuple[int, int]]:
+        """(text tokens, image tokens) of each text, its placeholders expanded (expand_image_placeholders)
+        and tokenized as the processor does: image tokens as `image_token_counts` says, the rest text."""
+        expanded = expand_image_placeholders(texts, sizes, placeholder, expand)
+        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        counts = []
+        for text_ids, image_sizes in zip(ids, sizes, strict=True):
+            image_tokens = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
+            counts.append((len(text_ids) - image_tokens, image_tokens))
         return counts
 
     @property

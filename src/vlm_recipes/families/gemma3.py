@@ -33,7 +33,7 @@ import math
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry
 
 PADDING_FREE_REFUSAL = (
     "gemma3 attends bidirectionally among each image's tokens (token_type_ids). In a packed row "
@@ -66,11 +66,8 @@ class Gemma3Family(Family):
     def batch_image_units(self, units: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
         return (torch.cat([pixels for pixels, _ in units]),)
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: [images, mm_tokens_per_image, hidden], the only thing the model reads
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: [images, mm_tokens_per_image, hidden], the only thing the model reads
         return BaseModelOutputWithPooling(pooler_output=torch.stack([image["features"] for image in images]))
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -110,24 +107,11 @@ class Gemma3Family(Family):
     ) -> list[tuple[int, int]]:
         """Expand each <start_of_image> the way Gemma3Processor.replace_image_token does, then tokenize:
         the newlines and boundary tokens around each image are counted as the tokenizer merges them."""
-        tok = processor.tokenizer
-        expanded = []
-        for text, image_sizes in zip(texts, sizes, strict=True):
-            pieces = text.split(processor.boi_token)
-            if len(pieces) - 1 != len(image_sizes):
-                raise ValueError(
-                    f"{len(pieces) - 1} {processor.boi_token} in a text with {len(image_sizes)} images"
-                )
-            out = pieces[0]
-            for (height, width), rest in zip(image_sizes, pieces[1:], strict=True):
-                out += self._image_text(processor, self.crops(processor, height, width)) + rest
-            expanded.append(out)
-        ids = tok(expanded, add_special_tokens=False)["input_ids"]
-        counts = []
-        for text_ids, image_sizes in zip(ids, sizes, strict=True):
-            image = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
-            counts.append((len(text_ids) - image, image))
-        return counts
+
+        def expand(image_sizes: list[tuple[int, int]], index: int) -> str:
+            return self._image_text(processor, self.crops(processor, *image_sizes[index]))
+
+        return self.count_expanded_images(processor, texts, sizes, processor.boi_token, expand)
 
     @staticmethod
     def _image_text(processor, crops: int) -> str:
@@ -144,11 +128,8 @@ class Gemma3Family(Family):
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
-        return VisionGeometry(
-            patches_per_token=patches // config.mm_tokens_per_image,  # the projector's average pool
-            width=vision.hidden_size,
-            layers=vision.num_hidden_layers,
-        )
+        # the projector's average pool folds patches // mm_tokens_per_image patches into one token
+        return VisionGeometry.of_tower(vision, patches_per_token=patches // config.mm_tokens_per_image)
 
 
 def pan_and_scan_settings(processor) -> dict:
@@ -160,13 +141,4 @@ def pan_and_scan_settings(processor) -> dict:
     return settings
 
 
-GEMMA3 = Gemma3Family(
-    name="gemma3",
-    model_types=("gemma3",),
-    role_prefixes={
-        "vision": ("model.vision_tower",),
-        "projector": ("model.multi_modal_projector",),
-        "llm": ("model.language_model", "lm_head"),
-    },
-    lm_head_prefixes=("lm_head",),
-)
+GEMMA3 = Gemma3Family(name="gemma3", model_types=("gemma3",), role_prefixes=LLAVA_STYLE_ROLES)

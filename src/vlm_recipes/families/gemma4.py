@@ -79,11 +79,8 @@ class Gemma4Family(Family):
         # one image per row, its patches padded to the budget; `grids`: their positions, row for row
         return list(pixel_values.split(1))
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: one [tokens, hidden] tensor per image, padding dropped (all the model reads)
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: one [tokens, hidden] tensor per image, padding dropped (all the model reads)
         return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
 
     def projector_modules(self) -> tuple[str, ...]:
@@ -143,22 +140,12 @@ class Gemma4Family(Family):
         """Each <|image|> of the template expanded as Gemma4Processor.replace_image_token does (boundary
         tokens around the image's tokens), then the whole text tokenized as the processor does."""
         image = processor.image_token
-        expanded = []
-        for text, image_sizes in zip(texts, sizes, strict=True):
-            pieces = text.split(image)
-            if len(pieces) - 1 != len(image_sizes):
-                raise ValueError(f"{len(pieces) - 1} {image} in a text with {len(image_sizes)} images")
-            out = pieces[0]
-            counts = self.image_token_counts(processor, image_sizes) if image_sizes else []
-            for n, rest in zip(counts, pieces[1:], strict=True):
-                out += processor.boi_token + image * n + processor.eoi_token + rest
-            expanded.append(out)
-        ids = processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        result = []
-        for text_ids, image_sizes in zip(ids, sizes, strict=True):
-            images = sum(self.image_token_counts(processor, image_sizes)) if image_sizes else 0
-            result.append((len(text_ids) - images, images))
-        return result
+
+        def expand(image_sizes: list[tuple[int, int]], index: int) -> str:
+            [tokens] = self.image_token_counts(processor, [image_sizes[index]])
+            return processor.boi_token + image * tokens + processor.eoi_token
+
+        return self.count_expanded_images(processor, texts, sizes, image, expand)
 
     # ---------------------------------------------------------------- training
 
@@ -201,5 +188,4 @@ GEMMA4 = Gemma4Family(
         "projector": ("model.embed_vision", "model.embed_audio"),
         "llm": ("model.language_model", "lm_head"),
     },
-    lm_head_prefixes=("lm_head",),
 )

@@ -74,29 +74,25 @@ def _in_loss(output: str) -> str:
     )
 
 
-def _split_once(text: str, anchor: str) -> tuple[str, str] | None:
-    return tuple(text.split(anchor)) if text.count(anchor) == 1 else None
+def _split_at(text: str, anchors: tuple[str, ...]) -> list[str] | None:
+    """The text cut at each anchor in turn, each there exactly once after the last (None: one is not)."""
+    pieces = []
+    for anchor in anchors:
+        if text.count(anchor) != 1:
+            return None
+        before, text = text.split(anchor)
+        pieces.append(before)
+    return [*pieces, text]
 
 
 def _with_markers(template: str) -> str | None:
     """The published template with generation markers at its anchors (None: an anchor is missing)."""
-    thinking = _split_once(template, _THINKING)
-    if thinking is None:
+    pieces = _split_at(template, (_THINKING, _TOOL_RESPONSES, _CONTENT, _GENERATION_PROMPT))
+    if pieces is None:
         return None
-    head, rest = thinking
-    tool_responses = _split_once(rest, _TOOL_RESPONSES)
-    if tool_responses is None:
-        return None
-    # the thinking channel and the tool calls (empty in a user's turn), captured, then written in the loss
-    model_output, rest = tool_responses
-    content = _split_once(rest, _CONTENT)
-    if content is None:
-        return None
-    responses, rest = content
-    turn_end = _split_once(rest, _GENERATION_PROMPT)
-    if turn_end is None:
-        return None
-    end_of_turn, generation_prompt = turn_end
+    # model_output: the thinking channel and the tool calls (empty in a user's turn), captured, then written
+    # in the loss
+    head, model_output, responses, end_of_turn, generation_prompt = pieces
     for end in _TURN_ENDS:
         if end_of_turn.count(end) != 1:
             return None

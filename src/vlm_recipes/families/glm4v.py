@@ -118,15 +118,5 @@ GLM4V_ROLES = {
     "llm": ("model.language_model", "lm_head"),
 }
 
-GLM4V = Glm4vFamily(
-    name="glm4v",
-    model_types=("glm4v", "glm46v"),
-    role_prefixes=GLM4V_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
-GLM4V_MOE = Glm4vMoeFamily(
-    name="glm4v-moe",
-    model_types=("glm4v_moe",),
-    role_prefixes=GLM4V_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
+GLM4V = Glm4vFamily(name="glm4v", model_types=("glm4v", "glm46v"), role_prefixes=GLM4V_ROLES)
+GLM4V_MOE = Glm4vMoeFamily(name="glm4v-moe", model_types=("glm4v_moe",), role_prefixes=GLM4V_ROLES)

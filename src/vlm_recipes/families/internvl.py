@@ -39,7 +39,7 @@ import math
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
+from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry, count_expanded_tokens
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,8 @@ class InternVLFamily(Family):
     def split_images(self, pixel_values: torch.Tensor, feature_layer=None) -> list[torch.Tensor]:
         return [tile for tile, _ in self.image_units(pixel_values, feature_layer)]
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: [tiles, image_seq_length, hidden], the only thing the model reads
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: [tiles, image_seq_length, hidden], the only thing the model reads
         return BaseModelOutputWithPooling(pooler_output=torch.stack([image["features"] for image in images]))
 
     # ---------------------------------------------------------------- pixel bounds and token counts
@@ -162,24 +159,9 @@ class InternVLFamily(Family):
         vision = config.vision_config
         shuffle = round(1 / config.downsample_ratio)  # pixel shuffle 0.5: 2x2 patches into one token
         side = vision.image_size[0] // vision.patch_size[0] // shuffle  # a tile's tokens per side
-        # every tile is attended on its own: a window of one tile, no layer attends across tiles. Its CLS
-        # token (one per tile, dropped before the projector) is left out: 1 of 1025 tokens a tile on InternViT
-        return VisionGeometry(
-            patches_per_token=shuffle**2,
-            width=vision.hidden_size,
-            layers=vision.num_hidden_layers,
-            window=side,
-            full_attention_layers=0,
-        )
+        # every tile is attended on its own. Its CLS token (one per tile, dropped before the projector) is left
+        # out: 1 of 1025 tokens a tile on InternViT
+        return VisionGeometry.of_tower(vision, patches_per_token=shuffle**2, tile_side=side)
 
 
-INTERNVL = InternVLFamily(
-    name="internvl",
-    model_types=("internvl",),
-    role_prefixes={
-        "vision": ("model.vision_tower",),
-        "projector": ("model.multi_modal_projector",),
-        "llm": ("model.language_model", "lm_head"),
-    },
-    lm_head_prefixes=("lm_head",),
-)
+INTERNVL = InternVLFamily(name="internvl", model_types=("internvl",), role_prefixes=LLAVA_STYLE_ROLES)

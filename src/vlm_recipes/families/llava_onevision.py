@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry
+from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf's chat_template (transformers' convert_llava_onevision_weights_to_hf.py
 # writes it), byte for byte. TRL ships no variant of it: it already has {% generation %} markers, but they
@@ -141,11 +141,8 @@ class LlavaOnevisionFamily(Family):
     def split_images(self, pixel_values: torch.Tensor, image_sizes) -> list[torch.Tensor]:
         return [pixels for pixels, _ in self.image_units(pixel_values, image_sizes)]
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: one [tokens, hidden] tensor per image (base, unpadded tiles, newlines)
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: one [tokens, hidden] tensor per image (base, unpadded tiles, newlines)
         return BaseModelOutputWithPooling(pooler_output=[image["features"] for image in images])
 
     # ---------------------------------------------------------------- pixel bounds and token counts
@@ -191,23 +188,11 @@ class LlavaOnevisionFamily(Family):
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config
         side = vision.image_size // vision.patch_size  # a tile's patches per side: one token each
-        # every tile is attended on its own: a window of one tile, no layer attends across tiles
-        return VisionGeometry(
-            patches_per_token=1,
-            width=vision.hidden_size,
-            layers=vision.num_hidden_layers,
-            window=side,
-            full_attention_layers=0,
-        )
+        return VisionGeometry.of_tower(vision, patches_per_token=1, tile_side=side)  # each tile on its own
 
 
 LLAVA_ONEVISION = LlavaOnevisionFamily(
     name="llava-onevision",
     model_types=("llava_onevision",),
-    role_prefixes={
-        "vision": ("model.vision_tower",),
-        "projector": ("model.multi_modal_projector", _IMAGE_NEWLINE),
-        "llm": ("model.language_model", "lm_head"),
-    },
-    lm_head_prefixes=("lm_head",),
+    role_prefixes={**LLAVA_STYLE_ROLES, "projector": ("model.multi_modal_projector", _IMAGE_NEWLINE)},
 )

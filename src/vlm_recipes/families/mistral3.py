@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlm_recipes.families.base import Family, VisionGeometry, count_expanded_tokens
+from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry, count_expanded_tokens
+from vlm_recipes.families.longest_edge import set_longest_edge
 from vlm_recipes.families.mistral3_template import (
     MISTRAL3_CHAT_TEMPLATE,
     MISTRAL3_TRAINING_CHAT_TEMPLATE,
@@ -97,29 +98,20 @@ class Mistral3Family(Family):
     def split_images(self, pixel_values: torch.Tensor, image_sizes) -> list[torch.Tensor]:
         return [pixels for pixels, _ in self.image_units(pixel_values, image_sizes)]
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: one [rows x cols, hidden] tensor per image, the only thing the model reads
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: one [rows x cols, hidden] tensor per image, the only thing the model reads
         return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
 
     # ---------------------------------------------------------------- pixel bounds and token counts
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
-        from transformers.image_utils import SizeDict
-
-        if min_pixels is not None:
-            raise ValueError(
-                f"{self.name}: data.min_pixels has no meaning for this family: its processor never enlarges "
-                "an image (it shrinks one into size['longest_edge'] and rounds its sides up to whole tokens). "
-                "Leave data.min_pixels null (data.max_pixels sets that longest edge)"
-            )
-        if max_pixels is not None:
-            unit = image_processor.patch_size["height"] * _EDGE_MERGE
-            edge = max(unit, math.isqrt(max_pixels) // unit * unit)
+        unit = image_processor.patch_size["height"] * _EDGE_MERGE
+        resizing = (
+            "its processor never enlarges an image (it shrinks one into size['longest_edge'] and rounds its "
+            "sides up to whole tokens)"
+        )
+        if edge := set_longest_edge(self.name, image_processor, min_pixels, max_pixels, unit, resizing):
             log.info("%s: data.max_pixels=%d -> longest edge %d px", self.name, max_pixels, edge)
-            image_processor.size = SizeDict(longest_edge=edge)
 
     def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
         """[IMG] tokens per image: rows x cols (each row's [IMG_BREAK] / [IMG_END] is counted as text)."""
@@ -147,21 +139,8 @@ class Mistral3Family(Family):
     training_chat_templates = {MISTRAL3_CHAT_TEMPLATE: MISTRAL3_TRAINING_CHAT_TEMPLATE}
 
     def vision_geometry(self, config) -> VisionGeometry:
-        vision = config.vision_config
-        return VisionGeometry(
-            patches_per_token=config.spatial_merge_size**2,  # the patch merger folds 2x2 patches into one
-            width=vision.hidden_size,
-            layers=vision.num_hidden_layers,
-        )
+        # the patch merger folds 2x2 patches into one token
+        return VisionGeometry.of_tower(config.vision_config, patches_per_token=config.spatial_merge_size**2)
 
 
-MISTRAL3 = Mistral3Family(
-    name="mistral3",
-    model_types=("mistral3",),
-    role_prefixes={
-        "vision": ("model.vision_tower",),
-        "projector": ("model.multi_modal_projector",),
-        "llm": ("model.language_model", "lm_head"),
-    },
-    lm_head_prefixes=("lm_head",),
-)
+MISTRAL3 = Mistral3Family(name="mistral3", model_types=("mistral3",), role_prefixes=LLAVA_STYLE_ROLES)

@@ -74,26 +74,21 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- endfor %}"
 )
 
-_ASSISTANT_TURN = (
-    "    {%- elif message['role'] == 'assistant' %}\n"
-    "        {%- if message['content'] is string %}\n"
-    "            {{- message['content'] + eos_token }}\n"
-    "        {%- else %}\n"
-    "            {{- message['content'][0]['text'] + eos_token }}\n"
-    "        {%- endif %}\n"
+# The assistant turn runs from its branch to the next one; each split finds its anchor exactly once (else it
+# raises ValueError: the published text changed)
+_ASSISTANT_BRANCH = "    {%- elif message['role'] == 'assistant' %}\n"
+_NEXT_BRANCH = "    {%- else %}\n        {{- raise_exception('Only user, system and assistant roles"
+_BEFORE, _FROM_TURN = MISTRAL3_CHAT_TEMPLATE.split(_ASSISTANT_BRANCH)
+_ASSISTANT_TURN, _AFTER = _FROM_TURN.split(_NEXT_BRANCH)
+MISTRAL3_TRAINING_CHAT_TEMPLATE = (
+    _BEFORE
+    + _ASSISTANT_BRANCH
+    + "        {%- generation %}\n"
+    + _ASSISTANT_TURN
+    + "        {%- endgeneration %}\n"
+    + _NEXT_BRANCH
+    + _AFTER
 )
-MISTRAL3_TRAINING_CHAT_TEMPLATE = MISTRAL3_CHAT_TEMPLATE.replace(
-    _ASSISTANT_TURN,
-    "    {%- elif message['role'] == 'assistant' %}\n"
-    "        {%- generation %}\n"
-    "        {%- if message['content'] is string %}\n"
-    "            {{- message['content'] + eos_token }}\n"
-    "        {%- else %}\n"
-    "            {{- message['content'][0]['text'] + eos_token }}\n"
-    "        {%- endif %}\n"
-    "        {%- endgeneration %}\n",
-)
-assert MISTRAL3_TRAINING_CHAT_TEMPLATE != MISTRAL3_CHAT_TEMPLATE, "the assistant turn is where it was"
 
 # The default system prompt the template writes, as rendered on some day (the tiny tokenizer learns its words)
 DEFAULT_SYSTEM_PROMPT_EXAMPLE = (

@@ -36,9 +36,4 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
         )
 
 
-QWEN2_5_VL = Qwen2_5_VLFamily(
-    name="qwen2.5-vl",
-    model_types=("qwen2_5_vl",),
-    role_prefixes=QWEN_VL_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
+QWEN2_5_VL = Qwen2_5_VLFamily(name="qwen2.5-vl", model_types=("qwen2_5_vl",), role_prefixes=QWEN_VL_ROLES)

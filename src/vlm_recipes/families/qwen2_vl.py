@@ -38,11 +38,8 @@ class Qwen2VLFamily(Family):
         # pixel_values holds every image's patches end to end; an image has t*h*w of them
         return list(pixel_values.split(grids.prod(-1).tolist()))
 
-    def split_image_features(self, output) -> list[dict[str, torch.Tensor]]:
-        # pooler_output: the merged tokens of each image, already split per image by get_image_features
-        return [{"features": features} for features in output.pooler_output]
-
     def join_image_features(self, images: list[dict[str, torch.Tensor]]) -> BaseModelOutputWithPooling:
+        # pooler_output: the merged tokens of each image, already split per image by get_image_features
         return BaseModelOutputWithPooling(pooler_output=tuple(image["features"] for image in images))
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -115,12 +112,7 @@ QWEN_VL_ROLES = {
     "llm": ("model.language_model", "lm_head"),
 }
 
-QWEN2_VL = Qwen2VLFamily(
-    name="qwen2-vl",
-    model_types=("qwen2_vl",),
-    role_prefixes=QWEN_VL_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
+QWEN2_VL = Qwen2VLFamily(name="qwen2-vl", model_types=("qwen2_vl",), role_prefixes=QWEN_VL_ROLES)
 
 
 def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -38,15 +38,5 @@ class Qwen3_5Family(Qwen2VLFamily):
         return LINEAR_ATTENTION_PACKING
 
 
-QWEN3_5 = Qwen3_5Family(
-    name="qwen3.5",
-    model_types=("qwen3_5",),
-    role_prefixes=QWEN_VL_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
-QWEN3_5_MOE = Qwen3_5Family(
-    name="qwen3.5-moe",
-    model_types=("qwen3_5_moe",),
-    role_prefixes=QWEN_VL_ROLES,
-    lm_head_prefixes=("lm_head",),
-)
+QWEN3_5 = Qwen3_5Family(name="qwen3.5", model_types=("qwen3_5",), role_prefixes=QWEN_VL_ROLES)
+QWEN3_5_MOE = Qwen3_5Family(name="qwen3.5-moe", model_types=("qwen3_5_moe",), role_prefixes=QWEN_VL_ROLES)

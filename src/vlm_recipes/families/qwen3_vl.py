@@ -62,5 +62,4 @@ QWEN3_VL = Qwen3VLFamily(
         "projector": ("model.visual.merger", "model.visual.deepstack_merger_list"),
         "llm": ("model.language_model", "lm_head"),
     },
-    lm_head_prefixes=("lm_head",),
 )

@@ -38,6 +38,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import DtypeBoundary, Family, VisionGeometry, count_expanded_tokens
+from vlm_recipes.families.longest_edge import set_longest_edge
 
 _TILE_KEY = 3  # the pixel mask rides along as a 4th channel of a cached tile (see image_units)
 
@@ -131,18 +132,12 @@ class SmolVLMFamily(Family):
     # ---------------------------------------------------------------- pixel bounds and token counts
 
     def apply_pixel_bounds(self, image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
-        from transformers.image_utils import SizeDict
-
-        if min_pixels is not None:
-            raise ValueError(
-                f"{self.name}: data.min_pixels has no meaning for this family: its processor resizes every "
-                "image so that its longest edge is size['longest_edge'], upscaling small ones. Leave "
-                "data.min_pixels null (data.max_pixels sets that edge)"
-            )
-        if max_pixels is not None:
-            tile = image_processor.max_image_size["longest_edge"]
-            edge = max(tile, math.isqrt(max_pixels) // tile * tile)
-            image_processor.size = SizeDict(longest_edge=edge)
+        tile = image_processor.max_image_size["longest_edge"]
+        resizing = (
+            "its processor resizes every image so that its longest edge is size['longest_edge'], upscaling "
+            "small ones"
+        )
+        set_longest_edge(self.name, image_processor, min_pixels, max_pixels, tile, resizing)
 
     def image_token_counts(self, processor, sizes: list[tuple[int, int]]) -> list[int]:
         """<image> tokens per image: image_seq_len per tile (the frame tokens are counted as text)."""
@@ -167,14 +162,7 @@ class SmolVLMFamily(Family):
     def vision_geometry(self, config) -> VisionGeometry:
         vision = config.vision_config
         side = vision.image_size // vision.patch_size // config.scale_factor  # merged tokens per tile side
-        # each tile is attended on its own: a window of one tile, no layer attends across tiles
-        return VisionGeometry(
-            patches_per_token=config.scale_factor**2,
-            width=vision.hidden_size,
-            layers=vision.num_hidden_layers,
-            window=side,
-            full_attention_layers=0,
-        )
+        return VisionGeometry.of_tower(vision, patches_per_token=config.scale_factor**2, tile_side=side)
 
 
 SMOLVLM = SmolVLMFamily(
@@ -185,5 +173,4 @@ SMOLVLM = SmolVLMFamily(
         "projector": ("model.connector",),
         "llm": ("model.text_model", "lm_head"),
     },
-    lm_head_prefixes=("lm_head",),
 )
