@@ -1,7 +1,8 @@
 """The GRPO sampling speed-ups (speedups/sampling.py). grpo.sample_with_merged_lora: sampling with the LoRA
 adapter merged into a copy of the weights computes what the adapter computes, up to rounding, and the
 original weights come back untouched. grpo.inverse_cdf_sampling: each draw follows softmax(logits / T), as
-torch.multinomial's does. Where either is not the same, its key is refused."""
+torch.multinomial's does. Where either is not the same, its key is refused. grpo.cpu_log_probs: the
+log-probability pass's LM head computes what TRL's fused head computes, within its own rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.files import read_json
+from vlm_recipes.speedups import log_probs
 from vlm_recipes.speedups.sampling import (
     InverseCdfDraw,
     inverse_cdf_refusal,
@@ -130,17 +132,83 @@ def test_inverse_cdf_draws_follow_softmax_of_logits_over_temperature():
     assert ((draw_frequencies(logits, temperature, draws, off_by=1) - expected).abs() > 10 * bound).any()
 
 
-def test_a_grpo_stage_samples_with_both_speedups_and_says_so(tmp_path, private_demo_cache):
-    settings = "sample_with_merged_lora: true, inverse_cdf_sampling: true"
+def test_a_grpo_stage_samples_with_the_speedups_and_says_so(tmp_path, private_demo_cache, monkeypatch):
+    settings = "sample_with_merged_lora: true, inverse_cdf_sampling: true, cpu_log_probs: true"
     recipe = grpo_recipe(
         tmp_path,
         grpo=f"{{num_generations: 4, max_completion_length: 4, {settings}}}",
         training="{max_steps: 1, per_device_batch_size: 4}",
     )
+    passes = []
+    forward = log_probs.CpuLogProbs.forward
+    monkeypatch.setattr(log_probs.CpuLogProbs, "forward", lambda *a: passes.append(1) or forward(*a))
     assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "fast"]) == 0
     report = read_json(next((tmp_path / "grpo" / "fast").glob("stage-1-*/report.json")))
     decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
     assert "merged" in decisions["merged-sampling"] and "cumulative" in decisions["inverse-cdf-sampling"]
+    assert "one vocabulary tile" in decisions["cpu-log-probs"]
+    assert passes, "the stage's log-probability passes went through speedups/log_probs.py"
+
+
+def fused_head(function, hidden, weight, targets, temperature, grad_out):
+    """Log-probabilities, entropies and d(sum grad_out x log-probabilities)/d hidden through `function`
+    (TRL's ChunkedLogProbFunction, or ours), as TRL's fused head calls it."""
+    hidden = hidden.clone().requires_grad_(True)
+    chunk = 32768  # TRL 1.16's vocabulary tile
+    out, entropy, *_ = function.apply(
+        hidden, weight, None, targets, temperature, chunk, None, 1.0, log_probs.OUTPUTS
+    )
+    (out * grad_out).sum().backward()
+    return out.detach().double(), entropy.detach().double(), hidden.grad.double()
+
+
+def exact_head(hidden, weight, targets, temperature, grad_out):
+    """The same three in float64 from the same bf16 numbers: what both should compute, unrounded."""
+    h = hidden.double().requires_grad_(True)
+    logp = torch.log_softmax(h @ weight.double().t() / temperature, -1)
+    out = logp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    (out * grad_out.double()).sum().backward()
+    return out.detach(), entropy.detach(), h.grad
+
+
+def test_cpu_log_probs_compute_what_trls_fused_head_computes_within_its_rounding():
+    """bf16, a sampling step's shapes scaled down (200 tokens, 256 wide, a 5,000-entry vocabulary), T = 0.7:
+    against float64 from the same bf16 numbers, our log-probabilities, entropies and hidden-state gradient
+    are each within 2x TRL's own error (its rounding: the measured floor) plus 1e-6. A temperature left
+    out, or the target read one entry off, puts one of the three over 50x its bound."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(200, 256, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(5000, 256, generator=generator) * 0.05).to(torch.bfloat16)
+    targets = torch.randint(0, 5000, (200,), generator=generator)
+    grad_out = torch.randn(200, generator=generator)
+    exact = exact_head(hidden, weight, targets, 0.7, grad_out)
+    trls = fused_head(ChunkedLogProbFunction, hidden, weight, targets, 0.7, grad_out)
+    ours = fused_head(log_probs.CpuLogProbs, hidden, weight, targets, 0.7, grad_out)
+    names = ("log-probabilities", "entropies", "hidden-state gradient")
+    bounds = [2 * (t - e).abs().max().item() + 1e-6 for t, e in zip(trls, exact, strict=True)]
+    for name, mine, e, bound in zip(names, ours, exact, bounds, strict=True):
+        print(f"{name}: ours {(mine - e).abs().max():.2e} from float64, bound {bound:.2e}")
+        assert (mine - e).abs().max().item() <= bound, name
+    no_temperature = fused_head(log_probs.CpuLogProbs, hidden, weight, targets, 1.0, grad_out)
+    one_off = fused_head(log_probs.CpuLogProbs, hidden, weight, (targets + 1) % 5000, 0.7, grad_out)
+    for broken in (no_temperature, one_off):
+        worst = max(
+            (x - e).abs().max().item() / bound for x, e, bound in zip(broken, exact, bounds, strict=True)
+        )
+        assert worst > 50, worst
+
+
+def test_cpu_log_probs_leave_to_trl_what_they_do_not_handle():
+    """A GPU tensor, a vocabulary over one tile, a bias or a soft cap: TRL's own path computes."""
+    hidden, weight = torch.zeros(2, 4), torch.zeros(10, 4)
+    assert log_probs.handles(hidden, weight, None, 32768, None, log_probs.OUTPUTS)
+    assert not log_probs.handles(hidden, weight, None, 8, None, log_probs.OUTPUTS)
+    assert not log_probs.handles(hidden, weight, torch.zeros(10), 32768, None, log_probs.OUTPUTS)
+    assert not log_probs.handles(hidden, weight, None, 32768, 30.0, log_probs.OUTPUTS)
+    assert not log_probs.handles(hidden.to("meta"), weight, None, 32768, None, log_probs.OUTPUTS)
 
 
 def test_inverse_cdf_sampling_is_refused_where_trl_filters_the_distribution(tmp_path):

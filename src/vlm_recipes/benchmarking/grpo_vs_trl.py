@@ -12,7 +12,8 @@ own sizes, on the wide bench model (`demo:bench-qwen2-vl-wide`, Qwen2-VL-2B's wi
 image and all, once per completion, so its tower encodes every image 8 times to sample and 8 more for the
 log-probabilities; with `training.vision_feature_cache` (frozen tower) vlm-recipes encodes it once and reads it
 back. `grpo.sample_with_merged_lora` samples with the adapter merged into a copy of the weights, and
-`grpo.inverse_cdf_sampling` draws each token without torch.multinomial (speedups/sampling.py).
+`grpo.inverse_cdf_sampling` draws each token without torch.multinomial (speedups/sampling.py), and
+`grpo.cpu_log_probs` computes the log-probability pass's LM head on a CPU in fewer passes (speedups/log_probs.py).
 
 Ways (`--ways` picks): plain TRL (trl), vlm-recipes without its speed-ups (off: the runner's own cost),
 vlm-recipes with the feature cache (cache), vlm-recipes with every GRPO speed-up (on). Every run is a fresh process; wall time and peak RSS are the whole process's (`os.wait4`), samples/s is completions
@@ -51,6 +52,7 @@ SPEEDUPS = {  # each way's switches
         "training.vision_feature_cache=true",
         "grpo.sample_with_merged_lora=true",
         "grpo.inverse_cdf_sampling=true",
+        "grpo.cpu_log_probs=true",
     ],
 }
 IMAGE_SIDE = 448  # px: 32x32 patches of 14, merged 2x2 into 256 visual tokens (--image-side 448)

@@ -23,7 +23,7 @@ from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import SAMPLING_METHODS, Stage
-from vlm_recipes.speedups import sampling
+from vlm_recipes.speedups import log_probs, sampling
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class SamplingTrainerMixin:
     counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
     sample_with_merged_lora: bool = False  # <method>.sample_with_merged_lora (speedups/sampling.py)
     inverse_cdf_sampling: bool = False  # <method>.inverse_cdf_sampling (speedups/sampling.py)
+    cpu_log_probs: bool = False  # <method>.cpu_log_probs (speedups/log_probs.py)
 
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's sampling, with the sampling speed-ups the stage asks for around it."""
@@ -91,6 +92,10 @@ class SamplingTrainerMixin:
         tile each was sent ("split_with_sizes expects split_sizes to sum exactly to 8"). Here the batch goes
         in one chunk with its per-row counts."""
         kwargs.pop("batch_num_images", None)  # from the processor's fields, where TRL passes them all
+        with log_probs.cpu_log_probs() if self.cpu_log_probs else contextlib.nullcontext():
+            return self._log_probs_with_image_counts(model, input_ids, *args, num_images=num_images, **kwargs)
+
+    def _log_probs_with_image_counts(self, model, input_ids, *args, num_images=None, **kwargs):
         if not (self.counts_images_per_row and num_images is not None):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, *args, num_images=num_images, **kwargs
@@ -155,6 +160,16 @@ def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> lis
                 "each token drawn from the cumulative distribution of softmax(logits / temperature)",
                 f"{section}.inverse_cdf_sampling is on: the same distribution as torch.multinomial's draw, "
                 "one random number a row instead of one exponential per vocabulary entry",
+            )
+        )
+    if stage.sampling.cpu_log_probs:
+        trainer.cpu_log_probs = True
+        chosen.append(
+            Decision(
+                "cpu-log-probs",
+                "the log-probability pass's LM head in one vocabulary tile, bf16 matmuls (on a CPU)",
+                f"{section}.cpu_log_probs is on: TRL's fused head off a GPU runs its gradient matmuls in fp32 "
+                "and ~10 element-wise passes over the logits; the same function in fewer (TRL's own on a GPU)",
             )
         )
     return chosen

@@ -152,6 +152,12 @@ class SampledCompletionSettings:
         "exponential per vocabulary entry",
         False,
     )
+    cpu_log_probs: bool = doc(
+        "on a CPU, compute the log-probability pass's LM head (TRL's fused head) in one vocabulary tile with "
+        "bf16 matmuls and fewer element-wise passes: the same function; TRL's own path on a GPU or where the "
+        "vocabulary is over one tile (32,768)",
+        False,
+    )
     use_vllm: bool = doc(
         "sample the completions with vLLM instead of generate(): a GPU and `pip install vllm`; TRL moves the "
         "policy's weights (LoRA merged) into vLLM before each generation",
