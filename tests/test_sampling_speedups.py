@@ -173,7 +173,8 @@ def exact_head(hidden, weight, targets, temperature, grad_out):
 
 
 def test_cpu_log_probs_compute_what_trls_fused_head_computes_within_its_rounding():
-    """bf16, a sampling step's shapes scaled down (200 tokens, 256 wide, a 5,000-entry vocabulary), T = 0.7:
+    """bf16, a sampling step's shapes scaled down (200 tokens, a quarter of them masked, 256 wide, a
+    5,000-entry vocabulary), T = 0.7:
     against float64 from the same bf16 numbers, our log-probabilities, entropies and hidden-state gradient
     are each within 2x TRL's own error (its rounding: the measured floor) plus 1e-6. A temperature left
     out, or the target read one entry off, puts one of the three over 50x its bound."""
@@ -184,6 +185,7 @@ def test_cpu_log_probs_compute_what_trls_fused_head_computes_within_its_rounding
     weight = (torch.randn(5000, 256, generator=generator) * 0.05).to(torch.bfloat16)
     targets = torch.randint(0, 5000, (200,), generator=generator)
     grad_out = torch.randn(200, generator=generator)
+    grad_out[::4] = 0  # positions the loss masks (TRL scores the prompt's too off a GPU)
     exact = exact_head(hidden, weight, targets, 0.7, grad_out)
     trls = fused_head(ChunkedLogProbFunction, hidden, weight, targets, 0.7, grad_out)
     ours = fused_head(log_probs.CpuLogProbs, hidden, weight, targets, 0.7, grad_out)

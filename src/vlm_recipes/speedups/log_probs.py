@@ -11,8 +11,9 @@ the [tokens, vocabulary] tile forward and backward.
 Ours computes the same function where the vocabulary is one tile (every model with a vocabulary of at most
 32,768; TRL's own way otherwise):
 - forward: the tile, `logsumexp`, the target's logit, and the entropy from the probabilities;
-- backward: the probabilities in place, the target's 1 added by `scatter_add_` (not a [tokens, vocabulary]
-  comparison), one bf16 matmul for the hidden state's gradient. oneDNN accumulates a bf16 matmul in fp32 and
+- backward: only the rows whose gradient is not 0 (off a GPU TRL scores every position, the prompt's too,
+  and masks them after), the probabilities in place, the target's 1 added by `scatter_add_` (not a
+  [tokens, vocabulary] comparison), one bf16 matmul for the hidden state's gradient. oneDNN accumulates a bf16 matmul in fp32 and
   rounds once, as TRL's fp32 `addmm` followed by its cast to the hidden state's dtype does: with one tile the
   two differ only in the order of the sum.
 """
@@ -63,6 +64,12 @@ class CpuLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, targets, log_z, entropy = ctx.saved_tensors
+        rows = (
+            None  # every row; else only those whose gradient is not 0 (off a GPU TRL scores the prompt too)
+        )
+        if grad_entropy is None and grad_logprobs is not None and not ctx.needs_input_grad[1]:
+            rows = grad_logprobs.nonzero().squeeze(-1)
+            hidden, targets, log_z, grad_logprobs = (t[rows] for t in (hidden, targets, log_z, grad_logprobs))
         w = weight.to(ctx.dtype)
         z = torch.mm(hidden.to(ctx.dtype), w.t()).float()
         if ctx.scale != 1:
@@ -77,15 +84,16 @@ class CpuLogProbs(torch.autograd.Function):
             grad.sub_(p * log_p.add_(entropy.unsqueeze(-1)) * grad_entropy.float().unsqueeze(-1))
         if ctx.scale != 1:
             grad.mul_(ctx.scale)
-        grad_hidden = torch.mm(grad.to(ctx.dtype), w) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.mm(grad.to(ctx.dtype).t(), hidden.to(ctx.dtype)) if ctx.needs_input_grad[1] else None
-        )
-        return (
-            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            *([None] * 7),
-        )
+        grad = grad.to(ctx.dtype)
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.mm(grad, w).to(hidden.dtype)
+            if rows is not None:
+                whole = ctx.saved_tensors[0]
+                grad_hidden = whole.new_zeros(whole.shape).index_copy_(0, rows, grad_hidden)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)
+        return grad_hidden, grad_weight, *([None] * 7)
 
 
 class _Dispatch:
