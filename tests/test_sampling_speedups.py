@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import demo_paths
 from peft import LoraConfig, get_peft_model
 from test_grpo import _exits_2, grpo_recipe
 from transformers import AutoModelForImageTextToText
@@ -148,6 +149,56 @@ def test_a_grpo_stage_samples_with_the_speedups_and_says_so(tmp_path, private_de
     assert "merged" in decisions["merged-sampling"] and "cumulative" in decisions["inverse-cdf-sampling"]
     assert "one vocabulary tile" in decisions["cpu-log-probs"]
     assert passes, "the stage's log-probability passes went through speedups/log_probs.py"
+
+
+def test_a_grpo_trainers_log_probabilities_are_the_same_with_cpu_log_probs(
+    tmp_path, demo_model_dir, monkeypatch
+):
+    """fp32, the tiny Qwen2-VL's GRPO trainer: the per-token log-probabilities and entropies of a batch whose
+    second completion is half padding, with the speed-up on (the labelled positions only, our head) and off
+    (TRL's, every position), agree within 1e-5 (fp32 rounding of values up to ~10 in a different order); a
+    position read one place off differs by over 1000x that."""
+    from vlm_recipes.data.prompts import PROMPTS
+    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.decisions import Environment
+    from vlm_recipes.methods.grpo import GRPO
+    from vlm_recipes.methods.trainer import ConfigInputs
+    from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
+    from vlm_recipes.recipes.load import load_recipe
+
+    stage = load_recipe(str(grpo_recipe(tmp_path))).stages[0]
+    family, _ = detect_family(str(demo_model_dir))
+    processor = load_processor(str(demo_model_dir), stage.data, family)
+    built = build_stage_model(str(demo_model_dir), stage, "fp32", "cpu", processor=processor)
+    config = ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
+    trainer = GRPO().build_trainer(
+        built,
+        stage,
+        GRPO().build_config(config),
+        load_stage_data(stage.data, PROMPTS, paths=demo_paths(stage.data)),
+    )
+    ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[1, -3:] = 0  # padding after the second completion
+
+    def per_token(cpu_log_probs: bool):
+        trainer.cpu_log_probs = cpu_log_probs
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, 6, compute_entropy=True
+            )
+
+    rows = []  # the positions our head scored
+    forward = log_probs.CpuLogProbs.forward
+    monkeypatch.setattr(
+        log_probs.CpuLogProbs, "forward", lambda c, h, *a: rows.append(len(h)) or forward(c, h, *a)
+    )
+    (on, on_entropy, _), (off, off_entropy, _) = per_token(True), per_token(False)
+    assert rows == [6 + 3], "the speed-up's head scored the completions' labelled positions, and only it"
+    worst = max((on - off).abs().max().item(), (on_entropy - off_entropy).abs().max().item())
+    print(f"log-probabilities and entropies, speed-up on against off: {worst:.1e} (bound 1e-5)")
+    assert worst <= 1e-5
+    assert (on[:, 1:] - off[:, :-1]).abs().max().item() > 1000 * 1e-5
 
 
 def fused_head(function, hidden, weight, targets, temperature, grad_out):

@@ -9,12 +9,11 @@ on a CPU those are fp32 matmuls (5x a bf16 one on an Intel Xeon with AMX), plus 
 the [tokens, vocabulary] tile forward and backward.
 
 Ours computes the same function where the vocabulary is one tile (every model with a vocabulary of at most
-32,768; TRL's own way otherwise):
+32,768; TRL's own way otherwise), on the positions with a label only, as TRL does on a GPU:
 - forward: the tile, `logsumexp`, the target's logit, and the entropy from the probabilities;
-- backward: only the rows whose gradient is not 0 (off a GPU TRL scores every position, the prompt's too,
-  and masks them after), the probabilities in place, the target's 1 added by `scatter_add_` (not a
-  [tokens, vocabulary] comparison), one bf16 matmul for the hidden state's gradient. oneDNN accumulates a bf16 matmul in fp32 and
-  rounds once, as TRL's fp32 `addmm` followed by its cast to the hidden state's dtype does: with one tile the
+- backward: the probabilities in place, the target's 1 added by `scatter_add_` (not a [tokens, vocabulary]
+  comparison), one bf16 matmul for the hidden state's gradient. oneDNN accumulates a bf16 matmul in fp32
+  and rounds once, as TRL's fp32 `addmm` followed by its cast to the hidden state's dtype does: with one tile the
   two differ only in the order of the sum.
 """
 
@@ -64,12 +63,6 @@ class CpuLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, targets, log_z, entropy = ctx.saved_tensors
-        rows = (
-            None  # every row; else only those whose gradient is not 0 (off a GPU TRL scores the prompt too)
-        )
-        if grad_entropy is None and grad_logprobs is not None and not ctx.needs_input_grad[1]:
-            rows = grad_logprobs.nonzero().squeeze(-1)
-            hidden, targets, log_z, grad_logprobs = (t[rows] for t in (hidden, targets, log_z, grad_logprobs))
         w = weight.to(ctx.dtype)
         z = torch.mm(hidden.to(ctx.dtype), w.t()).float()
         if ctx.scale != 1:
@@ -88,9 +81,6 @@ class CpuLogProbs(torch.autograd.Function):
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.mm(grad, w).to(hidden.dtype)
-            if rows is not None:
-                whole = ctx.saved_tensors[0]
-                grad_hidden = whole.new_zeros(whole.shape).index_copy_(0, rows, grad_hidden)
         if ctx.needs_input_grad[1]:
             grad_weight = torch.mm(grad.t(), hidden.to(ctx.dtype)).to(weight.dtype)
         return grad_hidden, grad_weight, *([None] * 7)
@@ -113,12 +103,20 @@ class _Dispatch:
         )
 
 
+def scores_labelled_positions_only(device: torch.device) -> bool:
+    """TRL's fused head scores only the positions with a label where this says so (TRL: with Triton). Off a
+    GPU TRL scores every position, the prompt's too, so that a Neuron device compiles one tile shape; a CPU
+    compiles nothing, and our path takes any number of rows."""
+    return device.type == "cpu" or chunked_logprob._use_triton(device)
+
+
 @contextlib.contextmanager
 def cpu_log_probs():
-    """TRL's fused LM head computes through `_Dispatch` inside the block (the log-probability passes)."""
-    original = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = _Dispatch
+    """TRL's fused LM head computes through `_Dispatch` inside the block (the log-probability passes), on
+    the labelled positions only."""
+    originals = trl_utils._ChunkedLogProbFunction, trl_utils._use_triton
+    trl_utils._ChunkedLogProbFunction, trl_utils._use_triton = _Dispatch, scores_labelled_positions_only
     try:
         yield
     finally:
-        trl_utils._ChunkedLogProbFunction = original
+        trl_utils._ChunkedLogProbFunction, trl_utils._use_triton = originals
