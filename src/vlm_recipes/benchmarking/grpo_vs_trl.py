@@ -130,6 +130,15 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 def render(report: dict) -> str:
     """The markdown table docs/performance.md shows."""
     about, medians, versus = report["about"], report["summary"]["medians"], report["summary"]["versus_trl"]
+    runs = report.get("runs", {})
+
+    def spread(way: str, key: str, digits: int) -> str:
+        """`median (min-max)` over the way's repeats; the median alone from one run."""
+        values = [run[key] for run in runs.get(way, []) if run.get(key) is not None]
+        shown = f"{medians[way][key]:.{digits}f}"
+        low, high = (f"{min(values):.{digits}f}", f"{max(values):.{digits}f}") if values else (shown, shown)
+        return shown if low == high else f"{shown} ({low}-{high})"
+
     images = (
         f"{about['image_side']}x{about['image_side']}" if about["image_side"] else "as the demo drew them"
     )
@@ -137,7 +146,7 @@ def render(report: dict) -> str:
         f"{about['machine']}, {about['threads']} threads, {about['precision']}; {about['model']}; "
         f"{about['rows']} prompts x {about['num_generations']} completions of at most "
         f"{about['max_completion_length']} tokens, images {images}; seed {about['seed']}, median of "
-        f"{about['repeats']}; git {about['git_sha']}",
+        f"{about['repeats']} (min-max beside it); git {about['git_sha']}",
         f"Regenerate: `{about['command']}`",
         "",
         "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",
@@ -148,8 +157,8 @@ def render(report: dict) -> str:
         ratio = f"{v['samples_per_s']:.2f}x" if v else "1"
         memory = f"{v['peak_rss_gb']:.2f}x" if v else "1"
         lines.append(
-            f"| {way} | {m['samples_per_s']:.2f} | {ratio} | {m['wall_s']:.0f} | {m['peak_rss_gb']:.2f} | "
-            f"{memory} | {m['mean_reward']:.3f} |"
+            f"| {way} | {spread(way, 'samples_per_s', 2)} | {ratio} | {spread(way, 'wall_s', 0)} | "
+            f"{spread(way, 'peak_rss_gb', 2)} | {memory} | {m['mean_reward']:.3f} |"
         )
     return "\n".join(lines)
 
