@@ -77,3 +77,14 @@ def test_the_docs_tables_are_generated_from_the_committed_results(results):
         f"docs/performance.md's GRPO table differs from {results.relative_to(REPO)}: paste "
         f"`vlm-recipes bench-grpo`'s table (grpo_vs_trl.render of that file)"
     )
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=lambda path: path.stem)
+def test_the_table_shows_each_ways_range_beside_its_median(results):
+    report = json.loads(results.read_text())
+    table = grpo_vs_trl.render(report)
+    for way, runs in report["runs"].items():
+        rate = [run["samples_per_s"] for run in runs]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {way} |"))
+        if min(rate) != max(rate):
+            assert f"({min(rate):.2f}-{max(rate):.2f})" in row, f"{way}: samples/s without its min-max"
