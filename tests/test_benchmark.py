@@ -265,7 +265,7 @@ def test_step_times_include_loading_the_batch(tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from vlm_recipes.evaluation.timing import StepTimer
+    from vlm_recipes.methods.callbacks import StepTimer
 
     class SlowRows(torch.utils.data.Dataset):
         def __len__(self):

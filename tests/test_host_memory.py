@@ -1,4 +1,4 @@
-"""Freed host memory goes back to the system on a CPU once the process has grown (methods/host_memory.py)."""
+"""Freed host memory goes back to the system on a CPU once the process has grown (methods/callbacks.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_recipes.decisions import Environment
-from vlm_recipes.methods.host_memory import (
+from vlm_recipes.methods.callbacks import (
     GROWTH_BOUND,
     HostMemoryRelease,
     host_memory_release,

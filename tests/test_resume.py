@@ -190,7 +190,14 @@ def test_a_resume_on_other_ranks_keeps_the_global_batch_or_names_the_ranks_that_
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
     ctx = StageContext(
-        recipe, recipe.stages[0], 1, tmp_path, "unused", Environment("cpu", 0, False), None, SimpleNamespace()
+        recipe,
+        recipe.stages[0],
+        1,
+        tmp_path,
+        "unused",
+        Environment("cpu", 0, False),
+        family=None,
+        state=SimpleNamespace(),
     )
     ctx.state.num_processes = processes
     assert keep_the_global_batch(ctx, checkpoint) is None  # written before global_batch.json existed

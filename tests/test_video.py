@@ -26,7 +26,7 @@ from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.lengths import sample_token_counts
 from vlm_recipes.data.preference import PREFERENCE
-from vlm_recipes.data.rows import VideoRules, load_split, undecoded
+from vlm_recipes.data.rows import VideoRules, load_split, undecoded, video_rules
 from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
 from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 from vlm_recipes.errors import DataError
@@ -36,7 +36,6 @@ from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.speedups.packing import PaddingFreeVisionCollator, attend_per_sample
-from vlm_recipes.stages.run import video_rules
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 # the families whose video rows the tests below train on: the Qwen line, and GLM-4V dense and MoE (Qwen's

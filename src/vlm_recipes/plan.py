@@ -282,7 +282,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
 
 def describe_experts(model, family, stage, lora_roles: dict[str, list[str]]) -> str | None:
     """What the stage does with a mixture-of-experts language model's experts and router, and the memory
-    its experts take (None: a dense model). model/experts.py says why."""
+    its experts take (None: a dense model). model/build.py (expert_decisions) says why."""
     experts = expert_parameters_of_role(model, family, "llm")
     if not experts:
         return None

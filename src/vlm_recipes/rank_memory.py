@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_recipes.families.base import Family
-from vlm_recipes.recipes.schema import PREFERENCE_METHODS, SAMPLING_METHODS, Stage
+from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.roles import ROLES
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -137,8 +137,7 @@ def holds_a_reference_copy(stage: Stage) -> bool:
     GRPO or RLOO stage with a KL term (beta > 0) trains weights in full; with LoRA it is the model with its adapter
     switched off, no copy (methods/dpo.py and methods/grpo.py: reference_decision)."""
     full = "full" in (stage.train.vision, stage.train.projector, stage.train.llm)
-    sampled_with_kl = stage.method in SAMPLING_METHODS and stage.sampling.beta > 0
-    return full and (stage.method in PREFERENCE_METHODS or sampled_with_kl)
+    return full and stage.has_reference
 
 
 def human(size: float) -> str:

@@ -168,7 +168,9 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
             state.wait_for_everyone()
             plan, decision = plans[index - 1] if plans else launched_plan(state)
             trained, rates = stage_learning_rates(recipe.model, stage)
-            family, _ = detect_family(source, recipe.trust_remote_code)  # refuses a model it cannot train
+            family, config = detect_family(
+                source, recipe.trust_remote_code
+            )  # refuses a model it cannot train
             data_paths = demo_data_paths(trained, family)
             ctx = StageContext(
                 recipe,
@@ -180,6 +182,7 @@ def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -
                 state=state,
                 parallel=plan,
                 family=family,
+                model_config=config,
                 data_paths=data_paths,
             )
             ctx.record(decision, rates)

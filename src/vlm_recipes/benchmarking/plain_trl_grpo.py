@@ -22,7 +22,7 @@ from peft import LoraConfig
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from trl import GRPOConfig, GRPOTrainer
 
-from vlm_recipes.evaluation.timing import StepTimer
+from vlm_recipes.methods.callbacks import StepTimer
 
 
 def load_prompts(path: str, rows: int) -> datasets.Dataset:

@@ -23,7 +23,7 @@ from peft import LoraConfig
 from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 from trl import SFTConfig, SFTTrainer
 
-from vlm_recipes.evaluation.timing import StepTimer
+from vlm_recipes.methods.callbacks import StepTimer
 
 
 def load_data(path: str, rows: int) -> datasets.Dataset:

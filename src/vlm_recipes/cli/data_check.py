@@ -57,13 +57,12 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     """(problems counted per reason, token length of each usable row) for `path` read by the stage."""
     from vlm_recipes.caches.token_counts import remembered_token_counts
     from vlm_recipes.data.lengths import refuse_too_long
-    from vlm_recipes.data.rows import load_split
+    from vlm_recipes.data.rows import load_split, video_rules
     from vlm_recipes.demo.dataset import resolve_data_source
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.methods import method_of
     from vlm_recipes.model.build import detect_family, load_processor
     from vlm_recipes.recipes.load import load_recipe
-    from vlm_recipes.stages.run import video_rules
 
     recipe = load_recipe(recipe_name, overrides)
     if not 1 <= stage_number <= len(recipe.stages):

@@ -33,7 +33,7 @@ def select_gpus(spec: str) -> None:
 @contextlib.contextmanager
 def sigterm_stops_like_ctrl_c():
     """SIGTERM (a scheduler stopping the job, `kill`, `docker stop`) stops the run as Ctrl-C does: the
-    stage in training saves a checkpoint first (resilience.InterruptCallback), and run.json says
+    stage in training saves a checkpoint first (methods/callbacks.InterruptCallback), and run.json says
     `interrupted`, instead of the process vanishing with the run still marked `running`."""
     if threading.current_thread() is not threading.main_thread():
         yield

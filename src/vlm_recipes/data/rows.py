@@ -34,7 +34,9 @@ from PIL import Image
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
-from vlm_recipes.recipes.schema import DataSettings
+from vlm_recipes.families import FAMILIES
+from vlm_recipes.families.base import Family
+from vlm_recipes.recipes.schema import DataSettings, Stage
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,19 @@ class VideoRules:
     sampling: VideoSampling
     factor: int | None
     refusal: str = ""
+
+
+def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
+    """How the stage's rows may hold videos: the Qwen line's SFT stages take them; the reason if not."""
+    sampling = VideoSampling.from_settings(stage.data)
+    factor = family.video_frame_factor(processor)
+    if factor is None:
+        takes = [f.name for f in FAMILIES if f.takes_video]
+        why = f"{family.name} takes no video here (the families that do: {', '.join(takes)})"
+        return VideoRules(sampling, None, why)
+    if stage.method != "sft":
+        return VideoRules(sampling, None, f"method {stage.method} takes images only (TRL's collator)")
+    return VideoRules(sampling, factor)
 
 
 def video_row_problem(row: dict, video_root: Path | None, rules: VideoRules | None) -> tuple[str, str] | None:
@@ -313,6 +328,18 @@ def has_text_only_rows(ds: datasets.Dataset) -> bool:
         return True
     rows = undecoded(ds.select_columns(columns))
     return any(not any(row[c] for c in columns) for row in rows)
+
+
+def refuse_nothing_to_see(stage: Stage, data: StageData) -> None:
+    """A stage that trains only what looks at images, on rows without images or videos, would train
+    nothing: no gradient reaches the tower or projector from a text-only row."""
+    if stage.train.llm != "frozen" or not stage.vision_trains or any_media_rows(data.train):
+        return
+    raise DataError(
+        f"stage {stage.name!r} trains only the vision tower / projector, but no row of {data.train_source} "
+        "has an image or a video: nothing would learn. Add image rows, or train the language model too "
+        "(train.llm: lora)"
+    )
 
 
 def any_media_rows(ds: datasets.Dataset) -> bool:

@@ -22,7 +22,7 @@ from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.recipes.schema import SAMPLING_METHODS, Stage
+from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups import log_probs, sampling
 
 log = logging.getLogger(__name__)
@@ -39,31 +39,6 @@ SAME_NAME_IN_TRL = [
     "vllm_mode",
     "vllm_gpu_memory_utilization",
 ]
-
-
-def check_generation_backend(stage: Stage, env: Environment) -> Decision | None:
-    """Before loading: a stage that samples with vLLM (<method>.use_vllm) needs a GPU and vllm importable;
-    TRL would otherwise fail after the model loaded."""
-    if stage.method not in SAMPLING_METHODS or not stage.sampling.use_vllm:
-        return None
-    g, section = stage.sampling, stage.method
-    key = f"stage {stage.name}: {section}.use_vllm"
-    if env.device != "cuda":
-        raise GuardError(
-            f"{key} needs a GPU: vLLM does not sample on this machine's CPU. Set {section}.use_vllm: false"
-        )
-    try:
-        import vllm
-    except ImportError as exc:
-        raise GuardError(
-            f"{key}: vllm cannot be imported here ({exc}): pip install vllm (the versions TRL supports: "
-            f"pip install 'trl[vllm]'), or set {section}.use_vllm: false"
-        ) from None
-    return Decision(
-        "generation",
-        f"vLLM {vllm.__version__}, {g.vllm_mode}",
-        f"{section}.use_vllm: completions sampled by vLLM, the policy's weights moved into it each generation",
-    )
 
 
 class SamplingTrainerMixin:
@@ -202,6 +177,30 @@ class SamplingMethod(TrainingMethod):
         if stage.data.max_length is None:
             return None
         return stage.data.max_length - stage.sampling.max_completion_length
+
+    def check_environment(self, stage: Stage, env: Environment) -> Decision | None:
+        """Before loading: a stage that samples with vLLM (<method>.use_vllm) needs a GPU and vllm importable;
+        TRL would otherwise fail after the model loaded."""
+        if not stage.sampling.use_vllm:
+            return None
+        g, section = stage.sampling, stage.method
+        key = f"stage {stage.name}: {section}.use_vllm"
+        if env.device != "cuda":
+            raise GuardError(
+                f"{key} needs a GPU: vLLM does not sample on this machine's CPU. Set {section}.use_vllm: false"
+            )
+        try:
+            import vllm
+        except ImportError as exc:
+            raise GuardError(
+                f"{key}: vllm cannot be imported here ({exc}): pip install vllm (the versions TRL supports: "
+                f"pip install 'trl[vllm]'), or set {section}.use_vllm: false"
+            ) from None
+        return Decision(
+            "generation",
+            f"vLLM {vllm.__version__}, {g.vllm_mode}",
+            f"{section}.use_vllm: completions sampled by vLLM, the policy's weights moved into it each generation",
+        )
 
     def sampling_keywords(self, inputs: ConfigInputs) -> dict:
         """The keywords GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""

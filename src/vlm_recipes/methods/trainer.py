@@ -21,7 +21,7 @@ from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods import sharding
-from vlm_recipes.methods.resilience import restore_trainable
+from vlm_recipes.methods.callbacks import restore_trainable
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
@@ -124,7 +124,9 @@ class TrainingMethod(ABC):
     # on_bad_sample, video, remember) -> (rows, tokens per row, rows skipped per reason); nothing is ever cut
     check_lengths: Callable[..., tuple[datasets.Dataset, list[int], dict[str, int]]]
     trainer_class: type[RecipeTrainerMixin]  # TRL's trainer with the recipe's mixins in front
-    eval_at_start: bool = False  # eval_metrics measured before step 1 too (stages/metrics.evaluate_at_start)
+    eval_at_start: bool = (
+        False  # eval_metrics measured before step 1 too (evaluation/metrics.evaluate_at_start)
+    )
 
     @abstractmethod
     def max_length(self, stage: Stage) -> int | None:
@@ -142,6 +144,11 @@ class TrainingMethod(ABC):
         """make_trainer on these TrainerInputs (stages/run.py's call); what it decides joins `decisions`."""
         kept = [] if decisions is None else decisions
         return self.make_trainer(TrainerInputs(built, stage, args, data, kept, callbacks))
+
+    def check_environment(self, stage: Stage, env: Environment) -> Decision | None:
+        """Before the model loads: what the method needs of this machine beyond the stage's model (GRPO's
+        vLLM: a GPU and the package); its decision, or None when it needs nothing more."""
+        return None
 
     def eval_metrics(self, eval_metrics: dict) -> dict:
         """trainer.evaluate()'s output -> the method's extra keys of metrics.json."""
@@ -201,7 +208,7 @@ def role_parameter_groups(
 
 class RecipeTrainerMixin:
     """What every method's trainer shares (put before the TRL trainer in the bases): resume restores the
-    trainable tensors from the runner's own checkpoint file (see resilience.CheckpointCallback; optimizer,
+    trainable tensors from the runner's own checkpoint file (see callbacks.CheckpointCallback; optimizer,
     scheduler, RNG and data position come from Trainer), and the per-role optimizer groups."""
 
     sample_cache: PreprocessedSampleCollator | None = None  # training.preprocessed_cache

@@ -5,6 +5,7 @@ This is the one place recipe settings become library objects (BitsAndBytesConfig
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -18,12 +19,13 @@ from vlm_recipes.errors import LoraTargetError, MissingProcessorError
 from vlm_recipes.families import family_for_config
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import (
+    expert_parameters_of_role,
     linear_modules_of_role,
     lora_target_modules,
     lora_target_parameters,
     params_by_role,
+    routed_experts,
 )
-from vlm_recipes.model.experts import expert_decisions
 from vlm_recipes.model.peft_targets import keep_lora_targets_as_named
 from vlm_recipes.recipes.schema import DataSettings, QuantizationSettings, Stage
 from vlm_recipes.roles import ROLES
@@ -199,6 +201,66 @@ def roles_without_linear_layers(model: nn.Module, family: Family, modes: dict[st
     ]
 
 
+# What a stage does with a mixture-of-experts language model's experts and router, and why.
+#
+# A mixture-of-experts block (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V) holds a router (`mlp.gate`, a bare matrix
+# scoring the experts for each token), routed experts as two fused 3-D weights (`mlp.experts.gate_up_proj`,
+# `mlp.experts.down_proj`: [experts, out, in]) and, in Qwen3.5 and GLM-4.5V, a shared expert every token passes
+# through.
+# Neither the router nor the fused experts are `nn.Linear`, so:
+# - LoRA adapts the experts only where the recipe names them (`lora.targets.llm: [..., experts]`), through
+#   PEFT's `target_parameters`; otherwise they stay frozen, as LLaMA-Factory's `lora_target: all` leaves them;
+# - bitsandbytes quantizes `nn.Linear` only: in a 4-bit stage the experts stay in the compute dtype, most of
+#   the model's memory (`vlm-recipes train --dry-run` counts them so);
+# - the router trains only with the whole language model (`llm: full`); TRL's trainers add the model's
+#   load-balancing loss for every MoE (`output_router_logits`, weighted by its `router_aux_loss_coef`), so
+#   routing stays spread over the experts.
+def expert_decisions(
+    model: nn.Module, family: Family, llm_mode: str, expert_targets: list[str], quantized: bool
+) -> list[Decision]:
+    """The decisions for a mixture-of-experts language model (none for a dense one)."""
+    experts = expert_parameters_of_role(model, family, "llm")
+    if not experts:
+        return []
+    text = model.config.get_text_config()
+    routing = f"{routed_experts(text)} routed experts, {text.num_experts_per_tok} per token"
+    if llm_mode == "full":
+        what, why = "trained in full", f"llm: full; {routing}"
+    elif expert_targets:
+        what, why = "adapted with LoRA", f"lora.targets.llm names them: PEFT's target_parameters; {routing}"
+    elif llm_mode == "lora":
+        what = "frozen"
+        why = f"LoRA adapts linear layers, add `experts` to lora.targets.llm to adapt them too; {routing}"
+    else:
+        what, why = "frozen", f"llm: frozen; {routing}"
+    decisions = [Decision("experts", f"{len(experts)} fused expert weights {what}", why)]
+    if quantized:
+        decisions.append(
+            Decision(
+                "experts-unquantized",
+                "expert weights kept in the compute dtype",
+                "bitsandbytes quantizes nn.Linear only, and the experts are fused 3-D weights",
+            )
+        )
+    # TRL's SFT and DPO trainers switch on the model's load-balancing loss for every MoE (output_router_logits),
+    # weighted by the config's router_aux_loss_coef (SFTConfig.router_aux_loss_coef overrides it)
+    router = "router trained" if llm_mode == "full" else "router frozen"
+    coefficient = getattr(text, "router_aux_loss_coef", None)
+    if coefficient is None:  # DeepSeek-V3's routing (Kimi K2.5) balances by a bias, no auxiliary loss
+        why = "the model declares no load-balancing loss: its routing balances the experts another way"
+        decisions.append(Decision("router", f"{router}, no load-balancing loss", why))
+        return decisions
+    loss = f"load-balancing loss on (coefficient {coefficient:g})"
+    why = (
+        "TRL adds it for a mixture of experts: it keeps the router spreading tokens over the experts"
+        if llm_mode == "full"
+        else "the router is a bare matrix LoRA does not adapt; TRL adds the loss for a mixture of experts, "
+        "and its gradient reaches the adapters before each router"
+    )
+    decisions.append(Decision("router", f"{router}, {loss}", why))
+    return decisions
+
+
 def leave_out_towers(config, family: Family) -> tuple[list[str], list[Decision]]:
     """Set to None the sub-configs of `config` whose towers no stage feeds (`Family.towers_left_out`), so
     the model is built without them and their weights are not read; one decision each, naming why."""
@@ -220,10 +282,30 @@ def build_stage_model(
     processor=None,
     sharded: bool = False,
 ) -> BuiltModel:
-    """Processor (unless given), model loaded and quantized as the stage says, training modes applied."""
+    """The model of `source` as `stage` trains it, its family read from its config (a test, a benchmark, a
+    CLI tool); a stage's run has read both already and calls `load_stage_model`."""
     family, config = detect_family(source, trust_remote_code)
-    compute_dtype = DTYPES[compute_precision]
     processor = processor or load_processor(source, stage.data, family, trust_remote_code)
+    return load_stage_model(
+        source, family, config, processor, stage, compute_precision, device, trust_remote_code, sharded
+    )
+
+
+def load_stage_model(
+    source: str,
+    family: Family,
+    config,
+    processor,
+    stage: Stage,
+    compute_precision: str,
+    device: str,
+    trust_remote_code: bool = False,
+    sharded: bool = False,
+) -> BuiltModel:
+    """Model loaded and quantized as the stage says, training modes applied. `config`: the source's, as
+    `detect_family` read it (towers the stage leaves out are set to None in a copy)."""
+    compute_dtype = DTYPES[compute_precision]
+    config = copy.deepcopy(config)  # leave_out_towers edits it; the caller's stays the source's
     left_out, decisions = leave_out_towers(config, family)
     model = load_model(
         source,

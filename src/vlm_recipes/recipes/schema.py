@@ -272,6 +272,18 @@ class Stage:
         completion length and sampling switches."""
         return self.rloo if self.method == "rloo" else self.grpo
 
+    @property
+    def has_reference(self) -> bool:
+        """The method measures the policy against a reference model: DPO and KTO always, GRPO and RLOO
+        with a KL term (beta > 0)."""
+        sampled_with_kl = self.method in SAMPLING_METHODS and self.sampling.beta > 0
+        return self.method in PREFERENCE_METHODS or sampled_with_kl
+
+    @property
+    def vision_trains(self) -> bool:
+        """The vision tower or the projector trains: what looks at the images."""
+        return self.train.vision != "frozen" or self.train.projector != "frozen"
+
 
 @dataclass
 class Recipe:

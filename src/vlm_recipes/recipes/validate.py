@@ -19,7 +19,7 @@ from typing import Any
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import PREFERENCE_METHODS, QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
 from vlm_recipes.roles import ROLES
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -314,9 +314,7 @@ def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
         )
     lora = [role for role, mode in modes.items() if mode == "lora"]
     full = [role for role, mode in modes.items() if mode == "full"]
-    sampled_with_kl = stage.method in SAMPLING_METHODS and stage.sampling.beta > 0
-    with_reference = stage.method in PREFERENCE_METHODS or sampled_with_kl
-    if with_reference and lora and full:
+    if stage.has_reference and lora and full:
         problems.append(
             Problem(
                 f"{at}.train",

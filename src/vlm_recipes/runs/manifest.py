@@ -139,7 +139,7 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
         "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
         "eval_reward": metrics.get("eval_reward"),  # methods grpo and rloo only
-        # the same, measured before the stage's first step (stages/metrics.evaluate_at_start)
+        # the same, measured before the stage's first step (evaluation/metrics.evaluate_at_start)
         "eval_reward_accuracy_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward_accuracy"),
         "eval_reward_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward"),
     }

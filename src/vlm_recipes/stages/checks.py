@@ -13,7 +13,7 @@ import torch
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError, StageInterrupted, TrainingDiverged
 from vlm_recipes.files import read_json
-from vlm_recipes.methods.resilience import (
+from vlm_recipes.methods.callbacks import (
     GLOBAL_BATCH_FILE,
     InterruptCallback,
     NonFiniteCallback,

@@ -27,6 +27,7 @@ class StageContext:
     source: str  # resolved init_from: a model id or directory
     env: Environment
     family: Family  # the source's model family, known when the run planned the stage (runner.py)
+    model_config: object = None  # the source's config, as the family was read from it (runner.py)
     state: PartialState = field(default_factory=process_state)  # this process's place in the group
     parallel: ParallelPlan = field(default_factory=lambda: ParallelPlan("single", 1))
     decisions: list[Decision] = field(default_factory=list)

@@ -15,28 +15,21 @@ import transformers
 from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.data.rows import (
     StageData,
-    VideoRules,
-    any_media_rows,
-    dataset_signature,
     has_text_only_rows,
     load_stage_data,
+    refuse_nothing_to_see,
+    video_rules,
 )
-from vlm_recipes.data.video import VideoSampling
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.timing import StepTimer
-from vlm_recipes.families import FAMILIES
-from vlm_recipes.families.base import Family
+from vlm_recipes.evaluation.metrics import evaluate_at_start, evaluate_stage, measure, reset_peak_memory
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
-from vlm_recipes.methods.grpo import check_generation_backend
-from vlm_recipes.methods.host_memory import host_memory_release, release_freed_host_memory
-from vlm_recipes.methods.resilience import CheckpointCallback, InterruptCallback, NonFiniteCallback
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin
+from vlm_recipes.methods.callbacks import release_freed_host_memory, stage_callbacks
+from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainingMethod
 from vlm_recipes.model.audit import audit_freeze
 from vlm_recipes.model.boundaries import install_dtype_boundaries
-from vlm_recipes.model.build import BuiltModel, build_stage_model, load_processor
+from vlm_recipes.model.build import BuiltModel, load_processor, load_stage_model
 from vlm_recipes.model.guards import (
     apply_trainable_dtype,
     cast_frozen_to_compute,
@@ -63,40 +56,41 @@ from vlm_recipes.speedups.install import (
 )
 from vlm_recipes.stages.checks import check_same_start, check_stopped_early, keep_the_global_batch
 from vlm_recipes.stages.context import StageContext
-from vlm_recipes.stages.metrics import (
-    collect_metrics,
-    evaluate_at_start,
-    evaluate_stage,
-    peak_memory,
-    reset_peak_memory,
-)
 from vlm_recipes.stages.outputs import gather_sharded_state, load_final_for_eval, save_stage_outputs
 
 log = logging.getLogger(__name__)
 
 
 def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
-    """Train one stage (from `resume_from`, a complete checkpoint, if given) and write its directory."""
+    """Train one stage (from `resume_from`, a complete checkpoint, if given) and write its directory.
+
+    Each step returns the decisions it made (its guards', speed-ups' and trainer's, each with its reason);
+    `ctx.record` keeps and logs them once the step is done."""
     started = time.time()
     ctx.stage_dir.mkdir(parents=True, exist_ok=True)
     transformers.set_seed(ctx.stage.training.seed)
     if resume_from is not None:
         ctx.record(keep_the_global_batch(ctx, resume_from))
 
-    data, processor, precision = check_data(ctx)  # every data check runs before the model loads
-    built = load_guarded_model(ctx, processor, precision)
-    feature_cache = speed_up(ctx, built, data)
+    data, processor, precision, decisions = check_data(ctx)  # every data check runs before the model loads
+    ctx.record(*decisions)
+    built, decisions = load_guarded_model(ctx, processor, precision)
+    ctx.record(*decisions)
+    feature_cache, decisions = speed_up(ctx, built, data)
+    ctx.record(*decisions)
     report = stage_report(ctx, built, data, resume_from)
     if ctx.is_main:
         write_json(ctx.stage_dir / "report.json", report)
 
-    trainer, callbacks = make_trainer(ctx, built, data, precision)
+    method = method_of(ctx.stage)
+    trainer, callbacks, decisions = make_trainer(ctx, method, built, data, precision)
+    ctx.record(*decisions)
     report["decisions"] = [d.to_dict() for d in ctx.decisions]  # with the trainer's own (dpo-reference)
-    at_start = evaluate_at_start(trainer, method_of(ctx.stage), data, ctx.stage_dir, resume_from, ctx.is_main)
+    at_start = evaluate_at_start(trainer, method, data, ctx.stage_dir, resume_from, ctx.is_main)
     train_output = train(ctx, trainer, callbacks, resume_from)
     in_training = feature_cache.stats() if feature_cache is not None else None
 
-    metrics = measure(ctx, built, trainer, train_output, data, callbacks, started)
+    metrics = measure(trainer, train_output, method, built, data, callbacks, ctx.env, started)
     if at_start is not None:
         metrics["eval_at_start"] = at_start
     if feature_cache is not None:  # the training loop's lookups apart (the benchmark's FLOPs actually run)
@@ -112,7 +106,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     return broadcast_from_main(ctx.state, metrics)
 
 
-def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
+def check_data(ctx: StageContext) -> tuple[StageData, object, Decision, list[Decision]]:
     """Rows checked, the model's family known, its processor loaded, every sample's length checked:
     a bad row or an unsupported model costs seconds, not a model load."""
     stage = ctx.stage
@@ -125,13 +119,13 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
     refuse_nothing_to_see(stage, data)
     quantized = stage.quantization.mode != "none"
     precision = decide_precision(stage.precision, ctx.env, quantized)
-    ctx.record(
+    decisions = [
         precision,
         decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
         check_quantization_backend(stage.quantization.mode, ctx.env),
-        check_generation_backend(stage, ctx.env),
+        method.check_environment(stage, ctx.env),
         *turn_off_unproven_speedups(family, stage),
-    )
+    ]
     refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
@@ -147,52 +141,31 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision]:
             rows = rows.add_column("length", lengths)
         setattr(data, split, rows)
         data.lengths[split] = lengths
-    return data, processor, precision
+    return data, processor, precision, decisions
 
 
-def refuse_nothing_to_see(stage: Stage, data: StageData) -> None:
-    """A stage that trains only what looks at images, on rows without images or videos, would train
-    nothing: no gradient reaches the tower or projector from a text-only row."""
-    if stage.train.llm != "frozen" or not vision_trains(stage) or any_media_rows(data.train):
-        return
-    raise DataError(
-        f"stage {stage.name!r} trains only the vision tower / projector, but no row of {data.train_source} "
-        "has an image or a video: nothing would learn. Add image rows, or train the language model too "
-        "(train.llm: lora)"
-    )
-
-
-def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
-    """How the stage's rows may hold videos: the Qwen line's SFT stages take them; the reason if not."""
-    sampling = VideoSampling.from_settings(stage.data)
-    factor = family.video_frame_factor(processor)
-    if factor is None:
-        takes = [f.name for f in FAMILIES if f.takes_video]
-        why = f"{family.name} takes no video here (the families that do: {', '.join(takes)})"
-        return VideoRules(sampling, None, why)
-    if stage.method != "sft":
-        return VideoRules(sampling, None, f"method {stage.method} takes images only (TRL's collator)")
-    return VideoRules(sampling, factor)
-
-
-def load_guarded_model(ctx: StageContext, processor, precision: Decision) -> BuiltModel:
-    """The model loaded as the stage says, then every after-loading guard, then the same-start check."""
+def load_guarded_model(
+    ctx: StageContext, processor, precision: Decision
+) -> tuple[BuiltModel, list[Decision]]:
+    """The model loaded as the stage says (from the config the run read its family from), then every
+    after-loading guard, then the same-start check."""
     stage = ctx.stage
     quantized = stage.quantization.mode != "none"
     log.info("%s: loading %s%s", ctx.title, ctx.source, f" ({stage.quantization.mode})" if quantized else "")
     sharded = ctx.parallel.mode == "model-parallel"
-    built = build_stage_model(
+    built = load_stage_model(
         ctx.source,
+        ctx.family,
+        ctx.model_config,
+        processor,
         stage,
         precision.choice,
         ctx.env.device,
         ctx.recipe.trust_remote_code,
-        processor,
-        sharded=sharded,
+        sharded,
     )
-    ctx.record(*built.decisions, *apply_guards(built, stage, precision.choice, ctx.env, sharded))
-    ctx.record(check_same_start(built.model, ctx))
-    return built
+    guards = apply_guards(built, stage, precision.choice, ctx.env, sharded)
+    return built, [*built.decisions, *guards, check_same_start(built.model, ctx)]
 
 
 def apply_guards(
@@ -219,36 +192,32 @@ def apply_guards(
     return decisions
 
 
-def speed_up(ctx: StageContext, built: BuiltModel, data: StageData) -> VisionFeatureCache | None:
-    """The model-side speed-ups the stage asks for, then the batch arithmetic; every decision logged."""
+def speed_up(
+    ctx: StageContext, built: BuiltModel, data: StageData
+) -> tuple[VisionFeatureCache | None, list[Decision]]:
+    """The model-side speed-ups the stage asks for, then the batch arithmetic."""
     stage, t = ctx.stage, ctx.stage.training
-    ctx.record(*speed_up_model(built, stage))  # first: the feature cache keys how the tower computes
-    feature_cache, decisions = speed_up_frozen_vision(built, stage, vision_trains(stage))
-    ctx.record(*decisions)
-    ctx.record(
-        batch_decision(
-            ctx.parallel,
-            t.per_device_batch_size,
-            t.gradient_accumulation_steps,
-            len(data.train),
-            t.epochs,
-            t.max_steps,
-            t.learning_rate,
-            t.lr_scheduler,
-            t.warmup_ratio,
-        )
+    model_side = speed_up_model(built, stage)  # first: the feature cache keys how the tower computes
+    feature_cache, frozen_vision = speed_up_frozen_vision(built, stage, stage.vision_trains)
+    batch = batch_decision(
+        ctx.parallel,
+        t.per_device_batch_size,
+        t.gradient_accumulation_steps,
+        len(data.train),
+        t.epochs,
+        t.max_steps,
+        t.learning_rate,
+        t.lr_scheduler,
+        t.warmup_ratio,
     )
-    return feature_cache
-
-
-def vision_trains(stage: Stage) -> bool:
-    return stage.train.vision != "frozen" or stage.train.projector != "frozen"
+    return feature_cache, [*model_side, *frozen_vision, batch]
 
 
 def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_from: Path | None) -> dict:
     """report.json: every decision with its reason, parameters per role, what `vlm-recipes inspect` sees, the data."""
     counts = count_params_by_role(built.model, built.family)
-    log.info("  %s", _trainable_summary(counts))
+    shown = [f"{role} {c['trainable']:,}/{c['total']:,}" for role, c in counts.items() if c["total"]]
+    log.info("  trainable/total per role: %s", ", ".join(shown))
     quantized = ctx.stage.quantization.mode != "none"
     return {
         "stage": ctx.stage.name,
@@ -272,17 +241,12 @@ def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_f
     }
 
 
-def _trainable_summary(counts: dict[str, dict[str, int]]) -> str:
-    parts = [f"{role} {c['trainable']:,}/{c['total']:,}" for role, c in counts.items() if c["total"]]
-    return "trainable/total per role: " + ", ".join(parts)
-
-
 def make_trainer(
-    ctx: StageContext, built: BuiltModel, data: StageData, precision: Decision
-) -> tuple[RecipeTrainerMixin, dict]:
-    """The stage's trainer for its method (SFTTrainer, DPOTrainer) with its callbacks (checkpoints, NaN/inf,
-    Ctrl-C, step timing) and the speed-ups that change how batches are made."""
-    method = method_of(ctx.stage)
+    ctx: StageContext, method: TrainingMethod, built: BuiltModel, data: StageData, precision: Decision
+) -> tuple[RecipeTrainerMixin, dict, list[Decision]]:
+    """The stage's trainer for its method (SFTTrainer, DPOTrainer, ...) with its callbacks (checkpoints,
+    NaN/inf, Ctrl-C, step timing, host memory) and the speed-ups that change how batches are made; the
+    decisions made on the way (host memory, the DPO reference, sharding, loss positions)."""
     args = method.build_config(
         ConfigInputs(
             ctx.stage,
@@ -291,24 +255,14 @@ def make_trainer(
             ctx.env,
             data.eval is not None,
             ctx.distributed,
-            unused_possible=(vision_trains(ctx.stage) and has_text_only_rows(data.train))
+            unused_possible=(ctx.stage.vision_trains and has_text_only_rows(data.train))
             or not built.family.reads_every_parameter,
         )
     )
-    callbacks = {
-        "checkpoint": CheckpointCallback(ctx.index),
-        "nonfinite": NonFiniteCallback(ctx.stage.training.nan_policy),
-        "interrupt": InterruptCallback(),
-        "timer": StepTimer(),
-    }
-    release, decision = host_memory_release(ctx.env)
-    ctx.record(decision)
-    if release is not None:
-        callbacks["host_memory"] = release
-    decisions: list[Decision] = []  # the trainer's own (the DPO reference, sharding, loss positions)
+    callbacks, host_memory = stage_callbacks(ctx.index, ctx.stage.training.nan_policy, ctx.env)
+    decisions: list[Decision] = [host_memory]  # and the trainer's own
     trainer = method.build_trainer(built, ctx.stage, args, data, decisions, list(callbacks.values()))
-    ctx.record(*decisions)
-    return trainer, callbacks
+    return trainer, callbacks, decisions
 
 
 def train(ctx: StageContext, trainer: RecipeTrainerMixin, callbacks: dict, resume_from: Path | None):
@@ -324,31 +278,6 @@ def train(ctx: StageContext, trainer: RecipeTrainerMixin, callbacks: dict, resum
         interrupt.uninstall()
     check_stopped_early(ctx, callbacks["nonfinite"], interrupt)
     return output
-
-
-def measure(
-    ctx: StageContext,
-    built: BuiltModel,
-    trainer: RecipeTrainerMixin,
-    train_output,
-    data: StageData,
-    callbacks: dict,
-    started: float,
-) -> dict:
-    """Eval loss, the loss curve, throughput, peak memory, skipped steps and cache hits."""
-    eval_metrics = trainer.evaluate() if data.eval is not None else {}
-    metrics = collect_metrics(trainer, train_output, eval_metrics, started)
-    metrics.update(method_of(ctx.stage).eval_metrics(eval_metrics))
-    metrics.update(method_of(ctx.stage).train_metrics(trainer.state.log_history))
-    metrics["peak_memory"] = peak_memory(ctx.env)
-    metrics["params_by_role"] = count_params_by_role(built.model, built.family)
-    metrics["skipped_steps"] = callbacks["nonfinite"].skipped_steps
-    if trainer.sample_cache is not None:
-        metrics["preprocessed_cache"] = trainer.sample_cache.stats()
-    metrics.update(callbacks["timer"].summary())
-    if data.eval is not None:
-        metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
-    return metrics
 
 
 def finish(

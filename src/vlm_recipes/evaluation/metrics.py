@@ -1,4 +1,7 @@
-"""What a stage measured: loss curves, throughput, peak memory, and the scored answers on the eval split."""
+"""What a stage measured: loss curves, throughput, peak memory, and the scored answers on the eval split.
+
+The stage (stages/run.py) calls `evaluate_at_start` before training, `measure` after it and `evaluate_stage`
+once its final model is known."""
 
 from __future__ import annotations
 
@@ -10,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from vlm_recipes.data.rows import StageData
+from vlm_recipes.data.rows import StageData, dataset_signature
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Environment
 from vlm_recipes.evaluation.generation import evaluate_generation, row_media
+from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import Stage
@@ -75,6 +79,34 @@ def evaluate_at_start(
     shown = {k: round(v, 4) for k, v in start.items() if isinstance(v, float)}
     log.info("  eval at start (before step 1): %s", shown)
     return start
+
+
+def measure(
+    trainer,
+    train_output,
+    method,
+    built: BuiltModel,
+    data: StageData,
+    callbacks: dict,
+    env: Environment,
+    started: float,
+) -> dict:
+    """After training, with the stage's TrainingMethod and callbacks: eval loss, the loss curve, the
+    method's own metrics, throughput, peak memory, parameters per role, skipped steps, cache hits and step
+    times."""
+    eval_metrics = trainer.evaluate() if data.eval is not None else {}
+    metrics = collect_metrics(trainer, train_output, eval_metrics, started)
+    metrics.update(method.eval_metrics(eval_metrics))
+    metrics.update(method.train_metrics(trainer.state.log_history))
+    metrics["peak_memory"] = peak_memory(env)
+    metrics["params_by_role"] = count_params_by_role(built.model, built.family)
+    metrics["skipped_steps"] = callbacks["nonfinite"].skipped_steps
+    if trainer.sample_cache is not None:
+        metrics["preprocessed_cache"] = trainer.sample_cache.stats()
+    metrics.update(callbacks["timer"].summary())
+    if data.eval is not None:
+        metrics["eval_signature"] = dataset_signature(data.eval_source, data.eval)
+    return metrics
 
 
 def collect_metrics(trainer, train_output, eval_metrics: dict, started: float) -> dict:
