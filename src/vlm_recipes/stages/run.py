@@ -72,8 +72,9 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     if resume_from is not None:
         ctx.record(keep_the_global_batch(ctx, resume_from))
 
-    data, processor, precision, decisions = check_data(ctx)  # every data check runs before the model loads
+    precision, decisions = check_machine(ctx)  # what this machine can do, before any file is read
     ctx.record(*decisions)
+    data, processor = check_data(ctx)  # every data check runs before the model loads
     built, decisions = load_guarded_model(ctx, processor, precision)
     ctx.record(*decisions)
     feature_cache, decisions = speed_up(ctx, built, data)
@@ -106,9 +107,25 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     return broadcast_from_main(ctx.state, metrics)
 
 
-def check_data(ctx: StageContext) -> tuple[StageData, object, Decision, list[Decision]]:
-    """Rows checked, the model's family known, its processor loaded, every sample's length checked:
-    a bad row or an unsupported model costs seconds, not a model load."""
+def check_machine(ctx: StageContext) -> tuple[Decision, list[Decision]]:
+    """The precision, parallelism, quantization backend and method's needs (GRPO's vLLM) this machine
+    allows, and the speed-ups not proven for this family turned off: a stage the machine cannot run fails
+    in a second. Returns the precision decision and all of them."""
+    stage = ctx.stage
+    quantized = stage.quantization.mode != "none"
+    precision = decide_precision(stage.precision, ctx.env, quantized)
+    return precision, [
+        precision,
+        decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
+        check_quantization_backend(stage.quantization.mode, ctx.env),
+        method_of(stage).check_environment(stage, ctx.env),
+        *turn_off_unproven_speedups(ctx.family, stage),
+    ]
+
+
+def check_data(ctx: StageContext) -> tuple[StageData, object]:
+    """Rows checked, the model's processor loaded, every sample's length checked: a bad row costs
+    seconds, not a model load."""
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
     method = method_of(stage)
@@ -117,15 +134,6 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision, list[Dec
     video = video_rules(stage, family, processor)
     data = load_stage_data(stage.data, method.row_format, video, ctx.data_paths)
     refuse_nothing_to_see(stage, data)
-    quantized = stage.quantization.mode != "none"
-    precision = decide_precision(stage.precision, ctx.env, quantized)
-    decisions = [
-        precision,
-        decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
-        check_quantization_backend(stage.quantization.mode, ctx.env),
-        method.check_environment(stage, ctx.env),
-        *turn_off_unproven_speedups(family, stage),
-    ]
     refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
@@ -141,7 +149,7 @@ def check_data(ctx: StageContext) -> tuple[StageData, object, Decision, list[Dec
             rows = rows.add_column("length", lengths)
         setattr(data, split, rows)
         data.lengths[split] = lengths
-    return data, processor, precision, decisions
+    return data, processor
 
 
 def load_guarded_model(
