@@ -51,9 +51,8 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     try:
         if launched():  # a child of the launcher: train the stages it was given
             return train_stages(recipe, options, process_state())
-        resolve_model_source(
-            recipe.model
-        )  # a demo model is built (and pretrained) here, once, before any child
+        # a demo model is built (and pretrained) here, once, before any child
+        resolve_model_source(recipe.model)
         env = Environment.detect()
         plans = plan_parallel(recipe, env, options)
         if not any(plan.launches_processes for plan, _ in plans):
@@ -111,7 +110,7 @@ def train_stages(
     dirs = stage_dirs(recipe, run_dir)
     manifest = write_manifest(recipe, run_dir, options, env) if state.is_main_process else {"stages": []}
     try:
-        _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest)
+        _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
     except BaseException as exc:
         if state.is_main_process:
             from vlm_recipes.errors import StageInterrupted
@@ -127,7 +126,9 @@ def train_stages(
     return run_dir
 
 
-def _train_stages(recipe, options, state, plans, env, run_dir, dirs, manifest) -> None:
+def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest) -> None:
+    """Each stage in order: skipped when done, resumed from its last complete checkpoint, or trained by
+    `run_stage` with its model's family and config read here; run.json updated after each."""
     # heavy imports (transformers, TRL, PEFT) only when training
     from vlm_recipes.model.build import detect_family
     from vlm_recipes.stages.checks import prepare_resume
