@@ -34,6 +34,9 @@ from vlm_recipes.files import write_json
 
 log = logging.getLogger(__name__)
 
+# ---------------------------------------------------------------------------------------------
+# Checkpoints, NaN/inf, Ctrl-C
+
 COMPLETE_MARKER = "COMPLETE"
 TRAINABLE_FILE = "trainable.safetensors"
 GLOBAL_BATCH_FILE = "global_batch.json"  # the processes, rows per device and accumulation that wrote it
@@ -210,7 +213,8 @@ class InterruptCallback(TrainerCallback):
             control.should_training_stop = True
 
 
-# --- Step timing ---
+# ---------------------------------------------------------------------------------------------
+# Step timing
 
 
 class StepTimer(TrainerCallback):
@@ -255,8 +259,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-# --- Host memory ---
-# Freed host memory handed back to the operating system once the process has grown, on a CPU.
+# ---------------------------------------------------------------------------------------------
+# Host memory: freed heap pages handed back to the operating system once the process has grown, on a CPU.
 #
 # glibc's malloc keeps what a program frees for its next allocations, and raises the size above which it maps
 # fresh pages each time it sees one freed (up to 32 MB). A training step's activations are tensors of many
