@@ -93,11 +93,11 @@ def wrap_collator(
 
 
 def speed_up_frozen_vision(
-    built: BuiltModel, stage: Stage, vision_trains: bool
+    built: BuiltModel, stage: Stage
 ) -> tuple[VisionFeatureCache | None, list[Decision]]:
     """A frozen vision side computes its features without autograd, and from the feature cache if asked;
     the cache (None: none) and the decisions."""
-    if vision_trains:
+    if stage.vision_trains:
         return None, []
     run_without_grad(built.model, built.family)
     decisions = [

@@ -72,9 +72,10 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     if resume_from is not None:
         ctx.record(keep_the_global_batch(ctx, resume_from))
 
-    precision, decisions = check_machine(ctx)  # what this machine can do, before any file is read
+    method = method_of(ctx.stage)
+    precision, decisions = check_machine(ctx, method)  # what this machine can do, before any file is read
     ctx.record(*decisions)
-    data, processor = check_data(ctx)  # every data check runs before the model loads
+    data, processor = check_data(ctx, method)  # every data check runs before the model loads
     built, decisions = load_guarded_model(ctx, processor, precision)
     ctx.record(*decisions)
     feature_cache, decisions = speed_up(ctx, built, data)
@@ -83,7 +84,6 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     if ctx.is_main:
         write_json(ctx.stage_dir / "report.json", report)
 
-    method = method_of(ctx.stage)
     trainer, callbacks, decisions = make_trainer(ctx, method, built, data, precision)
     ctx.record(*decisions)
     report["decisions"] = [d.to_dict() for d in ctx.decisions]  # with the trainer's own (dpo-reference)
@@ -107,7 +107,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     return broadcast_from_main(ctx.state, metrics)
 
 
-def check_machine(ctx: StageContext) -> tuple[Decision, list[Decision]]:
+def check_machine(ctx: StageContext, method: TrainingMethod) -> tuple[Decision, list[Decision]]:
     """The precision, parallelism, quantization backend and method's needs (GRPO's vLLM) this machine
     allows, and the speed-ups not proven for this family turned off: a stage the machine cannot run fails
     in a second. Returns the precision decision and all of them."""
@@ -118,17 +118,16 @@ def check_machine(ctx: StageContext) -> tuple[Decision, list[Decision]]:
         precision,
         decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
         check_quantization_backend(stage.quantization.mode, ctx.env),
-        method_of(stage).check_environment(stage, ctx.env),
+        method.check_environment(stage, ctx.env),
         *turn_off_unproven_speedups(ctx.family, stage),
     ]
 
 
-def check_data(ctx: StageContext) -> tuple[StageData, object]:
+def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, object]:
     """Rows checked, the model's processor loaded, every sample's length checked: a bad row costs
     seconds, not a model load."""
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
-    method = method_of(stage)
     family = ctx.family
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     video = video_rules(stage, family, processor)
@@ -206,7 +205,7 @@ def speed_up(
     """The model-side speed-ups the stage asks for, then the batch arithmetic."""
     stage, t = ctx.stage, ctx.stage.training
     model_side = speed_up_model(built, stage)  # first: the feature cache keys how the tower computes
-    feature_cache, frozen_vision = speed_up_frozen_vision(built, stage, stage.vision_trains)
+    feature_cache, frozen_vision = speed_up_frozen_vision(built, stage)
     batch = batch_decision(
         ctx.parallel,
         t.per_device_batch_size,
