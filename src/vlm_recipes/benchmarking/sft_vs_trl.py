@@ -150,12 +150,6 @@ def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> d
     return with_throughput(result, setup["rows"] * epochs, setup["flops"][stage], setup["peak_tflops"])
 
 
-# --------------------------------------------------------------------------- summarizing
-
-
-# --------------------------------------------------------------------------- the tables
-
-
 # --------------------------------------------------------------------------- what was run where
 
 

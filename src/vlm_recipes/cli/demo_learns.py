@@ -19,7 +19,7 @@ import argparse
 import platform
 from pathlib import Path
 
-from vlm_recipes.benchmarking.sft_vs_trl import git_sha, processor_name
+from vlm_recipes.benchmarking.processes import git_sha, processor_name
 from vlm_recipes.cli.train import main as train
 from vlm_recipes.comparison.teaching import teaching
 from vlm_recipes.decisions import cpu_has_native_bf16
