@@ -243,7 +243,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
             f" (the recipe's x{scale}, for a demo model)" if scale != 1 else ""
         )
         try:
-            decision = decide_precision(stage.precision, env, stage.quantization.mode != "none")
+            decision = decide_precision(stage.precision, env, stage.quantized)
             precision = f"{decision.choice} ({decision.reason})"
         except GuardError as exc:
             precision = f"ERROR: {exc}"
@@ -260,7 +260,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 "source": describe_source(recipe, stage, index),
                 "roles": roles,
                 "quantization": stage.quantization.mode
-                if stage.quantization.mode == "none"
+                if not stage.quantized
                 else f"{stage.quantization.mode} {stage.quantization.quant_type}, kept unquantized: "
                 f"{', '.join(stage.quantization.skip_roles) or 'nothing'}",
                 "precision": precision,
@@ -296,9 +296,7 @@ def describe_experts(model, family, stage, lora_roles: dict[str, list[str]]) -> 
         what = "LoRA per expert (target_parameters); router frozen"
     else:
         what = "frozen; router frozen"
-    unquantized = (
-        " (unquantized: bitsandbytes quantizes nn.Linear only)" if stage.quantization.mode != "none" else ""
-    )
+    unquantized = " (unquantized: bitsandbytes quantizes nn.Linear only)" if stage.quantized else ""
     return (
         f"{routed_experts(text)} routed, {text.num_experts_per_tok} per token: {what}; {count:,} expert weights, "
         f"{count * 2 / 2**30:.1f} GB in bf16{unquantized}"

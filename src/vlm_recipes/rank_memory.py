@@ -20,7 +20,7 @@ QUANTIZED_BYTES = {"4bit": 0.5, "8bit": 1.0}  # bitsandbytes' storage (quantizat
 def quantized_weights(model: torch.nn.Module, family: Family, stage: Stage) -> set[str]:
     """Names of the parameters a quantized load stores in 4 or 8 bits: nn.Linear weights outside
     `skip_roles` (the output head is `lm_head` there)."""
-    if stage.quantization.mode == "none":
+    if not stage.quantized:
         return set()
     skip = stage.quantization.skip_roles
     return {

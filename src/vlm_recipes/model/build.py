@@ -157,9 +157,8 @@ def apply_training_modes(
             f"lora.targets names the experts, which PEFT adapts through target_parameters, and those take no "
             f"dropout: set lora.dropout: 0 (it is {stage.lora.dropout:g}), or leave `experts` out of the targets"
         )
-    quantized = stage.quantization.mode != "none"
     if decisions is not None:  # the stage logs them with the others
-        decisions += expert_decisions(model, family, modes["llm"], expert_targets, quantized)
+        decisions += expert_decisions(model, family, modes["llm"], expert_targets, stage.quantized)
     if lora_roles:
         targets = lora_target_modules(model, family, lora_roles)
         config = LoraConfig(

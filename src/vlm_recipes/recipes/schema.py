@@ -280,6 +280,11 @@ class Stage:
         return self.method in PREFERENCE_METHODS or sampled_with_kl
 
     @property
+    def quantized(self) -> bool:
+        """The base weights load quantized (4-bit or 8-bit) through bitsandbytes."""
+        return self.quantization.mode != "none"
+
+    @property
     def vision_trains(self) -> bool:
         """The vision tower or the projector trains: what looks at the images."""
         return self.train.vision != "frozen" or self.train.projector != "frozen"

@@ -335,7 +335,7 @@ def _merged_sampling_problem(stage) -> str | None:
         return f"{stage.method}.use_vllm samples with vLLM, which merges the adapter itself"
     if "lora" not in (stage.train.vision, stage.train.projector, stage.train.llm):
         return "no role trains with LoRA: there is no adapter to merge"
-    if stage.quantization.mode != "none":
+    if stage.quantized:
         return f"quantization.mode {stage.quantization.mode}: a quantized base cannot take the merged weights"
     return None
 

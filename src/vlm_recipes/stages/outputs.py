@@ -45,9 +45,8 @@ def save_stage_outputs(
         adapter_dir = ctx.stage_dir / ADAPTER_DIR
         shutil.rmtree(adapter_dir, ignore_errors=True)
         trained.save_pretrained(str(adapter_dir), state_dict=gathered_state)
-    quantized = ctx.stage.quantization.mode != "none"
     model = model_for_final(
-        built, trained, adapter_dir, quantized, ctx.recipe.trust_remote_code, gathered_state
+        built, trained, adapter_dir, ctx.stage.quantized, ctx.recipe.trust_remote_code, gathered_state
     )
     save_final_model(model, built.processor, ctx.stage_dir, provenance)
 

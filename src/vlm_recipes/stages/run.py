@@ -112,8 +112,7 @@ def check_machine(ctx: StageContext, method: TrainingMethod) -> tuple[Decision, 
     allows, and the speed-ups not proven for this family turned off: a stage the machine cannot run fails
     in a second. Returns the precision decision and all of them."""
     stage = ctx.stage
-    quantized = stage.quantization.mode != "none"
-    precision = decide_precision(stage.precision, ctx.env, quantized)
+    precision = decide_precision(stage.precision, ctx.env, stage.quantized)
     return precision, [
         precision,
         decide_parallelism(ctx.env, ctx.state.num_processes, ctx.parallel.mode),
@@ -157,8 +156,9 @@ def load_guarded_model(
     """The model loaded as the stage says (from the config the run read its family from), then every
     after-loading guard, then the same-start check."""
     stage = ctx.stage
-    quantized = stage.quantization.mode != "none"
-    log.info("%s: loading %s%s", ctx.title, ctx.source, f" ({stage.quantization.mode})" if quantized else "")
+    log.info(
+        "%s: loading %s%s", ctx.title, ctx.source, f" ({stage.quantization.mode})" if stage.quantized else ""
+    )
     sharded = ctx.parallel.mode == "model-parallel"
     built = load_stage_model(
         ctx.source,
@@ -225,7 +225,6 @@ def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_f
     counts = count_params_by_role(built.model, built.family)
     shown = [f"{role} {c['trainable']:,}/{c['total']:,}" for role, c in counts.items() if c["total"]]
     log.info("  trainable/total per role: %s", ", ".join(shown))
-    quantized = ctx.stage.quantization.mode != "none"
     return {
         "stage": ctx.stage.name,
         "index": ctx.index,
@@ -234,7 +233,7 @@ def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_f
         "environment": ctx.env.describe(),
         "decisions": [d.to_dict() for d in ctx.decisions],
         "params_by_role": counts,
-        "inspection": inspect_model(built.model, built.family, ctx.env, quantized),
+        "inspection": inspect_model(built.model, built.family, ctx.env, ctx.stage.quantized),
         "lora_targets": built.lora_targets,
         "data": {
             "train": data.train_source,
