@@ -99,7 +99,22 @@ def private_demo_cache(tmp_path_factory) -> Path:
         mp.setenv("VLM_RECIPES_DEMO_WEIGHTS", "untrained")
         mp.setenv("HF_HUB_OFFLINE", "1")  # tests never reach a hub
         mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        fix_the_cpus_bf16_answer()
         yield cache
+
+
+def fix_the_cpus_bf16_answer() -> None:
+    """Every test takes the same path on every CPU: this machine's answer to "native bf16?" is kept as "no"
+    in the private cache (the answer the product keeps per machine after its probe), so `precision: auto`
+    trains in fp32, at full speed on any CPU, in this process and every run a test starts. A test that needs
+    bf16 sets `precision: bf16`; tests/test_machine.py injects the instruction set and the probe's timings
+    to test the decision itself."""
+    from vlm_recipes.machine import CpuBf16, cpu_bf16, cpu_instruction_set, remember_cpu_bf16
+
+    instruction_set = cpu_instruction_set()
+    fixed = "tests/conftest.py: the suite takes the fp32 path of precision: auto on every CPU"
+    remember_cpu_bf16(CpuBf16(instruction_set, native=False, reason=fixed))
+    cpu_bf16.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.methods import callbacks as stage_callbacks
+from vlm_recipes.methods import checkpoints as stage_checkpoints
 from vlm_recipes.stages import run as stage_run
 
 FAULT = os.environ.get("VLM_RECIPES_FAULT", "")
@@ -44,9 +44,9 @@ def install() -> None:
     run_stage, make_trainer, save_file = (
         stage_run.run_stage,
         stage_run.make_trainer,
-        stage_callbacks.save_file,
+        stage_checkpoints.save_file,
     )
-    save_shards = stage_callbacks.save_trainable_shards
+    save_shards = stage_checkpoints.save_trainable_shards
 
     def run_stage_then_maybe_kill(ctx, *args, **kwargs):
         current_stage[0] = ctx.index
@@ -61,7 +61,7 @@ def install() -> None:
 
     def save_then_maybe_kill(tensors, filename, *args, **kwargs):
         save_file(tensors, filename, *args, **kwargs)
-        if Path(filename).name == stage_callbacks.TRAINABLE_FILE:  # before the COMPLETE marker
+        if Path(filename).name == stage_checkpoints.TRAINABLE_FILE:  # before the COMPLETE marker
             step = Path(filename).parent.name.removeprefix("checkpoint-")
             kill_at(f"stage{current_stage[0]}:checkpoint{step}")
 
@@ -71,8 +71,8 @@ def install() -> None:
 
     stage_run.run_stage = run_stage_then_maybe_kill
     stage_run.make_trainer = make_trainer_with_kill
-    stage_callbacks.save_file = save_then_maybe_kill
-    stage_callbacks.save_trainable_shards = save_shards_then_maybe_kill
+    stage_checkpoints.save_file = save_then_maybe_kill
+    stage_checkpoints.save_trainable_shards = save_shards_then_maybe_kill
 
 
 if __name__ == "__main__":

@@ -40,23 +40,36 @@ def test_freed_blocks_between_blocks_in_use_go_back_to_the_system():
     del blocks
 
 
-def test_the_release_runs_on_a_cpu_once_memory_has_grown_past_the_bound_and_is_off_on_a_gpu():
+def test_the_release_runs_on_a_cpu_once_memory_has_grown_past_the_working_size_and_is_off_on_a_gpu():
     cpu = Environment(device="cpu", gpu_count=0, bf16_supported=True)
     callback, decision = host_memory_release(cpu)
     assert isinstance(callback, HostMemoryRelease) and decision.guard == "host-memory"
     assert f"{GROWTH_BOUND}x" in decision.choice
     callback.on_step_end(None, None, None)
-    assert callback.releases == 1, "the first event releases and sets the floor"
-    assert callback.floor == pytest.approx(resident_bytes(), rel=0.1)
+    assert callback.releases == 0, "the first step sets the working size and releases nothing"
+    assert callback.working == pytest.approx(resident_bytes(), rel=0.1)
     for released, event in enumerate(
         (callback.on_step_end, callback.on_prediction_step, callback.on_evaluate)
     ):
-        callback.floor = resident_bytes()  # not grown: the pages stay for the next step
+        callback.working = resident_bytes()  # not grown: the pages stay for the next step
         event(None, None, None)
-        assert callback.releases == 1 + released
-        callback.floor = resident_bytes() / (GROWTH_BOUND + 0.1)  # grown past the bound: released
+        assert callback.releases == released
+        callback.working = resident_bytes() / (GROWTH_BOUND + 0.1)  # grown past the bound: released
         event(None, None, None)
-        assert callback.releases == 2 + released
-    gpu = Environment(device="cuda", gpu_count=1, bf16_supported=True, gpu_name="H100")
-    callback, decision = host_memory_release(gpu)
-    assert callback is None and "GPU memory" in decision.reason
+        assert callback.releases == 1 + released and callback.working is None
+    callback.on_prediction_step(None, None, None)  # no working size yet: an eval batch waits for a step
+    assert callback.releases == 3
+    callback.on_step_end(None, None, None)  # the step after a release measures the working size again
+    assert callback.releases == 3 and callback.working == pytest.approx(resident_bytes(), rel=0.1)
+
+
+def test_a_process_whose_steps_reuse_what_they_freed_is_never_trimmed():
+    """The regression: counted from the size just after a release, a step whose own tensors are over a quarter
+    of the process crossed the bound every step (r2's small bench stage released at 30 of 32 steps, 8-15 %
+    slower than plain TRL). Counted from the working size, a step that frees what it took leaves it alone."""
+    callback = HostMemoryRelease()
+    for _ in range(6):
+        step = torch.ones(64 * MB, dtype=torch.uint8)  # the step's tensors: ~15-30 % of this process
+        callback.on_step_end(None, None, None)
+        del step
+    assert callback.releases == 0

@@ -34,6 +34,7 @@ FLOORS = [
     ["recipes"],
     ["demo"],
     ["families"],
+    ["machine"],
     ["errors", "decisions", "roles", "ranks", "versions", "files", "shipped", "logs", "scoring"],
 ]
 

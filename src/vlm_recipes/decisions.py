@@ -1,9 +1,8 @@
-"""What every guard decides with, on the ground floor so any room can import it: the machine
-(Environment), a decision with its reason (Decision), and the names of the dtypes."""
+"""What every guard decides with, on the ground floor so any room can import it: the machine's facts
+(Environment, found by machine.py), a decision with its reason (Decision), and the names of the dtypes."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -11,42 +10,23 @@ import torch
 
 @dataclass(frozen=True)
 class Environment:
+    """The facts the guards decide with (found by `machine.detect_environment`; tests build their own)."""
+
     device: str  # "cuda" or "cpu"
     gpu_count: int
-    bf16_supported: bool  # natively, on the device that computes
+    bf16_supported: bool  # natively, at fp32's speed or better, on the device that computes
     gpu_name: str = ""
-
-    @classmethod
-    def detect(cls) -> Environment:
-        if torch.cuda.is_available():
-            return cls(
-                device="cuda",
-                gpu_count=torch.cuda.device_count(),
-                bf16_supported=torch.cuda.is_bf16_supported(),
-                gpu_name=torch.cuda.get_device_name(0),
-            )
-        return cls(device="cpu", gpu_count=0, bf16_supported=cpu_has_native_bf16())
+    instruction_set: str = ""  # a CPU's: AMX, AVX512-BF16, AVX512, AVX2, Arm BF16, Arm
+    bf16_reason: str = (
+        ""  # what was found, e.g. "AVX512 without BF16: bf16 matmul measured 5.4x slower than fp32"
+    )
 
     def describe(self) -> str:
+        """The machine as a run or a figure records it: the GPU, or the CPU's instruction set and its bf16."""
         if self.device == "cuda":
             return f"{self.gpu_count} × {self.gpu_name} (bf16 {'yes' if self.bf16_supported else 'no'})"
-        return f"CPU (native bf16 {'yes' if self.bf16_supported else 'no'})"
-
-
-# A test-only switch: set to 1 or 0, the CPU is taken to have native bf16 or not, whatever it has, so the
-# suite can be run both ways on one machine (`precision: auto` picks bf16 or fp32 from it). Never in a run.
-TEST_ONLY_CPU_BF16_SWITCH = "VLM_RECIPES_TEST_ONLY_CPU_NATIVE_BF16"
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16/AMX CPUs run bf16 autocast at fp32 speed or better; elsewhere it is emulated and slow."""
-    forced = os.environ.get(TEST_ONLY_CPU_BF16_SWITCH)
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+        cpu = f"CPU, {self.instruction_set}" if self.instruction_set else "CPU"
+        return f"{cpu} (bf16 {'native' if self.bf16_supported else 'emulated'})"
 
 
 @dataclass(frozen=True)

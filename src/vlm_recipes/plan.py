@@ -27,6 +27,7 @@ from vlm_recipes.families.parameters import (
     lora_target_parameters,
     routed_experts,
 )
+from vlm_recipes.machine import detect_environment
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.rank_memory import quantized_weights, rank_memory
 from vlm_recipes.recipes.learning_rates import learning_rate_scale
@@ -205,7 +206,7 @@ def meta_model(source: str, trust_remote_code: bool):
 
 
 def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = None) -> list[dict]:
-    env = env or Environment.detect()
+    env = env or detect_environment()
     config, model = meta_model(config_source(recipe.model), recipe.trust_remote_code)
     family = family_for_config(config, recipe.trust_remote_code)
     counts = count_params_by_role(model, family)

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.decisions import Decision
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
+from vlm_recipes.machine import detect_environment
 from vlm_recipes.plan import ParallelPlan, plan_parallel
 from vlm_recipes.ranks import broadcast_from_main, launched, process_state
 from vlm_recipes.recipes.learning_rates import stage_learning_rates
@@ -53,7 +54,7 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
             return train_stages(recipe, options, process_state())
         # a demo model is built (and pretrained) here, once, before any child
         resolve_model_source(recipe.model)
-        env = Environment.detect()
+        env = detect_environment()
         plans = plan_parallel(recipe, env, options)
         if not any(plan.launches_processes for plan, _ in plans):
             return train_stages(recipe, options, process_state(), plans)
@@ -67,7 +68,7 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
     run_dir = run_dir_for(recipe, options)
     if node.node_rank == 0:
         run_dir = prepare_run_dir(recipe, options)
-        write_manifest(recipe, run_dir, options, Environment.detect())
+        write_manifest(recipe, run_dir, options, detect_environment())
     else:  # other nodes continue the run node 0 creates (the output dir is on a shared filesystem)
         wait_for(run_dir / "run.json", seconds=600)
     groups: list[tuple[int, ParallelPlan, Decision]] = []  # (last stage index, plan, decision)
@@ -104,7 +105,7 @@ def train_stages(
 ) -> Path:
     """Train the recipe's stages up to `options.until_stage` in this process (one rank of a group).
     Rank 0 holds the run's lock (unless its launcher does) and records in run.json how the run ended."""
-    env = Environment.detect()
+    env = detect_environment()
     run_dir = prepare_run_dir(recipe, options) if state.is_main_process else run_dir_for(recipe, options)
     state.wait_for_everyone()
     dirs = stage_dirs(recipe, run_dir)

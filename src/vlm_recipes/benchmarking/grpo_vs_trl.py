@@ -183,14 +183,14 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
     parser.add_argument("--out", type=Path, default=Path("benchmark-grpo.json"))
     args = parser.parse_args(argv)
 
-    from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe
 
     if unknown := set(args.ways.split(",")) - set(WAY_NAMES):
         parser.error(f"--ways: unknown {sorted(unknown)}; ways: {', '.join(WAY_NAMES)}")
-    environment = Environment.detect()
+    environment = detect_environment()
     precision = args.precision or decide_precision("auto", environment, quantized=False).choice
     grpo = load_recipe(str(RECIPE)).stages[0].grpo
     model = Path(resolve_model_source(args.model))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -98,15 +97,11 @@ def git_sha() -> str:
 
 
 def processor_name() -> str:
+    """The device a figure was measured on: the GPU's name, or the CPU's model and instruction set."""
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    try:
-        cpu = Path("/proc/cpuinfo").read_text()
-        name = next(
-            line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+    from vlm_recipes.machine import cpu_bf16, processor_model
+
+    return f"{processor_model()} ({cpu_bf16().instruction_set})"

@@ -163,6 +163,8 @@ def describe_run(args, scenarios: list[str], environment, precision: str, model:
         "machine": {
             "description": environment.describe(),
             "processor": processor_name(),
+            "instruction_set": environment.instruction_set or environment.gpu_name,
+            "bf16": environment.bf16_reason or ("native" if environment.bf16_supported else "no"),
             "threads": args.threads,
             "platform": platform.platform(),
         },
@@ -216,15 +218,15 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         return 0
 
     from vlm_recipes.benchmarking.bench_model import device_peak, model_about, render_shares, token_counts
-    from vlm_recipes.decisions import Environment
     from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.errors import EXIT_BAD_INPUT, UnsupportedModelError
+    from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.load import load_recipe
     from vlm_recipes.roles import ROLES
 
-    environment = Environment.detect()
+    environment = detect_environment()
     precision = args.precision or decide_precision("auto", environment, quantized=False).choice
     model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
     stages, asked = args.stages.split(","), args.scenarios.split(",")

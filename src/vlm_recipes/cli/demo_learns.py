@@ -22,9 +22,9 @@ from pathlib import Path
 from vlm_recipes.benchmarking.processes import git_sha, processor_name
 from vlm_recipes.cli.train import main as train
 from vlm_recipes.comparison.teaching import teaching
-from vlm_recipes.decisions import cpu_has_native_bf16
 from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, ensure_demo_model
 from vlm_recipes.files import read_json
+from vlm_recipes.machine import detect_environment
 
 TEACHING_EVAL = "demo:teaching-eval"  # 144 rows drawn as demo:eval's (demo/dataset.py says why)
 AT_START = "1e-12"  # a learning rate that leaves the weights as they were (0 is refused)
@@ -87,9 +87,8 @@ def main(argv: list[str] | None = None, prog: str = "demo_learns.py") -> int:
         start, trained = metrics.pop("start"), list(metrics.values())
         rows.append((tag, summary, start, trained, teaching(start, trained)))
 
-    bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
     print(
-        f"\nMachine: {processor_name()}, {bf16}; git {git_sha()}; python {platform.python_version()}.\n"
+        f"\nMachine: {processor_name()}, {detect_environment().describe()}; git {git_sha()}; python {platform.python_version()}.\n"
         f"Command: python scripts/demo_learns.py --recipe {args.recipe} --seeds {args.seeds}"
         + (f" --precision {args.precision}" if args.precision != "auto" else "")
         + (f" --models {args.models}" if args.models != ",".join(models) else "")

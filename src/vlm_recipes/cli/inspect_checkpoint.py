@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.logs import setup_logging
+from vlm_recipes.machine import detect_environment
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.model.inspection import format_inspection, inspect_model
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, prog: str = "inspect_checkpoint.py") -> 
     args = parser.parse_args(argv)
     setup_logging()
 
-    env = Environment.detect()
+    env = detect_environment()
     quantized = args.quantization != "none"
     try:
         source = resolve_model_source(args.path)

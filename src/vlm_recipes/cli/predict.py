@@ -58,17 +58,18 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from vlm_recipes.data.images import upright_rgb
     from vlm_recipes.data.rows import VideoRules, load_split
     from vlm_recipes.data.video import VideoLoader, VideoSampling
-    from vlm_recipes.decisions import DTYPES, Environment
+    from vlm_recipes.decisions import DTYPES
     from vlm_recipes.demo.dataset import resolve_data_source
     from vlm_recipes.errors import DataError
     from vlm_recipes.evaluation.generation import Prompt, evaluate_generation, generate_answers
+    from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.build import detect_family
     from vlm_recipes.model.guards import decide_precision
     from vlm_recipes.recipes.schema import DataSettings
 
     try:
         model_dir = resolve_model_dir(args.model)
-        env = Environment.detect()
+        env = detect_environment()
         dtype = DTYPES[decide_precision("auto", env, quantized=False).choice]
         model = AutoModelForImageTextToText.from_pretrained(
             model_dir, dtype=dtype, device_map="auto" if env.device == "cuda" else None

@@ -2,7 +2,8 @@
 (trainer.py): how its rows are checked, its config and trainer built and its metrics read. sft.py, dpo.py,
 kto.py (answers marked good or bad, DPO's reference), grpo.py (with its rewards in rewards.py), rloo.py
 (GRPO's rows and rewards, RLOO's advantage); what every method's trainer shares is in trainer.py, and
-callbacks.py what runs beside its steps (checkpoints, NaN/inf, Ctrl-C, step timing, host memory).
+callbacks.py what runs beside its steps (NaN/inf, Ctrl-C, step timing, host memory); checkpoints.py the
+checkpoints they write and resume from.
 run_stage asks `method_of(stage)`; a new method is one more module and one more entry here."""
 
 from __future__ import annotations

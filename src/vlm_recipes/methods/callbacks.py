@@ -1,10 +1,9 @@
-"""The callbacks a stage's trainer runs beside every step, and the checkpoint files they write.
+"""The callbacks a stage's trainer runs beside every step.
 
-Keeping a long run's work safe: complete-checkpoint markers, NaN/inf detection, Ctrl-C and SIGTERM handling.
-(The crash tests kill runs at chosen points with tests/fault_injection.py, outside the package.)
-A Trainer checkpoint is written in place (model, optimizer, scheduler, RNG, trainer state, in that
-order); the `COMPLETE` marker is written after all of it, so a checkpoint without one was interrupted
-mid-write and is never resumed from.
+Keeping a long run's work safe: NaN/inf detection, Ctrl-C and SIGTERM handling, and the checkpoints'
+completion markers (methods/checkpoints.py). (The crash tests kill runs at chosen points with
+tests/fault_injection.py, outside the package.) None of them reads a tensor on the host between logging steps
+(tests/test_host_reads.py): on a GPU such a read makes the step wait for its last kernel.
 
 Measuring it: the step timer (time to the first step, step time median and p90, for metrics.json and the
 benchmark). Keeping a CPU process's memory flat: HostMemoryRelease (see the section's comment).
@@ -16,162 +15,91 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import os
 import signal
 import statistics
 import time
-from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import TrainerCallback
 
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.files import write_json
+from vlm_recipes.methods.checkpoints import CheckpointCallback
 
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints, NaN/inf, Ctrl-C
-
-COMPLETE_MARKER = "COMPLETE"
-TRAINABLE_FILE = "trainable.safetensors"
-GLOBAL_BATCH_FILE = "global_batch.json"  # the processes, rows per device and accumulation that wrote it
-TRAINABLE_SHARDS = "trainable"  # FSDP2: a torch.distributed.checkpoint directory, a file per rank
-
-
-def complete_checkpoints(checkpoints_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(complete, incomplete) `checkpoint-N` directories, each sorted by step."""
-    found = sorted(checkpoints_dir.glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
-    complete = [p for p in found if (p / COMPLETE_MARKER).is_file()]
-    return complete, [p for p in found if p not in complete]
-
-
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable tensor (LoRA adapters and fully trained weights) by module name, whole, on the CPU:
-    the checkpoint file of a model that is not sharded (an FSDP2 model's go through save_trainable_shards)."""
-    return {name: tensor.cpu().contiguous() for name, tensor in trainable_views(model).items()}
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Its weights are FSDP2 shards (DTensor): reading them whole takes every rank."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def restore_trainable(model: torch.nn.Module, checkpoint: Path) -> int:
-    """Put a checkpoint's trainable tensors back into the model, in place (optimizer state stays attached)."""
-    if (checkpoint / TRAINABLE_SHARDS).is_dir():
-        return restore_trainable_shards(model, checkpoint / TRAINABLE_SHARDS)
-    path = checkpoint / TRAINABLE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint} has no {TRAINABLE_FILE}: it was not written by vlm-recipes")
-    saved = load_file(str(path))
-    params = dict(model.named_parameters())
-    missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
-    if missing:
-        raise ValueError(
-            f"{path} lacks {len(missing)} trainable tensors (e.g. {missing[0]}): the recipe changed"
-        )
-    with torch.no_grad():
-        for name, value in saved.items():
-            param = params[name]
-            value = value.to(param.device, param.dtype)
-            if isinstance(param, DTensor):  # FSDP2: each rank keeps its own shard of the whole tensor
-                value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(value)
-    return len(saved)
-
-
-def save_trainable_shards(model: torch.nn.Module, shards: Path) -> None:
-    """FSDP2: every rank writes its own shards of the trainable tensors (torch.distributed.checkpoint, a
-    collective), so no rank ever holds them whole; `restore_trainable_shards` reads them back on any
-    number of ranks."""
-    dcp.save(trainable_views(model), checkpoint_id=shards)
-
-
-def restore_trainable_shards(model: torch.nn.Module, shards: Path) -> int:
-    """Each rank reads the parts of the saved shards its own shards cover, in place (re-sharded by
-    torch.distributed.checkpoint when the ranks are not the ones that wrote them)."""
-    views = trainable_views(model)
-    try:
-        dcp.load(views, checkpoint_id=shards)
-    except dcp.api.CheckpointException as error:
-        raise ValueError(
-            f"{shards} does not hold this stage's trainable tensors (the recipe changed): {error}"
-        ) from error
-    return len(views)
-
-
-def trainable_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable tensor by module name, sharing the parameter's storage (a shard, under FSDP2)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
-class CheckpointCallback(TrainerCallback):
-    """After Trainer has written a checkpoint: add the trainable tensors under their module names, then
-    mark it complete. Resuming reads that file, not Trainer's copy of the model: transformers 5.23 saves
-    Qwen2-VL under its hub key names and, on resume, silently fails to load them back."""
-
-    def __init__(self, stage_index: int):
-        self.stage_index = stage_index
-
-    def on_save(self, args, state, control, model=None, **kwargs):
-        if state.max_steps and state.global_step >= state.max_steps:
-            # A checkpoint of the last step is never resumed from: transformers 5.23 resuming at
-            # global_step == max_steps still trains one more step (17 of 16). Left without COMPLETE, a
-            # stage killed after its last step resumes from the checkpoint before and ends identical.
-            return
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if is_sharded(model):
-            save_trainable_shards(model, checkpoint / TRAINABLE_SHARDS)  # every rank writes its own
-        elif state.is_world_process_zero:
-            save_file(trainable_state(model), str(checkpoint / TRAINABLE_FILE))
-        if state.is_world_process_zero:
-            batch = {
-                "processes": args.world_size,
-                "per_device": args.per_device_train_batch_size,
-                "accumulation": args.gradient_accumulation_steps,
-            }
-            write_json(checkpoint / GLOBAL_BATCH_FILE, batch)
-            (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
+# NaN/inf, Ctrl-C
 
 
 class NonFiniteCallback(TrainerCallback):
-    """Before each optimizer step: if any gradient is NaN/inf, the step must not touch the weights.
+    """A gradient or loss that turns NaN/inf, caught without reading the device every step.
 
-    `stop`: end the stage (the last complete checkpoint stays good). `skip_step`: drop this step's
-    gradients and go on. The logged loss is checked too (Trainer's NaN filter is turned off)."""
+    Every step, Trainer's own gradient norm (computed anyway, for clipping and the log; a NaN/inf gradient
+    makes it NaN/inf) is handed over by the trainer (`RecipeTrainerMixin._get_grad_norm`) and folded into a
+    device-side record of the first step whose norm was not finite: a few tensor ops, no host read. That
+    record is read on the host only at steps where Trainer reads the device anyway or must not go on blind:
+    a logging, evaluation or checkpoint step, and the last. A host read every step would make the GPU wait
+    for the step's last kernel before the next step's first one is queued.
+
+    `stop` (the default): the stage ends at the first such step after the divergence, within
+    `logging_steps`; no checkpoint is written from a diverged state, so the last complete checkpoint is the
+    last good one. `skip_step`: that step's gradients are dropped before the optimizer sees them, which
+    needs the answer before every optimizer step: one host read a step, the price of the policy. The logged
+    loss is checked too (Trainer's NaN filter is turned off)."""
 
     def __init__(self, policy: str):
         self.policy = policy
         self.skipped_steps = 0
         self.diverged_at: int | None = None
         self.reason = ""
+        self.first_bad_step: torch.Tensor | None = (
+            None  # on the device: first step with a NaN/inf norm, or -1
+        )
+        self._norm: torch.Tensor | None = None  # this step's gradient norm, as the trainer handed it
+        self._norm_step = -1
+
+    def see_grad_norm(self, grad_norm, step: int) -> None:
+        """The trainer's gradient norm of optimizer step `step` (1-based), before the optimizer runs."""
+        if grad_norm is None:
+            return
+        if not isinstance(grad_norm, torch.Tensor):  # DeepSpeed hands a float
+            grad_norm = torch.tensor(float(grad_norm))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, the same value on every rank
+            grad_norm = grad_norm.full_tensor()
+        self._norm, self._norm_step = grad_norm.detach(), step
+        if self.first_bad_step is None:
+            self.first_bad_step = torch.full((), -1, dtype=torch.long, device=grad_norm.device)
+        diverged_now = ~torch.isfinite(self._norm) & (self.first_bad_step < 0)
+        self.first_bad_step = torch.where(diverged_now, step, self.first_bad_step)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if args.fp16:
             return  # fp16 loss scaling skips overflowing steps itself and lowers the scale
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        total = torch.stack([g.detach().float().norm() for g in grads]).sum()
-        if torch.isfinite(total):
+        step = state.global_step + 1
+        if self._norm_step != step:  # a trainer that does not hand its norm over: computed here
+            self.see_grad_norm(gradient_norm(model), step)
+        if self.policy != "skip_step" or self._norm is None or torch.isfinite(self._norm):
             return
         for param in model.parameters():
             param.grad = None  # optimizers skip parameters without a gradient: the weights stay as they were
-        step = state.global_step + 1
-        if self.policy == "skip_step":
-            self.skipped_steps += 1
-            log.warning("step %d: gradients are NaN/inf, step skipped (nan_policy: skip_step)", step)
+        self.skipped_steps += 1
+        log.warning("step %d: gradients are NaN/inf, step skipped (nan_policy: skip_step)", step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Trainer's DefaultFlowCallback, which runs first, has just said what follows this step
+        reads = control.should_log or control.should_evaluate or control.should_save
+        if self.first_bad_step is None or not (reads or control.should_training_stop):
             return
-        self._stop(control, step, "gradients became NaN/inf")
+        first_bad = int(self.first_bad_step)  # the one host read, at steps that read the device anyway
+        if first_bad >= 0 and self.policy == "stop":
+            self._stop(control, first_bad, "gradients became NaN/inf")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         loss = (logs or {}).get("loss")
-        if self.policy == "stop" and loss is not None and not torch.isfinite(torch.tensor(float(loss))):
+        if self.policy == "stop" and loss is not None and not math.isfinite(loss):
             self._stop(control, state.global_step, f"train loss became {loss}")
 
     def _stop(self, control, step: int, reason: str) -> None:
@@ -179,6 +107,17 @@ class NonFiniteCallback(TrainerCallback):
             self.diverged_at, self.reason = step, reason
         control.should_training_stop = True
         control.should_save = False  # never checkpoint a diverged state
+        control.should_evaluate = False
+
+
+def gradient_norm(model: torch.nn.Module) -> torch.Tensor | None:
+    """The 2-norm of every gradient together, on the device (no host read); None before any gradient."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: a scheduler's or `kill`'s stop
@@ -272,11 +211,17 @@ def percentile(values: list[float], q: float) -> float:
 # `malloc_trim(0)` returns every free page of the heap to the system (glibc >= 2.8 releases pages inside the
 # heap, not only at its top). It frees nothing in use, so what is computed is unchanged. It is not free: the
 # next step faults the released pages in again and the kernel zeroes them. So the release waits until
-# resident memory has grown past GROWTH_BOUND times what it was just after the last release (one read of
-# /proc/self/statm a step). On r1's bench stage (wide model, bf16, 128 rows, Intel Xeon with AMX, 2 threads,
-# 3 interleaved runs each) the training loop took 77-79 s with a bound of 1.25 (peak 3.8-4.0 GB), 76-96 s with
-# 1.5 (4.4-4.5 GB), and 84-120 s releasing at every step (3.9 GB); plain TRL's took 136-156 s (6.9-8.6 GB). Mapping every large block fresh instead
+# resident memory has grown past GROWTH_BOUND times the working size: what it was at the end of the first step
+# after the last release, that step's own tensors back in (one read of /proc/self/statm a step). On r1's bench
+# stage (wide model, bf16, 128 rows, Intel Xeon with AMX, 2 threads, 3 interleaved runs each) the training loop
+# took 77-79 s with a bound of 1.25 (peak 3.8-4.0 GB), 76-96 s with 1.5 (4.4-4.5 GB), and 84-120 s releasing
+# at every step (3.9 GB); plain TRL's took 136-156 s (6.9-8.6 GB). Mapping every large block fresh instead
 # (`MALLOC_MMAP_THRESHOLD_`) also stops the growth, but made the steps 1.6x slower.
+# The bound was first counted from the size just after a release. A step whose own tensors are over a quarter
+# of the process then crossed it every step: r2's bench stage on the small model (fp32, an AMD EPYC with AVX2,
+# 2 threads) released at 30 of its 32 steps, its RSS 1.42 GB before each release and 1.09 after, and trained
+# 8-15 % slower than plain TRL for nothing (no growth to stop). Counted from the working size, it releases
+# only when the process grows.
 #
 # On a GPU the tensors live in CUDA's own caching allocator and the host holds little, so nothing is done.
 
@@ -291,7 +236,7 @@ def _malloc_trim():
         return None
 
 
-GROWTH_BOUND = 1.25  # release once resident memory is this many times its size after the last release
+GROWTH_BOUND = 1.25  # release once resident memory is this many times the working size
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -314,23 +259,31 @@ def release_freed_host_memory() -> bool:
 
 
 class HostMemoryRelease(TrainerCallback):
-    """After every training step, eval batch and evaluation, releases freed host memory if the process has
-    grown past `growth_bound` times its resident size just after the last release (always, where the size
-    cannot be read)."""
+    """After every training step, eval batch and evaluation, releases freed host memory once the process has
+    grown past `growth_bound` times its working size: its resident size at the end of the first training
+    step after the last release, when that step's own tensors are back in. A process whose steps reuse what
+    they freed stays near its working size and is never trimmed; only growth beyond it is (always, where the
+    size cannot be read)."""
 
     def __init__(self, growth_bound: float = GROWTH_BOUND):
         self.growth_bound = growth_bound
-        self.floor: int | None = None  # resident bytes just after the last release
+        self.working: int | None = None  # resident bytes after the first step since the last release
         self.releases = 0
 
     def _release_if_grown(self, *_, **__) -> None:
         resident = resident_bytes()
-        if self.floor is not None and resident is not None and resident <= self.floor * self.growth_bound:
+        if resident is not None and (self.working is None or resident <= self.working * self.growth_bound):
             return
         self.releases += release_freed_host_memory()
-        self.floor = resident_bytes()
+        self.working = None
 
-    on_step_end = on_prediction_step = on_evaluate = _release_if_grown
+    on_prediction_step = on_evaluate = _release_if_grown
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        if self.working is None:
+            self.working = resident_bytes()
+            return
+        self._release_if_grown()
 
 
 def host_memory_release(env: Environment) -> tuple[HostMemoryRelease | None, Decision]:
@@ -341,8 +294,8 @@ def host_memory_release(env: Environment) -> tuple[HostMemoryRelease | None, Dec
         return None, Decision("host-memory", "left to the allocator", "this C library has no malloc_trim")
     return HostMemoryRelease(), Decision(
         "host-memory",
-        f"freed heap pages returned to the system whenever resident memory grows {GROWTH_BOUND}x past its "
-        "size after the last release",
+        f"freed heap pages returned to the system whenever resident memory grows {GROWTH_BOUND}x past the "
+        "working size (after the first step since the last release)",
         "on a CPU, batches of changing shapes leave freed blocks glibc keeps: resident memory grew ~250 MB "
         "a step on the wide bench model without it; nothing in use is freed",
     )

@@ -21,7 +21,8 @@ from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods import sharding
-from vlm_recipes.methods.callbacks import restore_trainable
+from vlm_recipes.methods.callbacks import NonFiniteCallback
+from vlm_recipes.methods.checkpoints import restore_trainable
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
@@ -232,6 +233,15 @@ class RecipeTrainerMixin:
             self.sharding_decisions.append(buffers)
         with sharding.fsdp_on_cpu_ranks(self.sharding_decisions):
             super().create_accelerator_and_postprocess()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer's gradient norm of this optimizer step (computed anyway), also handed to the NaN/inf guard,
+        which keeps it on the device (callbacks.NonFiniteCallback)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, NonFiniteCallback):
+                callback.see_grad_norm(grad_norm, self.state.global_step + 1)
+        return grad_norm
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))

@@ -41,17 +41,21 @@ def decide_precision(requested: str, env: Environment, quantized: bool) -> Decis
             raise GuardError(
                 f"precision bf16 was requested but {env.gpu_name or 'this GPU'} does not support it: use fp16 or auto"
             )
+        if requested == "bf16" and env.device == "cpu" and not env.bf16_supported:
+            found = f": {env.bf16_reason}" if env.bf16_reason else ""
+            return Decision("precision", "bf16", f"set in the recipe; this CPU emulates bf16{found}")
         return Decision("precision", requested, "set in the recipe")
     if env.device == "cuda":
         if env.bf16_supported:
             why = "quantized weights compute in bf16" if quantized else "GPU supports bf16"
             return Decision("precision", "bf16", why)
         return Decision("precision", "fp16", "GPU does not support bf16: fp16 autocast with loss scaling")
+    found = env.bf16_reason or ("CPU has native bf16" if env.bf16_supported else "CPU without native bf16")
     if env.bf16_supported:
         return Decision(
-            "precision", "bf16", "CPU has native bf16: autocast runs at fp32 speed with half the memory"
+            "precision", "bf16", f"{found} → bf16: autocast at fp32's speed or better, half the memory"
         )
-    return Decision("precision", "fp32", "CPU without native bf16: bf16 would be emulated and slow")
+    return Decision("precision", "fp32", f"{found} → fp32: bf16 would be emulated, and slow")
 
 
 def dtype_histogram(model: nn.Module) -> dict[str, dict[str, int]]:

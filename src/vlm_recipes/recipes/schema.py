@@ -193,7 +193,8 @@ class TrainingSettings:
         range=Range(2, why="one checkpoint stays complete while the next is written"),
     )
     nan_policy: Literal["stop", "skip_step"] = doc(
-        "NaN/inf loss or gradients: stop the stage (weights untouched by the bad step), or skip that step",
+        "NaN/inf loss or gradients: stop the stage (within logging_steps; nothing after the bad step is "
+        "saved), or skip that step (its gradients dropped; costs one host read a step)",
         "stop",
     )
     eval_batch_size: int = doc("samples per device when evaluating", 4, range=AT_LEAST_1)

@@ -13,12 +13,8 @@ import torch
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError, StageInterrupted, TrainingDiverged
 from vlm_recipes.files import read_json
-from vlm_recipes.methods.callbacks import (
-    GLOBAL_BATCH_FILE,
-    InterruptCallback,
-    NonFiniteCallback,
-    complete_checkpoints,
-)
+from vlm_recipes.methods.callbacks import InterruptCallback, NonFiniteCallback
+from vlm_recipes.methods.checkpoints import GLOBAL_BATCH_FILE, complete_checkpoints
 from vlm_recipes.ranks import gather_from_ranks
 from vlm_recipes.stages.context import StageContext
 
@@ -98,7 +94,7 @@ def check_stopped_early(
     if nonfinite.diverged_at is not None:
         raise TrainingDiverged(
             f"{ctx.title} stopped at step {nonfinite.diverged_at}: {nonfinite.reason}; "
-            f"the weights were not updated with it, and {last}. Lower training.learning_rate, check the data, "
+            f"nothing trained after it is saved, and {last}. Lower training.learning_rate, check the data, "
             "or set training.nan_policy: skip_step to drop such steps."
         )
     if interrupt.requested:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from vlm_recipes.errors import DiskFull
-from vlm_recipes.methods.callbacks import complete_checkpoints
+from vlm_recipes.methods.checkpoints import complete_checkpoints
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.runs.layout import is_done
 
