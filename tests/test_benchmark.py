@@ -45,7 +45,7 @@ def run(wall, rss, runtime, eval_loss, curve, fraction=1.0, samples=8, flops=Non
 
 
 def synthetic_report(
-    stages, scenarios, model_name: str = "bench-qwen2-vl", without_overhead_check: bool = False
+    stages, scenarios, model_name: str = "bench-qwen2-vl", ways: list[str] = sft_tables.WAYS
 ) -> dict:
     """The report main() writes, from made-up runs through the script's own functions."""
     import argparse
@@ -62,10 +62,11 @@ def synthetic_report(
         "peak_tflops": 0.5,
         "peak_source": "measured",
         "flop_shares": {stage: {model_name: shares, "Qwen2-VL-2B": shares} for stage in stages},
+        "baseline_adapters": sft_vs_trl.like_for_like_adapters(ways, "fp32"),
     }
     model = {"name": model_name, "parameters": 16_700_000, "family": "qwen2-vl"}
     about = sft_vs_trl.describe_run(args, scenarios, detect_environment(), "fp32", model, setup)
-    ways_of = {c: sft_vs_trl.ways_of(c, without_overhead_check) for c in scenarios}
+    ways_of = {c: sft_vs_trl.ways_of(c, ways) for c in scenarios}
     runs = {
         c: {w: [run(20.0, 1.3, 10.0, 6.0, {1: 7.0, 5: 6.5}, samples=8)] for w in ways}
         for c, ways in ways_of.items()
@@ -85,7 +86,17 @@ def key_tree(value):
     return None
 
 
-MACHINE_KEYS_SINCE_THE_PROBE = ("instruction_set", "bf16")  # machine.py's answer, recorded since git 814e823
+# what a results file records since the bf16 probe (git 814e823): the machine's answer, the baseline's adapters
+KEYS_SINCE_THE_PROBE = [("machine", "instruction_set"), ("machine", "bf16"), ("baseline_adapters",)]
+
+
+def ways_asked(report: dict) -> list[str]:
+    """The ways a results file's command asked for (`--ways`, or `--without-overhead-check`: TRL and on)."""
+    command = report["about"]["command"]
+    if "--without-overhead-check" in command:
+        return [sft_tables.BASELINE, sft_tables.SPEEDUPS_ON]
+    asked = re.search(r"--ways (\S+)", command)
+    return [sft_vs_trl.WAY_NAMES[n] for n in asked.group(1).split(",")] if asked else sft_tables.WAYS
 
 
 @pytest.mark.parametrize("results", ALL_RESULTS, ids=lambda path: path.stem)
@@ -97,8 +108,7 @@ def test_committed_results_have_the_keys_the_script_writes(results):
     assert scenarios == (asked.group(1).split(",") if asked else list(sft_tables.SCENARIOS)), (
         "the scenarios its command asked for (all of them by default)"
     )
-    without_overhead_check = "--without-overhead-check" in committed["about"]["command"]
-    written = synthetic_report(stages, scenarios, committed["about"]["model"]["name"], without_overhead_check)
+    written = synthetic_report(stages, scenarios, committed["about"]["model"]["name"], ways_asked(committed))
     for tree in (committed, written):
         for scenario in (s for stage in tree["stages"].values() for s in stage.values()):
             # each run as its process reported it: what the summaries read must be there
@@ -107,9 +117,12 @@ def test_committed_results_have_the_keys_the_script_writes(results):
                 assert {*measured, "loss_curve", "vision_fraction_computed", "flops_skipped"} <= set(each)
         for stage in tree["about"]["flops_per_sample_by_role"]:  # any model: the roles are the keys
             assert set(tree["about"]["flops_per_sample_by_role"][stage]) == {"vision", "projector", "llm"}
-    if "instruction_set" not in committed["about"]["machine"]:  # measured before the bf16 probe named it
-        for key in MACHINE_KEYS_SINCE_THE_PROBE:
-            del written["about"]["machine"][key]
+    for *path, key in KEYS_SINCE_THE_PROBE:  # a file measured before the bf16 probe (machine.py) lacks them
+        committed_part, written_part = committed["about"], written["about"]
+        for step in path:
+            committed_part, written_part = committed_part[step], written_part[step]
+        if key not in committed_part:
+            del written_part[key]
     assert key_tree(committed) == key_tree(written)
     assert committed["about"]["git_sha"] and "-dirty" not in committed["about"]["git_sha"]
 
@@ -262,8 +275,17 @@ def test_the_wide_bench_model_has_qwen2_vl_2bs_shapes_and_flop_shares():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("stage", ["llm-lora", "vision-full"])
-def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_demo_cache):
+@pytest.mark.parametrize(
+    ("stage", "adapters", "trained_in"),
+    [
+        ("llm-lora", None, ["torch.bfloat16"]),  # TRL's cast of QLoRA adapters, whatever the precision
+        ("llm-lora", "fp32", ["torch.float32"]),  # the overhead check's like-for-like baseline in fp32
+        ("vision-full", None, ["torch.float32"]),
+    ],
+)
+def test_baseline_script_runs_qlora_and_vision_stages(
+    stage, adapters, trained_in, tmp_path, private_demo_cache
+):
     """The plain-TRL baseline stays runnable, the QLoRA one included (its numbers are the benchmark's)."""
     from vlm_recipes.demo.dataset import ensure_bench_dataset
     from vlm_recipes.demo.models import ensure_demo_model
@@ -272,9 +294,12 @@ def test_baseline_script_runs_qlora_and_vision_stages(stage, tmp_path, private_d
     model = ensure_demo_model("demo:bench-qwen2-vl")
     data = ensure_bench_dataset() / "bench.jsonl"
     args = [f"--stage={stage}", f"--model={model}", f"--data={data}", "--rows=4", "--batch-size=2"]
+    if adapters:
+        args.append(f"--adapter-dtype={adapters}")
     plain_trl_sft.main([*args, "--steps=2", "--eval-rows=2", f"--out={out}"])
     measured = json.loads(out.read_text())
     assert measured["steps"] == 2 and math.isfinite(measured["eval_loss"])
+    assert measured["trainable_dtypes"] == trained_in
     assert measured["step_time_median_s"] > 0 and measured["time_to_first_step_s"] > 0
 
 
@@ -313,6 +338,30 @@ def test_step_times_include_loading_the_batch(tmp_path):
     Trainer(model=Tiny(), args=args, train_dataset=SlowRows(), callbacks=[timer]).train()
     assert len(timer.step_times) == 3
     assert min(timer.step_times) >= 2 * 0.05, "two rows of 50 ms each are loaded in every step"
+
+
+def test_the_overhead_check_alone_has_its_own_tables_and_a_like_for_like_baseline():
+    """`--ways trl,off --scenarios first-epoch`: the runner's own cost, in its own block of docs/performance.md;
+    in fp32 TRL's QLoRA adapters are kept in fp32 as ours are, and the table says so."""
+    report = synthetic_report(
+        list(sft_vs_trl.RECIPES), ["first-epoch"], ways=[sft_tables.BASELINE, sft_tables.OURS]
+    )
+    assert report["about"]["baseline_adapters"] == "fp32"
+    assert sft_tables.readme_markers(report)[0] == "<!-- benchmark table (speed-ups off): begin -->"
+    assert "QLoRA adapters recast to fp32 once SFTTrainer is built" in sft_tables.render_tables(report)
+    assert (
+        sft_vs_trl.like_for_like_adapters(sft_tables.WAYS, "fp32") is None
+    )  # the headline: TRL as users run it
+    assert sft_vs_trl.like_for_like_adapters([sft_tables.BASELINE, sft_tables.OURS], "bf16") is None
+
+
+def test_a_scenario_with_nothing_to_compare_is_refused(monkeypatch, capsys):
+    argv = ["--ways", "trl,off", "--scenarios", "first-epoch,three-epochs", "--model", "demo:bench-qwen2-vl"]
+    with pytest.raises(SystemExit) as refused:
+        sft_vs_trl.main(argv)
+    assert (
+        refused.value.code == 2 and "--scenarios three-epochs: no way to compare" in capsys.readouterr().err
+    )
 
 
 def test_readme_tables_refuse_a_missing_file_or_markers(tmp_path, monkeypatch, capsys):

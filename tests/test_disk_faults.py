@@ -21,7 +21,7 @@ from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.cli.train import main
 from vlm_recipes.errors import DiskFull
 from vlm_recipes.files import read_json
-from vlm_recipes.methods import callbacks as stage_callbacks
+from vlm_recipes.methods import checkpoints as stage_checkpoints
 from vlm_recipes.stages import disk_full
 
 RUN = [
@@ -79,14 +79,14 @@ def fill_disk_at(monkeypatch, point: str) -> None:
         return "stage-2-" in str(path)
 
     if point == "checkpoint":
-        real = stage_callbacks.save_file
+        real = stage_checkpoints.save_file
 
         def save(tensors, filename, *args, **kwargs):
             if stage_2(filename):
                 raise no_space(filename)
             real(tensors, filename, *args, **kwargs)
 
-        monkeypatch.setattr(stage_callbacks, "save_file", save)
+        monkeypatch.setattr(stage_checkpoints, "save_file", save)
     elif point == "final":
         real_save = transformers.modeling_utils.safe_save_file
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 STAGES = ("stage-1-vision-full", "stage-2-llm-lora")
 # fp32 so every CPU takes the same path; 32 rows = 4 steps of a global batch of 8 (4 per rank x 2); a
-# checkpoint at step 2 (the step-4 one, the last, is never resumed from: methods/callbacks.CheckpointCallback).
+# checkpoint at step 2 (the step-4 one, the last, is never resumed from: methods/checkpoints.CheckpointCallback).
 FSDP_R3 = [
     "--recipe",
     "r3-two-stage",

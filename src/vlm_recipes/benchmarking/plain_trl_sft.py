@@ -47,6 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument(
+        "--adapter-dtype",
+        choices=["fp32"],
+        help="recast TRL's QLoRA adapters (bf16, its cast) to this dtype once SFTTrainer is built: the "
+        "benchmark's overhead check in fp32, where vlm-recipes keeps them in fp32",
+    )
+    parser.add_argument(
         "--eval-rows", type=int, default=32, help="eval loss on the first N rows (the loss check)"
     )
     parser.add_argument("--out", required=True)
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         peft_config=peft_config,
         callbacks=[timer],
     )
+    if args.adapter_dtype:
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # as vlm-recipes does before training
     output = trainer.train()
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         "final_loss": losses[-1] if losses else None,
         "loss_curve": curve,
         "eval_loss": eval_loss,
+        "trainable_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
         **gpu_peaks,
         **timer.summary(),
     }

@@ -39,10 +39,14 @@ TABLES_DOC = (
 
 
 def readme_markers(report: dict) -> tuple[str, str]:
-    """Where a results file's tables go in docs/performance.md: one block per precision (fp32's unnamed) and
-    bench model (the first bench model's unnamed)."""
+    """Where a results file's tables go in docs/performance.md: one block per precision (fp32's unnamed),
+    bench model (the first bench model's unnamed) and, for the overhead check alone (no way with the
+    speed-ups on), "speed-ups off"."""
     precision, model = report["about"]["precision"], report["about"]["model"]["name"]
     named = ([precision] if precision != "fp32" else []) + ([model] if model != "bench-qwen2-vl" else [])
+    ways = {way for stage in report["stages"].values() for c in stage.values() for way in c["summary"]}
+    if SPEEDUPS_ON not in ways:
+        named.append("speed-ups off")
     if not named:
         return README_BEGIN, README_END
     label = ", ".join(named)
@@ -160,6 +164,14 @@ def render_tables(report: dict) -> str:
         f"{about['rows']} bench rows per epoch, batch {about['batch_size']}, {about['precision']}, "
         f"median of {about['repeats']} run(s) per way (min-max beside it); git {about['git_sha']}; {libraries}.",
         f"Regenerate: `{about['command']}`, then `python scripts/benchmark.py --readme FILE`.",
+        *(
+            [
+                f"Plain TRL's QLoRA adapters recast to {about['baseline_adapters']} once SFTTrainer is built, "
+                "as vlm-recipes keeps them (TRL casts them to bf16): both ways compute the same."
+            ]
+            if about.get("baseline_adapters")
+            else []
+        ),
         "",
         "| stage | scenario | way | samples/s | ×TRL | ×off | wall time s | ×TRL | peak RSS GB | ×TRL "
         "| eval loss | vs TRL |",

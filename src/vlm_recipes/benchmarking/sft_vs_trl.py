@@ -47,6 +47,7 @@ from vlm_recipes.benchmarking.processes import (
 )
 from vlm_recipes.benchmarking.sft_tables import (
     BASELINE,
+    OURS,
     SCENARIOS,
     SPEEDUPS_ON,
     TABLES_DOC,
@@ -93,11 +94,24 @@ LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes
 # --------------------------------------------------------------------------- running
 
 
-def ways_of(scenario: str, without_overhead_check: bool) -> list[str]:
-    """The ways a scenario runs: TRL and ours with the speed-ups on, and in first-epoch ours with them off."""
-    if without_overhead_check:
-        return [BASELINE, SPEEDUPS_ON]
-    return WAYS_OF.get(scenario, [BASELINE, SPEEDUPS_ON])
+WAY_NAMES = {"trl": BASELINE, "off": OURS, "on": SPEEDUPS_ON}  # --ways
+
+
+def ways_of(scenario: str, asked: list[str]) -> list[str]:
+    """The ways a scenario runs, of those asked: TRL and ours with the speed-ups on, and in first-epoch ours
+    with them off (the runner's own cost)."""
+    return [way for way in WAYS_OF.get(scenario, [BASELINE, SPEEDUPS_ON]) if way in asked]
+
+
+def like_for_like_adapters(ways: list[str], precision: str) -> str | None:
+    """The adapter dtype plain TRL's QLoRA stage must keep to compute what ours with the speed-ups off
+    computes, when only those two run (the overhead check), or None where TRL's own cast already does.
+
+    TRL casts QLoRA adapters to bf16 whatever the precision; ours keeps them in the compute dtype (the
+    overhead way's `training.trainable_dtype=compute`). In fp32 that is fp32, and on a CPU without native
+    bf16 TRL's bf16 adapters are emulated (50x slower matmuls on an AVX2 CPU): the two ways would time other
+    arithmetic, not the runner's own cost."""
+    return "fp32" if precision == "fp32" and SPEEDUPS_ON not in ways else None
 
 
 def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: Path) -> dict:
@@ -130,6 +144,8 @@ def run_ours(stage: str, scenario: str, extra: list[str], setup: dict, caches: P
 def run_baseline(stage: str, scenario: str, setup: dict, caches: Path) -> dict:
     epochs, seed, _, _ = SCENARIOS[scenario]
     flags = {"stage": stage, "epochs": epochs, "seed": seed, "batch-size": setup["batch_size"]}
+    if stage == "llm-lora" and setup.get("baseline_adapters"):
+        flags["adapter-dtype"] = setup["baseline_adapters"]
     wall, rss, measured = run_baseline_script(BASELINE_SCRIPT, flags, setup, caches)
     return {
         **measured,
@@ -174,6 +190,7 @@ def describe_run(args, scenarios: list[str], environment, precision: str, model:
         "batch_size": args.batch_size,
         "precision": precision,
         "repeats": args.repeats,
+        "baseline_adapters": setup.get("baseline_adapters"),
         "scenarios": {name: SCENARIOS[name][3] for name in scenarios},
         "speedups": {stage: SPEEDUPS[stage] for stage in setup["flops"]},
         "flops_formula": FORMULA,
@@ -195,9 +212,13 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1, help="runs per way and scenario (medians)")
     parser.add_argument(
-        "--without-overhead-check",
-        action="store_true",
-        help="leave out first-epoch's run with the speed-ups off (a short GPU lease: TRL and ours only)",
+        "--ways",
+        default="trl,off,on",
+        help="plain TRL (trl), ours with the speed-ups off (off: first epoch only, the runner's own cost), "
+        "ours with them on (on); `--ways trl,off --scenarios first-epoch`: the overhead check alone",
+    )
+    parser.add_argument(
+        "--without-overhead-check", action="store_true", help="the same as --ways trl,on (a short GPU lease)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run (fixed)")
     parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: what a stage picks here")
@@ -226,17 +247,28 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     from vlm_recipes.recipes.load import load_recipe
     from vlm_recipes.roles import ROLES
 
-    environment = detect_environment()
-    precision = args.precision or decide_precision("auto", environment, quantized=False).choice
-    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
     stages, asked = args.stages.split(","), args.scenarios.split(",")
+    if unknown_ways := set(args.ways.split(",")) - set(WAY_NAMES):
+        parser.error(f"--ways: unknown {sorted(unknown_ways)}; ways: {', '.join(WAY_NAMES)}")
+    ways = [
+        WAY_NAMES[name]
+        for name in args.ways.split(",")
+        if not (args.without_overhead_check and name == "off")
+    ]
     if unknown := [name for name in asked + stages if name not in {**SCENARIOS, **RECIPES}]:
         parser.error(
             f"unknown --stages/--scenarios {unknown}; stages: {list(RECIPES)}, scenarios: {list(SCENARIOS)}"
         )
     scenarios = [name for name in SCENARIOS if name in asked]  # second-seed after first-epoch
+    if lonely := [name for name in scenarios if len(ways_of(name, ways)) < 2]:
+        parser.error(
+            f"--scenarios {','.join(lonely)}: no way to compare with plain TRL among --ways {args.ways}"
+        )
     if "second-seed" in scenarios and "first-epoch" not in scenarios:
         parser.error("--scenarios: second-seed reads the caches first-epoch's run leaves; name both")
+    environment = detect_environment()
+    precision = args.precision or decide_precision("auto", environment, quantized=False).choice
+    model, data = Path(resolve_model_source(args.model)), ensure_bench_dataset() / "bench.jsonl"
     counts = token_counts(model, data, args.rows)
     trains = {stage: load_recipe(str(BENCH_RECIPES / RECIPES[stage])).stages[0].train for stage in stages}
     modes = {stage: {role: getattr(train, role) for role in ROLES} for stage, train in trains.items()}
@@ -258,6 +290,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         "peak_source": peak_source,
         "flop_shares": shares,
         "env": threads_env(args.threads),
+        "baseline_adapters": like_for_like_adapters(ways, precision),
     }
     about = describe_run(args, scenarios, environment, precision, model_info, setup)
     print(
@@ -266,9 +299,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         f"epoch, batch {args.batch_size}, {precision}, {args.repeats} repeat(s); git {about['git_sha']}\n"
         f"peak for MFU: {peak or 0:.3g} TFLOP/s ({peak_source})\n\n{render_shares(shares)}\n"
     )
-    runs = {
-        s: {c: {w: [] for w in ways_of(c, args.without_overhead_check)} for c in scenarios} for s in stages
-    }
+    runs = {s: {c: {w: [] for w in ways_of(c, ways)} for c in scenarios} for s in stages}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat, stage in ((r, s) for r in range(args.repeats) for s in stages):
             for scenario in scenarios:

@@ -209,7 +209,7 @@ def role_parameter_groups(
 
 class RecipeTrainerMixin:
     """What every method's trainer shares (put before the TRL trainer in the bases): resume restores the
-    trainable tensors from the runner's own checkpoint file (see callbacks.CheckpointCallback; optimizer,
+    trainable tensors from the runner's own checkpoint file (see checkpoints.CheckpointCallback; optimizer,
     scheduler, RNG and data position come from Trainer), and the per-role optimizer groups."""
 
     sample_cache: PreprocessedSampleCollator | None = None  # training.preprocessed_cache

@@ -247,7 +247,7 @@ class Stage:
     lora: LoraSettings = doc("LoRA settings, used by roles in lora mode", factory=LoraSettings)
     quantization: QuantizationSettings = doc("how the base weights are loaded", factory=QuantizationSettings)
     precision: Precision = doc(
-        "compute precision: auto picks bf16 where the hardware supports it natively, else fp16 on GPU, fp32 on CPU",
+        "compute precision: auto picks bf16 where the hardware computes it natively (a CPU: measured), else fp16 on GPU, fp32 on CPU",
         "auto",
     )
     parallel: ParallelMode = doc(
