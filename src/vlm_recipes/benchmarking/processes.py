@@ -97,11 +97,12 @@ def git_sha() -> str:
 
 
 def processor_name() -> str:
-    """The device a figure was measured on: the GPU's name, or the CPU's model and instruction set."""
+    """The device a figure was measured on, by name: the GPU's, or the CPU's model (its instruction set and
+    bf16 are in `Environment.describe()`, printed beside it)."""
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    from vlm_recipes.machine import cpu_bf16, processor_model
+    from vlm_recipes.machine import processor_model
 
-    return f"{processor_model()} ({cpu_bf16().instruction_set})"
+    return processor_model()
