@@ -169,13 +169,21 @@ def run_one(stage: str, scenario: str, way: str, setup: dict, caches: Path) -> d
 # --------------------------------------------------------------------------- what was run where
 
 
-def describe_run(args, scenarios: list[str], environment, precision: str, model: dict, setup: dict) -> dict:
+def describe_run(
+    args,
+    scenarios: list[str],
+    environment,
+    precision: str,
+    model: dict,
+    setup: dict,
+    argv: list[str] | None = None,
+) -> dict:
     """What the results file says of the run: code, libraries, machine, command, model, data, scenarios."""
     from vlm_recipes.benchmarking.flops import FORMULA
 
     return {
         "git_sha": git_sha(),
-        "command": "vlm-recipes bench " + " ".join(sys.argv[1:]),
+        "command": "vlm-recipes bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {
             "description": environment.describe(),
             "processor": processor_name(),
@@ -292,7 +300,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
         "env": threads_env(args.threads),
         "baseline_adapters": like_for_like_adapters(ways, precision),
     }
-    about = describe_run(args, scenarios, environment, precision, model_info, setup)
+    about = describe_run(args, scenarios, environment, precision, model_info, setup, argv)
     print(
         f"{about['machine']['description']}, {about['machine']['processor']}, {args.threads} threads\n"
         f"{model_info['name']}: {model_info['parameters'] / 1e6:.1f}M parameters; {setup['rows']} rows per "
