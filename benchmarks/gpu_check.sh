@@ -3,7 +3,8 @@
 #   1. tests/test_on_a_gpu.py: every seed recipe, r3 for every family, and Liger's kernels, on CUDA;
 #   2. the bench on Qwen2-VL-2B's own dimensions (`demo:qwen2-vl-2b-shaped`), r1's stage, TRL against ours.
 # Run from the repository root with the project's dependencies installed (pip install -e '.[dev,gpu]').
-# Offline, with wheels in .whl/ (pip download ... -d .whl): they are installed into /tmp/site first.
+# Offline, with wheels in .whl/ (built here by benchmarks/gpu_carry/make_carry.sh from its pins.txt, the
+# versions CI resolves; carry .whl): they are installed into /tmp/site first.
 # Logs and the bench's JSON go to $OUT (default gpu-check/). TEST_S / BENCH_S: each part's time limit.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
