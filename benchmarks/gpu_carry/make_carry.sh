@@ -23,6 +23,6 @@ for wheel in "$DOWNLOADS"/*.whl; do
     esac
 done
 WHEELS=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
-TREE=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 du -cb 2>/dev/null) | grep total$ | awk '{s+=$1} END {print s}')
+TREE=$(cd "$ROOT" && git ls-files -z | xargs -0 cat | wc -c)  # the tracked files, as the tree travels
 echo "$(ls "$DEST"/*.whl | wc -l) wheels, $((WHEELS / 1048576)) MiB; the tree $((TREE / 1048576)) MiB"
 echo "carry: $(((WHEELS + TREE) / 1048576)) MiB"
