@@ -152,8 +152,9 @@ class TrainingSettings:
         False,
     )
     liger_kernels: bool = doc(
-        "Liger's Triton kernels for the model's norms, SwiGLU and rotary embeddings (pip install liger-kernel): "
-        "on a GPU where Liger knows the model type; elsewhere the stage trains without them, the reason logged",
+        "Liger's Triton kernels for the model's norms, SwiGLU/GEGLU MLPs and rotary embeddings (pip install "
+        "liger-kernel): on a GPU where Liger knows the model type or its text model's or tower's (every family "
+        "here); elsewhere the stage trains without them, the reason logged",
         False,
     )
     vision_feature_cache: bool = doc(
