@@ -1,32 +1,142 @@
 #!/bin/bash
-# What a GPU shows that the CPU suite cannot, in one short sitting (~8 min on one H100):
-#   1. tests/test_on_a_gpu.py: every seed recipe, r3 for every family, and Liger's kernels, on CUDA;
-#   2. the bench on Qwen2-VL-2B's own dimensions (`demo:qwen2-vl-2b-shaped`), r1's stage, TRL against ours.
-# Run from the repository root with the project's dependencies installed (pip install -e '.[dev,gpu]').
-# Offline, with wheels in .whl/ (built here by benchmarks/gpu_carry/make_carry.sh from its pins.txt, the
-# versions CI resolves; carry .whl): they are installed into /tmp/site first.
-# Logs and the bench's JSON go to $OUT (default gpu-check/). TEST_S / BENCH_S: each part's time limit.
+# A whole GPU visit in one command (about 9 minutes on one H100, setup included), or its rehearsal on a CPU.
+#
+#   bash benchmarks/gpu_check.sh              # on the GPU machine: the run tool with carry [".whl"]
+#   bash benchmarks/gpu_check.sh --rehearse   # here, with the package index, before GPU time is spent
+#
+# Parts, each under its own time limit in seconds (override: CARRY_S, VERSIONS_S, TESTS_S, BENCH_S):
+#   carry      .whl/'s wheels (benchmarks/gpu_carry/make_carry.sh, pins.txt) installed with --target over the
+#              image's packages, first on PYTHONPATH; prints `carry: N MiB` (wheels and tree, <= 58)
+#   versions   the device, the libraries' versions, `pip check`
+#   gpu-tests  tests/test_on_a_gpu.py, one process per test
+#   bench      r1's and r2's stages at Qwen2-VL-2B's shape (`demo:qwen2-vl-2b-shaped`), plain TRL against
+#              ours, bf16, MFU against the matmul peak measured in the same call
+# The rehearsal first builds the carry and a virtual environment pinned to the image's versions
+# (gpu_carry/image.txt: torch 2.11.0+cu130 from PyPI, transformers 5.17, accelerate 1.15); then the same
+# carry, versions and gpu-tests parts (on a CPU every GPU test skips with its reason: the file collects and
+# imports through the carried packages), and instead of the bench one r1 stage trained on the CPU.
+# After every part $OUT/summary.md and $OUT/gpu-check.json are rewritten, so a visit cut short says how far it
+# got (benchmarks' results: $OUT/bench.json, also written after each run). Exit 0 when every part ended well.
 set -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-gpu-check}; mkdir -p "$OUT"
+OUT=${OUT:-$ROOT/gpu-check}; mkdir -p "$OUT"; : > "$OUT/parts.jsonl"
+SITE=${SITE:-/tmp/gpu-check-site}
+REHEARSE=0; [ "${1:-}" = --rehearse ] && REHEARSE=1
+IMAGE_VENV=${IMAGE_VENV:-/tmp/gpu-image-venv}
+PYTHON=python3; [ $REHEARSE = 1 ] && PYTHON=$IMAGE_VENV/bin/python
+export ROOT OUT SITE PYTHON
+export PYTHONPATH=$SITE:$ROOT/src
+SUMMARY=$ROOT/src/vlm_recipes/benchmarking/gpu_check_summary.py
+if [ $REHEARSE = 1 ]; then PLANNED=rehearsal-setup,carry,versions,gpu-tests,rehearsal-r1
+else PLANNED=carry,versions,gpu-tests,bench; fi
 T0=$(date +%s)
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-    export PYTHONPATH=/tmp/site:$PWD/src
+
+# part NAME LIMIT_S FUNCTION: FUNCTION under its own time limit, its output in $OUT/NAME.log (the tail shown
+# here), how it ended appended to parts.jsonl, then the summary rewritten
+part() {
+    local name=$1 limit=$2 body=$3 started rc status
+    started=$(date +%s)
+    echo "== $name (limit $limit s), at $((started - T0)) s"
+    timeout --kill-after=10 "$limit" bash -c "$body" > "$OUT/$name.log" 2>&1
+    rc=$?
+    status=ok
+    if [ $rc = 124 ] || [ $rc = 137 ]; then status=cut; elif [ $rc != 0 ]; then status=failed; fi
+    tail -n "${TAIL:-12}" "$OUT/$name.log"
+    printf '{"part": "%s", "status": "%s", "rc": %d, "seconds": %d, "limit_s": %d}\n' \
+        "$name" "$status" "$rc" "$(($(date +%s) - started))" "$limit" >> "$OUT/parts.jsonl"
+    python3 "$SUMMARY" "$OUT" "$PLANNED" || echo "(the summary could not be written)"
+    [ $status = ok ]
+}
+
+rehearsal_setup() {
+    bash benchmarks/gpu_carry/make_carry.sh "$ROOT/.whl" || exit 1
+    if ! cmp -s benchmarks/gpu_carry/image.txt "$IMAGE_VENV/image.txt"; then
+        rm -rf "$IMAGE_VENV" && python3 -m venv "$IMAGE_VENV" || exit 1
+        # --isolated: PyPI itself, past this machine's pip configuration (its local index and torch cap)
+        "$IMAGE_VENV/bin/pip" install --isolated -q -r benchmarks/gpu_carry/image.txt || exit 1
+        cp benchmarks/gpu_carry/image.txt "$IMAGE_VENV/image.txt"
+    fi
+    echo "the image's stand-in: $IMAGE_VENV, $("$PYTHON" -V), torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+}
+
+carry() {
+    ls .whl/*.whl > /dev/null || { echo "no .whl/: run benchmarks/gpu_carry/make_carry.sh, carry .whl"; exit 1; }
+    local wheels tree
+    wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
+    if git rev-parse --git-dir > /dev/null 2>&1; then tree=$(git ls-files -z | xargs -0 cat | wc -c)
+    else tree=$(du -sb --exclude=.whl --exclude="$(basename "$OUT")" . | cut -f1); fi
+    echo "$(ls .whl/*.whl | wc -l) wheels, $((wheels / 1048576)) MiB; the tree $((tree / 1048576)) MiB"
+    echo "carry: $(((wheels + tree) / 1048576)) MiB"
+    # the wheels are for the image's CPython 3.12: a rehearsal on another Python installs them as for 3.12
+    local as_312=()
+    [ "$("$PYTHON" -c 'import sys; print(sys.version_info[:2] != (3, 12))')" = True ] \
+        && as_312=(--python-version 3.12 --only-binary=:all:) \
+        && echo "this Python is not 3.12: the cp312 wheels are installed as for 3.12 (av's compiled module, video only, does not load here)"
+    rm -rf "$SITE"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${as_312[@]}" \
+        .whl/*.whl || exit 1
+    echo "installed into $SITE, first on PYTHONPATH"
+}
+
+versions() {
+    "$PYTHON" - <<'EOF' || exit 1
+import importlib.metadata as m, json, os, platform, subprocess, torch
+names = ["torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets", "pyarrow",
+         "liger-kernel", "triton", "av", "qwen-vl-utils"]
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "MISSING"
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+about = {
+    "device": gpu or f"no GPU: CPU {platform.processor() or platform.machine()} (rehearsal)",
+    "python": platform.python_version(),
+    "libraries": {name: version(name) for name in names},
+    "git_sha": sha or os.environ.get("GIT_SHA", "unknown"),
+}
+print(json.dumps(about, indent=2))
+open(os.path.join(os.environ["OUT"], "versions.json"), "w").write(json.dumps(about, indent=2))
+EOF
+    "$PYTHON" -m pip check | tee "$OUT/pip-check.txt"
+    true  # pip check's complaints are reported in the summary, not a failed part
+}
+
+gpu_tests() {
+    "$PYTHON" -m pytest tests/test_on_a_gpu.py -n "${WORKERS:-8}" --dist load -q -rA -p no:cacheprovider \
+        --junitxml="$OUT/gpu-tests.xml"
+}
+
+bench() {
+    "$PYTHON" -m vlm_recipes bench --model demo:qwen2-vl-2b-shaped --precision bf16 --scenarios first-epoch \
+        --stages "${STAGES:-llm-lora,vision-full}" --without-overhead-check --repeats 1 --rows "${ROWS:-64}" \
+        --threads 8 --out "$OUT/bench.json"
+}
+
+rehearsal_r1() {
+    rm -rf "$OUT/r1"
+    "$PYTHON" scripts/train_recipe.py --recipe r1-llm-only --output-dir "$OUT/r1" --run-name rehearsal \
+        --max-steps 2 training.per_device_batch_size=4 data.max_train_samples=8 data.max_eval_samples=4 \
+        evaluation.max_new_tokens=4
+}
+
+export -f rehearsal_setup carry versions gpu_tests bench rehearsal_r1
+export REHEARSE IMAGE_VENV
+if [ $REHEARSE = 1 ]; then
+    part rehearsal-setup "${SETUP_S:-900}" rehearsal_setup || exit 1
 fi
-nvidia-smi -L
-python3 -c "
-import importlib.metadata as m, torch
-for p in ['torch', 'transformers', 'trl', 'peft', 'bitsandbytes', 'accelerate', 'datasets', 'liger-kernel', 'av']:
-    try: print(p, m.version(p))
-    except m.PackageNotFoundError: print(p, 'MISSING')
-print(torch.cuda.get_device_name(0))" 2>&1 | tee "$OUT/versions.txt"
-echo "setup done at $(( $(date +%s) - T0 )) s"
-# one process per test file is pytest.ini's CPU default (--dist loadfile): here every test is its own process
-timeout "${TEST_S:-240}" python3 -m pytest tests/test_on_a_gpu.py -n 8 --dist load -q -rA -p no:cacheprovider \
-    2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^PASSED\|^$" | tail -40
-echo "tests done at $(( $(date +%s) - T0 )) s"
-timeout "${BENCH_S:-300}" python3 -m vlm_recipes bench --model demo:qwen2-vl-2b-shaped --precision bf16 \
-    --scenarios first-epoch --stages "${STAGES:-llm-lora}" --without-overhead-check --repeats "${REPEATS:-1}" \
-    --rows 64 --threads 8 --out "$OUT/gpu-bench-2b.json" 2>&1 | tee "$OUT/gpu-bench.log" | grep -v "it/s\]" | tail -30
-echo "bench done at $(( $(date +%s) - T0 )) s"
+part carry "${CARRY_S:-45}" carry || { cat "$OUT/summary.md"; exit 1; }
+part versions "${VERSIONS_S:-45}" versions
+if [ $REHEARSE = 1 ]; then
+    WORKERS=2 part gpu-tests "${TESTS_S:-300}" gpu_tests
+    part rehearsal-r1 "${R1_S:-600}" rehearsal_r1
+else
+    part gpu-tests "${TESTS_S:-200}" gpu_tests
+    part bench "${BENCH_S:-240}" bench
+fi
+echo "== done at $(($(date +%s) - T0)) s: $OUT/summary.md"
+cat "$OUT/summary.md"
+python3 -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['all_ok'] else 1)" "$OUT/gpu-check.json"

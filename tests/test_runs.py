@@ -155,6 +155,22 @@ def test_a_run_that_stops_early_says_so(tmp_path, monkeypatch, capsys, error, co
     )
 
 
+def test_a_run_whose_stage_fails_at_an_import_says_it_failed(tmp_path, monkeypatch):
+    """A package missing at import (seen: qwen-vl-utils without `requests` on the GPU machine's image) fails
+    the stage's imports, and with them the imports the failure's handler makes to tell a full disk: the
+    run still records that it failed, and why."""
+    import vlm_recipes.stages.run as stage_run
+
+    monkeypatch.setattr(stage_run, "run_stage", failing_stage(ModuleNotFoundError("No module named 'requests'")))
+    monkeypatch.delitem(sys.modules, "vlm_recipes.stages.disk_full", raising=False)
+    monkeypatch.setitem(sys.modules, "vlm_recipes.stages.disk_full", None)  # its import now fails too
+    with pytest.raises(ModuleNotFoundError, match="requests"):
+        main([*QUICK, "--output-dir", str(tmp_path), "--run-name", "x"])
+    manifest = read_json(tmp_path / "r2-vision-only" / "x" / "run.json")
+    assert manifest["status"] == "failed", manifest["status"]
+    assert manifest["error"] == "ModuleNotFoundError: No module named 'requests'"
+
+
 def fake_run(output_dir: Path, recipe: str, name: str, status: str, **extra) -> Path:
     """A run directory as a run leaves it, with one stage's metrics."""
     run_dir = output_dir / recipe / name

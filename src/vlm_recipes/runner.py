@@ -115,10 +115,13 @@ def train_stages(
     except BaseException as exc:
         if state.is_main_process:
             from vlm_recipes.errors import StageInterrupted
-            from vlm_recipes.stages.disk_full import disk_full, is_disk_full
 
             interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
-            if not interrupted and is_disk_full(exc, run_dir):
+            try:
+                from vlm_recipes.stages.disk_full import disk_full, is_disk_full
+            except ImportError:  # what failed may be an import these need too (a package missing at
+                is_disk_full = None  # import): the run must still say it failed
+            if not interrupted and is_disk_full and is_disk_full(exc, run_dir):
                 full = disk_full(exc, run_dir, recipe, dirs)  # half-written removed: room for the record
                 mark_run_ended(run_dir, "failed", full)
                 raise full from None

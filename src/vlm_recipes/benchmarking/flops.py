@@ -40,7 +40,21 @@ FORMULA = (
     "cache, and less c_llm*N_skipped per unlabelled position with training.loss_positions_only (N_skipped: "
     "the last layer's output projection and MLP and the LM head)"
 )
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
+# Published dense bf16 peaks by the exact name torch.cuda.get_device_name() reports: one chip's variants
+# differ (an H100 PCIe has 756 to the SXM's 989), so a substring would hand a PCIe card the SXM's peak
+PEAK_BF16_TFLOPS = {
+    "NVIDIA H200": 989.0,
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA L40S": 362.0,
+    "NVIDIA A10G": 125.0,
+}
 
 
 def flop_coefficients(modes: dict[str, str]) -> dict[str, int]:
@@ -210,24 +224,32 @@ def active_expert_share(model: nn.Module) -> float:
 
 
 def measured_matmul_peak_tflops(
-    dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 1.0
+    dtype: torch.dtype, threads: int, size: int = 2048, seconds: float = 1.0, device: str = "cpu"
 ) -> float:
-    """This CPU's matmul peak in `dtype` on `threads` threads, as training would get it: the best of several
-    timed size x size products after a warm-up (MFU's denominator where no published peak applies: a CPU's
-    depends on its vector units, AMX or AVX512-BF16 or neither, and on the threads)."""
+    """The device's matmul peak in `dtype`, as training would get it: the best of several timed size x size
+    products after a warm-up. MFU's denominator: a CPU's depends on its vector units (AMX, AVX512-BF16 or
+    neither) and on `threads`; a GPU's on its clocks and power limit as they are now, which a published
+    peak does not know. On a GPU each timing covers 10 products between synchronisations."""
     import time
 
+    on_gpu = device == "cuda"
+    group = 10 if on_gpu else 1
+    synchronize = torch.cuda.synchronize if on_gpu else (lambda: None)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        for _ in range(2):
+        a = torch.randn(size, size, dtype=dtype, device=device)
+        b = torch.randn(size, size, dtype=dtype, device=device)
+        for _ in range(2 * group):
             a @ b
+        synchronize()
         best, deadline = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             started = time.perf_counter()
-            a @ b
-            best = max(best, 2 * size**3 / (time.perf_counter() - started))
+            for _ in range(group):
+                a @ b
+            synchronize()
+            best = max(best, group * 2 * size**3 / (time.perf_counter() - started))
         return best / 1e12
     finally:
         torch.set_num_threads(before)
@@ -237,5 +259,4 @@ def peak_tflops(device: str) -> float | None:
     """Dense bf16 peak of the current GPU by name (None on CPU or an unknown GPU: pass it yourself)."""
     if device != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return PEAK_BF16_TFLOPS.get(torch.cuda.get_device_name())

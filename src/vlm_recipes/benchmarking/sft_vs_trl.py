@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
                     caches = Path(tmp) / f"{stage}-{repeat}-{run_of}-{WAYS.index(way)}"
                     result = run_one(stage, scenario, way, setup, caches)
                     runs[stage][scenario][way].append(result)
+                    # what has run so far, for a run cut short (a GPU lease's time limit): the full report
+                    # replaces it at the end
+                    args.out.write_text(json.dumps({"about": about, "partial": True, "runs": runs}, indent=2))
                     gpu = result.get("peak_gpu_allocated_gb")
                     print(
                         f"  {stage} {scenario} {way}, run {repeat + 1}: {result['wall_s']:.0f} s, "

@@ -78,6 +78,11 @@ class ConfigInputs:
             activation_checkpointing=t.gradient_checkpointing,
             activation_checkpointing_kwargs={"use_reentrant": False} if t.gradient_checkpointing else None,
             dataloader_num_workers=t.dataloader_workers,
+            # A batch goes to the GPU from pinned memory without waiting: a blocking copy synchronises the
+            # host with the device at every step, each tensor of the batch (torch.cuda.set_sync_debug_mode
+            # names it). Nothing to copy on a CPU.
+            dataloader_pin_memory=env.device == "cuda",
+            accelerator_config={"non_blocking": env.device == "cuda"},
             remove_unused_columns=False,
             # Lengths come from data.check_lengths (text + image tokens): the sampler cannot infer them for
             # images.
