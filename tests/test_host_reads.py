@@ -5,25 +5,32 @@ kernel queued so far before the next is launched: on an H100, a read every step 
 each step's end. The NaN/inf guard did exactly that (`if torch.isfinite(total_norm):` every step); it now keeps
 its answer on the device and reads it at logging, evaluation and checkpoint steps, which Trainer syncs anyway.
 
+TRL's SFTTrainer read its logged metrics every step (`if num_valid > 0`, `.item()` of the entropy, the token
+accuracy and the token count): RecipeTrainer keeps them on the device and reads them once, when they are
+logged (methods/sft.py).
+
 Counted on the CPU by patching the tensor's reading methods during a real stage (tiny Qwen2-VL, r2's stage, 8
-steps, a log every 4th): a read counts when the code asking for it is ours (vlm_recipes) or a callback's."""
+steps, a log every 4th): a read counts when the code asking for it is ours (vlm_recipes), a callback's or
+TRL's (its trainers' metrics)."""
 
 from __future__ import annotations
 
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
+from trl import SFTTrainer
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.files import read_json
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
 PACKAGE = str(Path(__import__("vlm_recipes").__file__).parent)
+TRL = str(Path(__import__("trl").__file__).parent)
 STEPS, LOGGING_STEPS = 8, 4
 
 
@@ -44,23 +51,34 @@ def training_step_of_the_asker(frame) -> int | None:
     return None
 
 
-def is_ours(frame) -> bool:
-    return frame.f_code.co_filename.startswith(PACKAGE) or isinstance(
+def is_counted(frame) -> bool:
+    """Code whose reads count: ours, a callback's, or TRL's (its trainer's compute_loss and log)."""
+    return frame.f_code.co_filename.startswith((PACKAGE, TRL)) or isinstance(
         frame.f_locals.get("self"), TrainerCallback
     )
 
 
+class Reads(Counter):
+    """Host reads by training step (1-based), and where each step's were asked for (`where[step]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: dict[int, Counter] = defaultdict(Counter)
+
+
 @pytest.fixture()
 def host_reads(monkeypatch):
-    """Counter of host reads our code or a callback asks for, by training step (1-based)."""
-    reads: Counter = Counter()
+    """Reads that our code, a callback or TRL asks for, by training step."""
+    reads = Reads()
     for name in READS:
         original = getattr(torch.Tensor, name)
 
-        def counted(self, *args, _original=original, **kwargs):
+        def counted(self, *args, _original=original, _name=name, **kwargs):
             asker = sys._getframe(1)
-            if is_ours(asker) and (step := training_step_of_the_asker(asker)) is not None:
+            if is_counted(asker) and (step := training_step_of_the_asker(asker)) is not None:
                 reads[step] += 1
+                code = asker.f_code
+                reads.where[step][f"{Path(code.co_filename).name}:{asker.f_lineno} {_name}"] += 1
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
@@ -80,12 +98,14 @@ def train_r2(tmp_path: Path, *settings: str) -> int:
     )
 
 
-def test_our_callbacks_read_the_device_only_at_logging_steps(tmp_path, host_reads):
+def test_our_code_callbacks_and_trl_read_the_device_only_at_logging_steps(tmp_path, host_reads):
+    """Between logging steps nothing; at one, the NaN/inf guard's record and the logged metrics, once each."""
     assert train_r2(tmp_path) == 0
     logging_steps = {1, *range(LOGGING_STEPS, STEPS + 1, LOGGING_STEPS)}  # the first step logs too
-    between = {step: n for step, n in host_reads.items() if step not in logging_steps}
+    between = {step: dict(host_reads.where[step]) for step in host_reads if step not in logging_steps}
     assert not between, f"host reads between logging steps, by step: {between}"
-    assert all(host_reads[step] <= 1 for step in logging_steps), dict(host_reads)
+    at_logging = {step: dict(host_reads.where[step]) for step in logging_steps}
+    assert all(host_reads[step] <= 2 for step in logging_steps), at_logging
 
 
 class ReadsEveryStep(TrainerCallback):
@@ -97,9 +117,11 @@ class ReadsEveryStep(TrainerCallback):
             return
 
 
-def test_the_count_sees_a_callback_that_reads_every_step(tmp_path, host_reads, monkeypatch):
-    """The count above can fail: a callback reading every step is seen at every step."""
+def test_the_count_sees_a_callback_and_trl_reading_every_step(tmp_path, host_reads, monkeypatch):
+    """The count above can fail: a callback reading every step is seen at every step, and so is TRL's own
+    compute_loss (what RecipeTrainer ran before it kept the metrics on the device)."""
     import vlm_recipes.stages.run as stage_run
+    from vlm_recipes.methods.sft import RecipeTrainer
 
     stage_callbacks = stage_run.stage_callbacks
 
@@ -108,8 +130,11 @@ def test_the_count_sees_a_callback_that_reads_every_step(tmp_path, host_reads, m
         return {**callbacks, "reads_every_step": ReadsEveryStep()}, decision
 
     monkeypatch.setattr(stage_run, "stage_callbacks", with_a_reader)
+    monkeypatch.setattr(RecipeTrainer, "compute_loss", SFTTrainer.compute_loss)
     assert train_r2(tmp_path) == 0
-    assert sorted(step for step, n in host_reads.items() if n) == list(range(1, STEPS + 1))
+    for asker in (Path(__file__).name, "sft_trainer.py"):  # the callback's file, TRL's
+        steps = [step for step, where in host_reads.where.items() if any(w.startswith(asker) for w in where)]
+        assert sorted(steps) == list(range(1, STEPS + 1)), (asker, dict(host_reads.where))
 
 
 class PoisonedGradientAt(TrainerCallback):

@@ -161,7 +161,9 @@ def test_a_run_whose_stage_fails_at_an_import_says_it_failed(tmp_path, monkeypat
     run still records that it failed, and why."""
     import vlm_recipes.stages.run as stage_run
 
-    monkeypatch.setattr(stage_run, "run_stage", failing_stage(ModuleNotFoundError("No module named 'requests'")))
+    monkeypatch.setattr(
+        stage_run, "run_stage", failing_stage(ModuleNotFoundError("No module named 'requests'"))
+    )
     monkeypatch.delitem(sys.modules, "vlm_recipes.stages.disk_full", raising=False)
     monkeypatch.setitem(sys.modules, "vlm_recipes.stages.disk_full", None)  # its import now fails too
     with pytest.raises(ModuleNotFoundError, match="requests"):
