@@ -2,7 +2,7 @@
 hide it: tests/conftest.py), each printing one JSON line last.
 
     python tests/gpu_checks.py dtype-boundaries FAMILY [--device cpu]   # --device cpu: the same check, here
-    python tests/gpu_checks.py host-syncs OUTPUT_DIR GPU_ID
+    python tests/gpu_checks.py host-syncs OUTPUT_DIR GPU_ID   # GPU_ID cpu: the same run, no debug mode
 
 - dtype-boundaries: every split of the roles between trained (fp32 masters), frozen (bf16) and LoRA, built
   and guarded as a stage builds them, meets in a forward under CUDA's autocast, a backward, a forward
@@ -27,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 STEPS, LOGGING_STEPS = 8, 4
-# who asked, by the innermost frame outside torch: the first package here its file is under
+# who asked, by the innermost frame outside torch: the first package here its file is under. transformers'
+# code other than its Trainer (modeling, masking, attention integrations) runs inside the model's forward
 ASKERS = (
     ("vlm_recipes", "ours"),
     ("/trl/", "TRL"),
-    ("/transformers/models/", "the model's forward (transformers)"),
-    ("/transformers/", "Trainer (transformers)"),
+    ("/transformers/trainer", "Trainer (transformers)"),
+    ("/transformers/", "the model's forward (transformers)"),
     ("/accelerate/", "accelerate"),
     ("/peft/", "PEFT"),
     ("/bitsandbytes/", "bitsandbytes"),
@@ -145,12 +146,16 @@ def host_syncs(output_dir: str, gpu: str) -> dict:
                 f"{who}: {Path(asker.f_code.co_filename).name}:{asker.f_lineno} {asker.f_code.co_name}"
             ] += 1
 
+    on_gpu = gpu != "cpu"  # `cpu`: the same run without the debug mode, to try this script on a CPU
+
     class SyncDebugMode(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            torch.cuda.set_sync_debug_mode("warn")
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("warn")
 
         def on_train_end(self, args, state, control, **kwargs):
-            torch.cuda.set_sync_debug_mode(0)
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode(0)
 
     stage_callbacks = stage_run.stage_callbacks
 
@@ -164,7 +169,8 @@ def host_syncs(output_dir: str, gpu: str) -> dict:
     warnings.simplefilter("always")
     code = main(
         [
-            *("--recipe", "r1-llm-only", "--output-dir", output_dir, "--run-name", "syncs", "--gpu", gpu),
+            *("--recipe", "r1-llm-only", "--output-dir", output_dir, "--run-name", "syncs"),
+            *(("--gpu", gpu) if on_gpu else ()),
             *("--max-steps", str(STEPS), f"training.logging_steps={LOGGING_STEPS}", "training.save_steps=0"),
             *("evaluation.generate=false", "data.max_eval_samples=4", "data.max_train_samples=32"),
             "training.per_device_batch_size=2",
