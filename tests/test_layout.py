@@ -35,7 +35,7 @@ FLOORS = [
     ["demo"],
     ["families"],
     ["machine"],
-    ["errors", "decisions", "roles", "ranks", "versions", "files", "shipped", "logs", "scoring"],
+    ["errors", "decisions", "roles", "ranks", "versions", "files", "full_disk", "shipped", "logs", "scoring"],
 ]
 
 

@@ -29,6 +29,7 @@ PATCH_EVERY_FAMILY = textwrap.dedent(
     import json, logging
     from collections import Counter
     from torch import nn
+    from vlm_recipes.benchmarking import liger_table
     from vlm_recipes.speedups import liger
 
     logging.disable(logging.WARNING)
@@ -55,7 +56,7 @@ PATCH_EVERY_FAMILY = textwrap.dedent(
 
     rows = []
     families = {}
-    for name, model, patch in liger.patched_demo_models():
+    for name, model, patch in liger_table.patched_demo_models():
         rows.append((name, model, patch))
         own, unpatched = Counter(), []
         for module_name, module in model.get_decoder().named_modules():
@@ -72,7 +73,7 @@ PATCH_EVERY_FAMILY = textwrap.dedent(
             "reported": patch.language_model if patched else {},
             "counts": patch.counts() if patched else None,
         }
-    print(json.dumps({"families": families, "markdown": liger.markdown(rows)}))
+    print(json.dumps({"families": families, "markdown": liger_table.markdown(rows)}))
     """
 )
 
@@ -111,7 +112,7 @@ def test_every_norm_and_mlp_of_every_familys_decoder_runs_a_liger_kernel(every_f
 
 
 def test_the_docs_table_is_what_the_code_prints(every_family):
-    """docs/performance.md's "Liger's kernels by family" is `python -m vlm_recipes.speedups.liger`'s output."""
+    """docs/performance.md's "Liger's kernels by family" is `python -m vlm_recipes.benchmarking.liger_table`'s output."""
     lines = (
         (REPO / "docs" / "performance.md").read_text().split("Liger's kernels by family", 1)[1].splitlines()
     )
@@ -119,6 +120,6 @@ def test_the_docs_table_is_what_the_code_prints(every_family):
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     printed = every_family["markdown"]
     assert "".join(f"{line}\n" for line in lines[start:end]) == printed, (
-        "docs/performance.md's table differs from the code's; paste `python -m vlm_recipes.speedups.liger`:\n"
+        "docs/performance.md's table differs from the code's; paste `python -m vlm_recipes.benchmarking.liger_table`:\n"
         + printed
     )

@@ -1,10 +1,11 @@
 """Run directories: one writer each (a lock the kernel drops when its holder dies), run.json saying how a run
-ended, and comparison taking finished runs only."""
+ended, outputs written durably and DONE's record of them, and comparison taking finished runs only."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from vlm_recipes.cli.compare import main as compare_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.comparison.run_summary import find_runs
 from vlm_recipes.errors import RunBusyError
-from vlm_recipes.files import read_json
+from vlm_recipes.files import FILE_DIGEST, publish_dir, read_json, write_json
+from vlm_recipes.runs import layout
+from vlm_recipes.runs.layout import finished_stage_problem, mark_done
 from vlm_recipes.runs.lock import LOCK_HELD_ENV, lock_run_dir, release_run_lock
 from vlm_recipes.runs.manifest import run_state
 
@@ -112,6 +115,86 @@ def test_the_lock_is_reentrant_refuses_others_and_is_shared_with_launched_childr
     monkeypatch.setenv(LOCK_HELD_ENV, str(run_dir.resolve()))  # a child of the launcher holding it
     lock_run_dir(run_dir)
     os.close(other)
+
+
+def test_a_directory_is_published_whole_each_file_fsynced_once_before_the_rename(tmp_path, monkeypatch):
+    target, partial = tmp_path / "final", tmp_path / "final.partial"
+    target.mkdir()
+    (target / "old.bin").write_bytes(b"old")
+    (partial / "sub").mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"new")
+    (partial / "sub" / "b.json").write_text("{}")
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    publish_dir(partial, target)
+    files = [p for p in synced if p.name in ("model.safetensors", "b.json")]
+    assert sorted(files) == [partial / "model.safetensors", partial / "sub" / "b.json"], "one pass, each once"
+    assert synced.index(partial) > synced.index(partial / "sub"), "directories after what they hold"
+    assert synced[-1] == tmp_path, "the rename is made durable: the parent fsynced after it"
+    assert sorted(p.name for p in target.rglob("*")) == ["b.json", "model.safetensors", "sub"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"], "the old one moved aside and removed"
+
+
+def finished_stage(stage: Path) -> Path:
+    """A stage directory as a finished LoRA stage leaves it (small files), DONE written."""
+    for name, data in {
+        "final/config.json": b"{}",
+        "final/model.safetensors": bytes(range(256)) * 64,
+        "final/processor_config.json": b"{}",
+        "adapter/adapter_model.safetensors": b"lora" * 100,
+        "metrics.json": b"{}",
+        "report.json": b"{}",
+        "checkpoints/checkpoint-2/optimizer.pt": b"not recorded",
+    }.items():
+        (stage / name).parent.mkdir(parents=True, exist_ok=True)
+        (stage / name).write_bytes(data)
+    mark_done(stage)
+    return stage
+
+
+def test_done_records_each_output_file_and_a_changed_byte_of_the_same_size_is_caught(tmp_path):
+    stage = finished_stage(tmp_path / "stage-1-x")
+    record = read_json(stage / "DONE")
+    assert record["digest"] == FILE_DIGEST
+    assert [(f["path"], f["size"]) for f in record["files"]] == [
+        ("final/config.json", 2),
+        ("final/model.safetensors", 16384),
+        ("final/processor_config.json", 2),
+        ("adapter/adapter_model.safetensors", 400),
+        ("report.json", 2),
+        ("metrics.json", 2),
+    ]
+    assert finished_stage_problem(stage) is None
+
+    weights = stage / "final" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:5000] + bytes([data[5000] ^ 1]) + data[5001:])  # one bit, same size
+    assert finished_stage_problem(stage).startswith(f"final/model.safetensors changed: {FILE_DIGEST} ")
+    weights.write_bytes(data[: len(data) // 2])  # cut short, as an unsynced write after a power cut
+    assert finished_stage_problem(stage) == "final/model.safetensors is 8192 bytes, DONE recorded 16384"
+    weights.write_bytes(data)
+    assert finished_stage_problem(stage) is None
+    (stage / "adapter" / "adapter_model.safetensors").unlink()
+    assert finished_stage_problem(stage) == "adapter/adapter_model.safetensors is missing"
+    (stage / "final" / "config.json").unlink()
+    assert finished_stage_problem(stage) == "final/ has no config.json"
+    (stage / "DONE").write_text('{"finished_at": "2026-')  # DONE itself cut short
+    assert finished_stage_problem(stage).startswith("DONE cannot be read")
+
+
+def test_a_done_written_before_the_record_still_counts_and_says_so_once(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(layout, "_told_unrecorded", [])
+    old = [finished_stage(tmp_path / f"stage-{i}-x") for i in (1, 2)]
+    for stage in old:
+        write_json(stage / "DONE", {"finished_at": "2026-01-01T00:00:00"})
+    with caplog.at_level(logging.INFO, logger="vlm_recipes.runs.layout"):
+        assert [finished_stage_problem(stage) for stage in old] == [None, None]
+    assert caplog.text.count("written before DONE recorded its files") == 1
 
 
 def failing_stage(error: BaseException):

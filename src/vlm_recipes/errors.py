@@ -3,7 +3,8 @@
 - BadInput (exit 2): the recipe, the data, the model or the command line cannot be used as given. The
   message names the file, key or row and the fix; the CLI prints it without a traceback.
 - StageStopped: a stage stopped before its end. StageInterrupted (130: Ctrl-C or SIGTERM, a checkpoint
-  saved) or TrainingDiverged (3: NaN/inf with nan_policy: stop).
+  saved), TrainingDiverged (3: NaN/inf with on_nan: stop), DiskFull (4) or OutOfMemory (5: the host's
+  MemoryError or the GPU's torch.OutOfMemoryError). The CLI prints the message and the --resume command.
 
 The CLI catches these two bases. A launched process group (torchrun, accelerate) records the failing
 child's error and exit code in run.json; the launcher returns that code (`exit_code_of`).
@@ -79,9 +80,16 @@ class DiskFull(StageStopped, OSError):
 
 
 class TrainingDiverged(StageStopped, RuntimeError):
-    """Loss or gradients became NaN/inf and the stage stopped (nan_policy: stop)."""
+    """Loss or gradients became NaN/inf and the stage stopped (on_nan: stop)."""
 
     exit_code = 3
+
+
+class OutOfMemory(StageStopped, MemoryError):
+    """The host's or the GPU's memory ran out in a stage: the message names the stage, the peak memory
+    seen and the recipe keys that lower it; what was half-written is removed, finished stages are kept."""
+
+    exit_code = 5
 
 
 def exit_code_of(error: BaseException) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from accelerate import PartialState
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.demo.models import resolve_model_source
-from vlm_recipes.files import read_json, write_json
+from vlm_recipes.files import discard_dir, read_json, write_json
 from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
 from vlm_recipes.machine import detect_environment
 from vlm_recipes.plan import ParallelPlan, plan_parallel
@@ -27,10 +26,11 @@ from vlm_recipes.ranks import broadcast_from_main, launched, process_state
 from vlm_recipes.recipes.learning_rates import stage_learning_rates
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import (
+    DONE_MARKER,
     FINAL_DIR,
     RunOptions,
     describe_source,
-    is_done,
+    finished_stage_problem,
     resolve_source,
     run_dir_for,
     stage_dirs,
@@ -118,9 +118,16 @@ def train_stages(
 
             interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
             try:
-                from vlm_recipes.stages.disk_full import disk_full, is_disk_full
+                from vlm_recipes.full_disk import is_disk_full
+                from vlm_recipes.stages.disk_full import disk_full
+                from vlm_recipes.stages.out_of_memory import memory_error_in, out_of_memory
             except ImportError:  # what failed may be an import these need too (a package missing at
-                is_disk_full = None  # import): the run must still say it failed
+                is_disk_full = memory_error_in = None  # import): the run must still say it failed
+            # memory first: out of memory is never a full disk (full_disk.py), but its message must win
+            if not interrupted and memory_error_in and memory_error_in(exc):
+                oom = out_of_memory(exc, run_dir, recipe, dirs, env)  # half-written removed, one message
+                mark_run_ended(run_dir, "failed", oom)
+                raise oom from None
             if not interrupted and is_disk_full and is_disk_full(exc, run_dir):
                 full = disk_full(exc, run_dir, recipe, dirs)  # half-written removed: room for the record
                 mark_run_ended(run_dir, "failed", full)
@@ -229,15 +236,26 @@ def launched_plan(state: PartialState) -> tuple[ParallelPlan, Decision]:
 def _stage_start(
     index: int, stage: Stage, stage_dir: Path, retrained: bool, prepare_resume
 ) -> tuple[bool, str | None]:
-    """(already done?, checkpoint to resume from), after clearing what cannot be resumed."""
-    if not retrained and is_done(stage_dir):
-        log.info("stage %d `%s`: already done (%s), skipped", index, stage.name, stage_dir / "DONE")
-        return True, None
+    """(already done?, checkpoint to resume from), after clearing what cannot be resumed. A finished stage
+    whose files no longer match DONE's record (a power cut, a file changed) trains again from the start,
+    its stale outputs moved out of the way first; the stages after it then do too (`retrained`)."""
+    if not retrained and (stage_dir / DONE_MARKER).is_file():
+        problem = finished_stage_problem(stage_dir)
+        if problem is None:
+            log.info("stage %d `%s`: already done (%s), skipped", index, stage.name, stage_dir / DONE_MARKER)
+            return True, None
+        log.warning(
+            "stage %d `%s`: finished, but %s: training it again from the start, and the stages after it",
+            index,
+            stage.name,
+            problem,
+        )
+        discard_dir(stage_dir)
+        return False, None
     resume_from = prepare_resume(stage_dir) if stage_dir.exists() and not retrained else None
     if resume_from is None:
         if stage_dir.exists():
-            log.info(
-                "stage %d `%s`: unfinished, no complete checkpoint: starting it again", index, stage.name
-            )
-        shutil.rmtree(stage_dir, ignore_errors=True)
+            why = "an earlier stage trained again" if retrained else "unfinished, no complete checkpoint"
+            log.info("stage %d `%s`: %s: starting it again", index, stage.name, why)
+        discard_dir(stage_dir)
     return False, str(resume_from) if resume_from else None

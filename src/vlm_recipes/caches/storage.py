@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from vlm_recipes.files import write_safetensors
+from vlm_recipes.full_disk import full_disk_reason
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,8 @@ class EntryStore:
     """One speed-up cache's reads and writes. A cache is only a copy, so a fault of its disk never costs the
     run: an entry that cannot be read whole and as written (cut short, garbled, its digest wrong) is a miss,
     deleted, counted as damaged and made again; a write the disk refuses (full, read-only) turns this
-    cache's writing off for the stage, with a warning, and the stage trains on reading what is there."""
+    cache's writing off for the stage, with a warning, and the stage trains on reading what is there; any other
+    error of a write propagates."""
 
     def __init__(self, kind: str, budget: CacheBudget | None):
         self.kind = kind
@@ -314,8 +316,11 @@ class EntryStore:
             return
         try:
             write_entry(path, tensors, self.budget)
-        except OSError as error:
-            self.writes_off = f"{path.parent}: {error.strerror or error}"
+        except Exception as error:  # any OSError (read-only, no permission), or a full disk by any writer's
+            full = full_disk_reason(error, path.parent)  # error (safetensors raises its own SafetensorError)
+            if not isinstance(error, OSError) and full is None:
+                raise
+            self.writes_off = f"{path.parent}: {full or error.strerror or error}"
             log.warning(
                 "%s cache: cannot write (%s): the stage goes on without storing entries (what the cache "
                 "holds is still read)",

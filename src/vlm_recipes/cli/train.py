@@ -92,7 +92,7 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print(describe_schema())
         return 0
 
-    from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput, DiskFull, StageInterrupted, StageStopped
+    from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput, StageInterrupted, StageStopped
     from vlm_recipes.recipes.load import available_recipes
 
     if isinstance(args.resume, str):
@@ -159,11 +159,9 @@ def _main(argv: list[str] | None, prog: str) -> int:
             file=sys.stderr,
         )
         return StageInterrupted.exit_code
-    except DiskFull as exc:
-        print(f"\nerror: {exc}. Continue with:\n  {resume_command(args, base_name)}", file=sys.stderr)
-        return exc.exit_code
-    except StageStopped as exc:  # diverged: the message says at which step and why
-        print(f"\nerror: {exc}", file=sys.stderr)
+    except StageStopped as exc:  # diverged, a full disk, out of memory: the message says why and what to do
+        continue_with = f"Continue with:\n  {resume_command(args, base_name)}"
+        print(f"\nerror: {str(exc).rstrip('.')}. {continue_with}", file=sys.stderr)
         return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():
         from vlm_recipes.comparison.report_page import write_comparison

@@ -33,7 +33,7 @@ What differs from Gemma 3 (transformers' models/gemma4):
 - known training behaviour: LoRA fine-tuning of the 31B shows isolated pre-clip gradient-norm spikes
   (10^2 to 10^4 on ordinary-looking steps, transformers#45676, unsloth#5207; the attention runs at scale 1
   over RMS-normed queries and keys, so its softmax is sharp). training.max_grad_norm (1.0 by default)
-  clips every step, and a NaN/inf gradient or loss stops the stage (training.nan_policy: stop; skip_step
+  clips every step, and a NaN/inf gradient or loss stops the stage (training.on_nan: stop; skip_step
   drops the step instead); the issue points to the learning rate with clipping (axolotl#3987 lowers it).
   In fp16 the text MLP's gate and up projections overflow to inf (Unsloth's fp16 NaNs): stages train bf16
   or fp32; only `precision: auto` on a GPU without bf16 picks fp16, and there the NaN loss stops the stage.

@@ -86,7 +86,7 @@ class NonFiniteCallback(TrainerCallback):
         for param in model.parameters():
             param.grad = None  # optimizers skip parameters without a gradient: the weights stay as they were
         self.skipped_steps += 1
-        log.warning("step %d: gradients are NaN/inf, step skipped (nan_policy: skip_step)", step)
+        log.warning("step %d: gradients are NaN/inf, step skipped (on_nan: skip_step)", step)
 
     def on_step_end(self, args, state, control, **kwargs):
         # Trainer's DefaultFlowCallback, which runs first, has just said what follows this step
@@ -302,13 +302,13 @@ def host_memory_release(env: Environment) -> tuple[HostMemoryRelease | None, Dec
 
 
 def stage_callbacks(
-    stage_index: int, nan_policy: str, env: Environment
+    stage_index: int, on_nan: str, env: Environment
 ) -> tuple[dict[str, TrainerCallback], Decision]:
     """A stage's callbacks by name (checkpoints, NaN/inf, Ctrl-C, step timing, and the host-memory release
     where this device has one), with the decision that says why host memory is released or not."""
     callbacks = {
         "checkpoint": CheckpointCallback(stage_index),
-        "nonfinite": NonFiniteCallback(nan_policy),
+        "nonfinite": NonFiniteCallback(on_nan),
         "interrupt": InterruptCallback(),
         "timer": StepTimer(),
     }

@@ -1,6 +1,7 @@
 """A stage's checkpoints: what Trainer writes, plus the trainable tensors under their module names and a
-`COMPLETE` marker written after all of it (CheckpointCallback), so a checkpoint without one was interrupted
-mid-write and is never resumed from; and reading them back on any number of ranks."""
+`COMPLETE` marker written after all of it is fsynced (CheckpointCallback), so a checkpoint without one was
+interrupted mid-write (or by a power cut) and is never resumed from; and reading them back on any number of
+ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import TrainerCallback
 
-from vlm_recipes.files import write_json
+from vlm_recipes.files import fsync_dir, fsync_tree, write_atomically, write_json
 
 COMPLETE_MARKER = "COMPLETE"
 TRAINABLE_FILE = "trainable.safetensors"
@@ -113,4 +114,9 @@ class CheckpointCallback(TrainerCallback):
                 "accumulation": args.gradient_accumulation_steps,
             }
             write_json(checkpoint / GLOBAL_BATCH_FILE, batch)
-            (checkpoint / COMPLETE_MARKER).write_text(f"step {state.global_step}\n")
+            # Trainer wrote the checkpoint in place: all of it on the disk before the marker says so (this
+            # node's files; a shared filesystem has the other nodes' once their ranks closed them)
+            fsync_tree(checkpoint)
+            fsync_dir(checkpoint.parent)
+            marker = f"step {state.global_step}\n"
+            write_atomically(checkpoint / COMPLETE_MARKER, lambda tmp: Path(tmp).write_text(marker))

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.recipes.validate import Problem, RecipeError, did_you_mean
+from vlm_recipes.recipes.schema import RENAMED_KEYS, Stage
+from vlm_recipes.recipes.validate import Problem, RecipeError, did_you_mean, note_renamed
 
 TOP_LEVEL_KEYS = ("model", "description", "trust_remote_code")
 
@@ -65,6 +65,7 @@ def apply_overrides(
             known = [*TOP_LEVEL_KEYS, "stages", *stage_keys]
             problems.append(Problem(where, f"unknown key `{head}`{did_you_mean(head, known)}"))
             continue
+        path = _current_names(Stage, path, where)
         error = _check_path(Stage, path)
         if error:
             problems.append(Problem(where, error))
@@ -77,6 +78,8 @@ def apply_overrides(
                     break
             else:
                 node[path[-1]] = value
+                for old_name in _old_names(Stage, path):  # the override wins over the old name's value
+                    node.pop(old_name, None)
                 origins[f"stages[{index}].{'.'.join(path)}"] = label
     if problems:
         raise RecipeError(problems, "Bad override")
@@ -100,6 +103,31 @@ def _select_stage(stages: list[dict], selector: str, where: str, problems: list[
         )
     )
     return []
+
+
+def _section_of(cls: type, path: list[str]) -> type | None:
+    """The dataclass holding the last key of `path` (a key path below `cls`), or None."""
+    for part in path[:-1]:
+        hint = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(hint):
+            return None
+        cls = hint
+    return cls
+
+
+def _current_names(cls: type, path: list[str], where: str) -> list[str]:
+    """`path` with a renamed last key (schema.RENAMED_KEYS) given its current name, noted once."""
+    renamed = RENAMED_KEYS.get(_section_of(cls, path), {})
+    if path and path[-1] in renamed:
+        note_renamed(where, path[-1], renamed[path[-1]])
+        return [*path[:-1], renamed[path[-1]]]
+    return path
+
+
+def _old_names(cls: type, path: list[str]) -> list[str]:
+    """The old names of the last key of `path`, which an override of it replaces."""
+    renamed = RENAMED_KEYS.get(_section_of(cls, path), {})
+    return [old for old, new in renamed.items() if new == path[-1]]
 
 
 def _check_path(cls: type, path: list[str]) -> str | None:

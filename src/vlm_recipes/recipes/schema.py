@@ -193,9 +193,10 @@ class TrainingSettings:
         2,
         range=Range(2, why="one checkpoint stays complete while the next is written"),
     )
-    nan_policy: Literal["stop", "skip_step"] = doc(
-        "NaN/inf loss or gradients: stop the stage (within logging_steps; nothing after the bad step is "
-        "saved), or skip that step (its gradients dropped; costs one host read a step)",
+    on_nan: Literal["stop", "skip_step"] = doc(
+        "NaN/inf loss or gradients: stop the stage (within logging_steps, naming the step; nothing after it "
+        "is saved, the last good checkpoint is kept), or skip that step (its gradients dropped; costs one "
+        "host read a step). Formerly nan_policy, which still works",
         "stop",
     )
     eval_batch_size: int = doc("samples per device when evaluating", 4, range=AT_LEAST_1)
@@ -318,5 +319,8 @@ STAGE_DEFAULT_SECTIONS = (
     "dpo",
     "kto",
 )
+# Keys renamed since recipes were written with them, per section: {section: {old name: new name}}. The old
+# name is still read (a recipe file, an override, an older run's run.json), with a one-line note.
+RENAMED_KEYS: dict[type, dict[str, str]] = {TrainingSettings: {"nan_policy": "on_nan"}}
 # Every key a recipe file may hold at its top level.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import re
 import types
 import typing
@@ -19,8 +20,10 @@ from typing import Any
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, SAMPLING_METHODS, Recipe
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, SAMPLING_METHODS, Recipe
 from vlm_recipes.roles import ROLES
+
+log = logging.getLogger(__name__)
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 DEMO_DATA = (
@@ -144,14 +147,33 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
         return cls()
     hints = typing.get_type_hints(cls)
     bounds = {f.name: f.metadata.get("range") for f in dataclasses.fields(cls)}
+    renamed = RENAMED_KEYS.get(cls, {})
     kwargs = {}
     for key, item in value.items():
         at = key_path(where, str(key))
+        if key in renamed:  # an old name: read as the new one, unless both are given
+            if (new := renamed[key]) in value:
+                problems.append(Problem(at, f"renamed `{new}`, which is set too: keep `{new}` only"))
+                continue
+            note_renamed(where, key, renamed[key])
+            key = renamed[key]
         if key not in hints or key == "source_file":
             problems.append(Problem(at, f"unknown key{did_you_mean(str(key), hints)}"))
             continue
         kwargs[key] = convert(hints[key], item, at, problems, bounds[key])
     return cls(**kwargs)
+
+
+_NOTED: set[tuple[str, str]] = set()
+
+
+def note_renamed(where: str, old: str, new: str) -> None:
+    """A renamed key given by its old name, at `where` (a recipe section or an override): one line per file
+    or override and key."""
+    noted = (where.partition(": ")[0], old)
+    if noted not in _NOTED:
+        _NOTED.add(noted)
+        log.warning("%s: `%s` is deprecated, now `%s` (same values; the old name works)", where, old, new)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def check_stopped_early(
         raise TrainingDiverged(
             f"{ctx.title} stopped at step {nonfinite.diverged_at}: {nonfinite.reason}; "
             f"nothing trained after it is saved, and {last}. Lower training.learning_rate, check the data, "
-            "or set training.nan_policy: skip_step to drop such steps."
+            "or set training.on_nan: skip_step to drop such steps."
         )
     if interrupt.requested:
         raise StageInterrupted(f"{ctx.title} interrupted; {last}")

@@ -1,59 +1,36 @@
 """A disk that fills during a run: told apart from other failures, what it left half-written removed (so
 that the message and the run's record of the failure have room), and one message with the way on.
-
-What the writers raise on a full disk varies: Python's own writes an OSError (ENOSPC, or EDQUOT past a
-quota), torch.save's zip writer a RuntimeError ("unexpected pos ..."), its C++ streams "basic_ios::clear:
-iostream error". The OSError is found anywhere in the error's chain; the others are taken as a full disk
-when the run's filesystem has under NEARLY_FULL_BYTES free at that moment.
+Which errors are a full disk: full_disk.py.
 """
 
 from __future__ import annotations
 
-import errno
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlm_recipes.errors import DiskFull
-from vlm_recipes.methods.checkpoints import complete_checkpoints
-from vlm_recipes.recipes.schema import Recipe
-from vlm_recipes.runs.layout import is_done
+from vlm_recipes.full_disk import chain, free_bytes, full_disk_reason
 
-FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-NEARLY_FULL_BYTES = 16 * 2**20
-
-
-def is_disk_full(error: BaseException, where: Path) -> bool:
-    """Whether `error` is the disk holding `where` filling up."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS:
-            return True
-        cause = cause.__cause__ or cause.__context__
-    if not isinstance(error, RuntimeError | OSError):
-        return False
-    return free_bytes(where) < NEARLY_FULL_BYTES
-
-
-def free_bytes(where: Path) -> int:
-    """Free bytes on the filesystem holding `where` (its nearest existing parent); a very large number
-    where that cannot be read."""
-    for path in (where, *where.parents):
-        try:
-            return shutil.disk_usage(path).free
-        except OSError:
-            continue
-    return 2**63
+if TYPE_CHECKING:
+    from vlm_recipes.recipes.schema import Recipe
 
 
 def remove_half_written(stage_dirs: list[Path]) -> list[Path]:
-    """What a write cut short left in the stages' directories: `final.partial/`, checkpoints without their
-    COMPLETE marker, and atomic writes' temporary files. Removed; the paths, for the log."""
+    """What a write cut short left in the stages' directories: `final.partial/`, `adapter.partial/`,
+    checkpoints without their COMPLETE marker, atomic writes' temporary files, and directories moved aside to
+    be removed (files.DISCARDED). Removed; the paths, for the log."""
+    # imported here: is_disk_full stays light
+    from vlm_recipes.files import DISCARDED
+    from vlm_recipes.methods.checkpoints import complete_checkpoints
+    from vlm_recipes.runs.layout import ADAPTER_DIR, FINAL_DIR
+
     removed = []
     for stage_dir in stage_dirs:
-        partial = [stage_dir / "final.partial", *complete_checkpoints(stage_dir / "checkpoints")[1]]
-        partial += stage_dir.rglob("*.tmp") if stage_dir.is_dir() else []
+        partial = [stage_dir / f"{name}.partial" for name in (FINAL_DIR, ADAPTER_DIR)]
+        partial += complete_checkpoints(stage_dir / "checkpoints")[1]
+        if stage_dir.is_dir():
+            partial += [*stage_dir.rglob("*.tmp"), *stage_dir.glob(f".*{DISCARDED}*")]
         for path in partial:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
@@ -69,10 +46,12 @@ def disk_full(error: BaseException, run_dir: Path, recipe: Recipe, stage_dirs: l
     """The message for a run whose disk filled, once what was half-written is removed: the path, the space
     free now, and what the stage that was writing needs (from the plan's estimate)."""
     from vlm_recipes.plan import estimate_disk_gb
+    from vlm_recipes.runs.layout import is_done
 
+    reason = full_disk_reason(error, run_dir) or type(error).__name__  # before the removal frees space
     removed = remove_half_written(stage_dirs)
-    where = Path(getattr(error, "filename", None) or run_dir)
-    message = f"the disk is full: writing {where} failed ({error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__})"
+    filename = next((c.filename for c in chain(error) if isinstance(c, OSError) and c.filename), None)
+    message = f"the disk is full: writing {Path(filename or run_dir)} failed ({reason})"
     message += f"; {free_bytes(run_dir) / 2**30:.2f} GB free now"
     if removed:
         message += f", after removing {len(removed)} half-written file(s) and checkpoint(s)"

@@ -1,9 +1,9 @@
 """What a finished stage leaves: final/ (a complete model directory, LoRA merged, in the source
-checkpoint's dtype), adapter/, and provenance. final/ is written to final.partial/ and renamed when whole."""
+checkpoint's dtype), adapter/, and provenance. Each is written to <name>.partial/ and published when whole
+(files fsynced, one rename, the stage directory fsynced: files.publish_dir)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText
 from trl import SFTTrainer
 
-from vlm_recipes.files import write_json
+from vlm_recipes.files import publish_dir, write_json
 from vlm_recipes.model.boundaries import install_dtype_boundaries
 from vlm_recipes.model.build import BuiltModel, leave_out_towers
 from vlm_recipes.model.guards import keep_fp32_patterns, matches_any
@@ -42,9 +42,10 @@ def save_stage_outputs(
     ]
     adapter_dir = None
     if built.lora_targets:
-        adapter_dir = ctx.stage_dir / ADAPTER_DIR
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        trained.save_pretrained(str(adapter_dir), state_dict=gathered_state)
+        partial = ctx.stage_dir / (ADAPTER_DIR + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        trained.save_pretrained(str(partial), state_dict=gathered_state)
+        adapter_dir = publish_dir(partial, ctx.stage_dir / ADAPTER_DIR)
     model = model_for_final(
         built, trained, adapter_dir, ctx.stage.quantized, ctx.recipe.trust_remote_code, gathered_state
     )
@@ -54,7 +55,7 @@ def save_stage_outputs(
 def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, provenance: list[dict]) -> Path:
     """Save a complete model directory that `from_pretrained` loads alone.
 
-    Written to final.partial/ and renamed, so final/ exists only when whole."""
+    Written to final.partial/ and published (fsynced, renamed), so final/ exists only when whole."""
     final = stage_dir / FINAL_DIR
     partial = stage_dir / (FINAL_DIR + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -66,9 +67,7 @@ def save_final_model(model: torch.nn.Module, processor, stage_dir: Path, provena
     model.save_pretrained(partial)
     processor.save_pretrained(partial)
     write_json(partial / PROVENANCE_FILE, provenance)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
-    return final
+    return publish_dir(partial, final)
 
 
 def model_for_final(

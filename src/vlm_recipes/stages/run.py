@@ -265,7 +265,7 @@ def make_trainer(
             or not built.family.reads_every_parameter,
         )
     )
-    callbacks, host_memory = stage_callbacks(ctx.index, ctx.stage.training.nan_policy, ctx.env)
+    callbacks, host_memory = stage_callbacks(ctx.index, ctx.stage.training.on_nan, ctx.env)
     decisions: list[Decision] = [host_memory]  # and the trainer's own
     trainer = method.build_trainer(built, ctx.stage, args, data, decisions, list(callbacks.values()))
     return trainer, callbacks, decisions
