@@ -145,11 +145,14 @@ def precision_recall_f1(tp: int, fp: int, fn: int) -> dict[str, float]:
     return {"precision": precision, "recall": recall, "f1": f1}
 
 
-def score_predictions(records: Iterable[dict], tolerance: float = 0.01) -> dict:
+def score_predictions(records: Iterable[dict], tolerance: float = 0.01, metrics: Iterable[str] = ()) -> dict:
     """Aggregate scores over prediction records (`reference`, `output`, optional `task`).
 
-    Exact match for every row; JSON field precision/recall/F1 for rows whose reference is a JSON object.
-    Also broken down per task when rows carry one."""
+    Exact match for every row; JSON field precision/recall/F1 for rows whose reference is a JSON object;
+    the mean of each of `metrics` a record carries a score for (the benchmarks' metrics, scored per row by
+    evaluation/benchmarks.py), over the rows that carry one (`rows_scored`). Also broken down per task when
+    rows carry one."""
+    metrics = tuple(metrics)
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         groups["all"].append(record)
@@ -181,6 +184,11 @@ def score_predictions(records: Iterable[dict], tolerance: float = 0.01) -> dict:
             )
             entry["json_fields"]["parse_rate"] = entry.pop("_parsed") / json_rows
             entry["json_fields"]["rows"] = json_rows
+        for metric in metrics:
+            values = [r[metric] for r in rows if r.get(metric) is not None]
+            if values:
+                entry[metric] = sum(values) / len(values)
+                entry.setdefault("rows_scored", {})[metric] = len(values)
         scores[name] = entry
     return scores
 

@@ -24,12 +24,18 @@ either form gives the same tokens.
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass, replace
 
 from vlm_recipes.errors import DataError
 
 PLACEHOLDER = re.compile(r"<(image|video)>")
 MEDIA = ("image", "video")
+# Columns an eval row may carry for the benchmarks' metrics (evaluation/benchmarks.py), read as the common
+# datasets ship them: several references (`answers`), a multiple-choice question's options (`options` or
+# `choices`, or one column per letter, MMBench's A, B, C, D) and its right one (`answer`), a box
+# (`solution`). They only score the eval: what a row trains on is its messages.
+EVAL_COLUMNS = ("answers", "answer", "options", "choices", "solution", *string.ascii_uppercase)
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,7 @@ def to_trl(row: dict, fmt: FileFormat) -> dict:
     out["images"] = media["image"]
     if media["video"]:
         out["videos"] = media["video"]
-    return out
+    return out | {key: row[key] for key in EVAL_COLUMNS if key in row and key not in out}
 
 
 def _trl_row(row: dict) -> dict:

@@ -31,6 +31,7 @@ from types import MappingProxyType
 import datasets
 from PIL import Image
 
+from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
@@ -51,6 +52,7 @@ class StageData:
     eval_source: str | None
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # split → reason → rows skipped
     lengths: dict[str, list[int]] = field(default_factory=dict)  # split → tokens per row (length check)
+    eval_metrics: list[str] = field(default_factory=list)  # what the eval's answers are scored by
 
 
 def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad row(s)") -> dict[str, int]:
@@ -203,11 +205,13 @@ def load_split(
     row_format: RowFormat | None = None,
     video: VideoRules | None = None,
     path: str | None = None,
+    extra_columns: tuple[str, ...] = (),
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """Load one split (from `path`, where the recipe's `source` was found when the run was planned: a
     demo id's file; else `source` itself), check every row (`messages` rows, or another format such as preference.PREFERENCE
     for method dpo; videos by `video`), and turn image paths into decodable Image features and video paths
-    into paths from the working directory.
+    into paths from the working directory. The row format's columns are kept, `id`, `task` and
+    `extra_columns` beside them (an eval split's formats.EVAL_COLUMNS).
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
     check, columns = row_format or MESSAGES
@@ -247,7 +251,7 @@ def load_split(
         if columns == ALL_COLUMNS
         else [c for c in (*columns, "videos") if c in ds.column_names]
     )
-    extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task")]
+    extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task", *extra_columns)]
     return (ds.remove_columns(extra) if extra else ds), skipped
 
 
@@ -303,6 +307,7 @@ def load_stage_data(
             row_format,
             video,
             paths.get(settings.eval),
+            EVAL_COLUMNS,
         )
         if skipped_eval:
             skipped["eval"] = skipped_eval

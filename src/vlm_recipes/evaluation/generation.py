@@ -1,5 +1,6 @@
-"""Generation-based evaluation: batched greedy answers, exact match, and field-level scores for JSON answers;
-where each eval row's images and videos are (`row_media`), kept beside its answer in predictions.jsonl.
+"""Generation-based evaluation: batched greedy answers, exact match, field-level scores for JSON answers and
+the benchmarks' own metrics (evaluation/benchmarks.py); where each eval row's images and videos are
+(`row_media`), kept beside its answer in predictions.jsonl.
 
 Used after every stage (on the held-out split) and by scripts/predict.py, so both see the same prompts,
 the same decoding and the same scoring.
@@ -7,7 +8,7 @@ the same decoding and the same scoring.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,10 @@ from vlm_recipes.data.collate import attach_videos
 from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
-from vlm_recipes.scoring import THINK_END, exact_match, final_answer, score_predictions, text_of
+from vlm_recipes.evaluation.benchmarks import Box, Targets, answer_scores, choose_eval_metrics, row_targets
+from vlm_recipes.methods.grounding import in_image_pixels, resized_size
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS
+from vlm_recipes.scoring import THINK_END, exact_match, final_answer, first_box, score_predictions, text_of
 
 # ---------------------------------------------------------------------------------------------
 # Generation
@@ -33,6 +37,7 @@ class Prompt:
     task: str | None = None
     text: str = field(default="")  # the user's words, for predictions.jsonl
     videos: list[str] = field(default_factory=list)  # for the video parts, decoded batch by batch
+    targets: Targets | None = None  # what the row carries for the benchmarks' metrics
 
 
 def attach_images(messages: list[dict], images: list) -> list[dict]:
@@ -62,33 +67,56 @@ def attach_images(messages: list[dict], images: list) -> list[dict]:
     return attached
 
 
-def prompts_from_rows(rows: Iterable[dict]) -> list[Prompt]:
-    """Split each conversation before its last assistant turn: the prompt, and the reference answer.
-    A preference row (method: dpo) is scored as its prompt followed by the chosen answer, a prompt row
-    (method: grpo) as its prompt followed by its solution."""
+def conversation_of(row: dict) -> tuple[list[dict], int]:
+    """The row's conversation and the index of its last assistant turn, the answer scored. A preference row
+    (method: dpo) is its prompt followed by the chosen answer, a prompt row (method: grpo) its prompt
+    followed by its solution."""
+    if "messages" in row:
+        messages = row["messages"]
+    elif "chosen" in row:
+        messages = row["prompt"] + row["chosen"]
+    else:
+        solution = [{"type": "text", "text": row.get("solution") or ""}]
+        messages = row["prompt"] + [{"role": "assistant", "content": solution}]
+    return messages, max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+
+def prompts_from_rows(rows: Iterable[dict], source: str = "eval") -> list[Prompt]:
+    """Split each conversation before its last assistant turn: the prompt, and the reference answer; with
+    what the row carries for the benchmarks' metrics (a DataError naming `source` and the row where that
+    cannot be read)."""
     prompts = []
     for index, row in enumerate(rows):
-        if "messages" in row:
-            messages = row["messages"]
-        elif "chosen" in row:
-            messages = row["prompt"] + row["chosen"]
-        else:
-            solution = [{"type": "text", "text": row.get("solution") or ""}]
-            messages = row["prompt"] + [{"role": "assistant", "content": solution}]
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        messages, last = conversation_of(row)
         context = attach_images(messages[:last], row.get("images"))
         user_text = " ".join(text_of(m["content"]) for m in messages[:last] if m["role"] == "user")
+        reference = text_of(messages[last]["content"])
+        row_id = str(row.get("id") or index)
         prompts.append(
             Prompt(
-                id=str(row.get("id") or index),
+                id=row_id,
                 messages=context,
-                reference=text_of(messages[last]["content"]),
+                reference=reference,
                 task=row.get("task"),
                 text=user_text,
                 videos=list(row.get("videos") or []),
+                targets=row_targets(row, reference, f"{source} row {row_id}"),
             )
         )
     return prompts
+
+
+def eval_targets(rows, source: str) -> list[Targets]:
+    """What every eval row carries for the benchmarks' metrics, read without decoding an image (the data
+    check, before the model loads): a DataError naming the row where a value cannot be read."""
+    if hasattr(rows, "column_names"):
+        rows = rows.select_columns([c for c in rows.column_names if c not in ("images", "videos")])
+    targets = []
+    for index, row in enumerate(rows):
+        messages, last = conversation_of(row)
+        where = f"{source} row {row.get('id') or index}"
+        targets.append(row_targets(row, text_of(messages[last]["content"]), where))
+    return targets
 
 
 @torch.no_grad()
@@ -177,9 +205,17 @@ def evaluate_generation(
     desc: str = "generating",
     autocast_dtype: torch.dtype | None = None,
     videos: VideoLoader | None = None,
+    metrics: Sequence[str] | None = None,
+    box_format: str | None = None,
 ) -> tuple[dict, list[dict]]:
-    """Generate for every row and score: returns (scores, prediction records)."""
+    """Generate for every row and score: returns (scores, prediction records). `metrics`: what the answers
+    are scored by besides exact match (benchmarks.choose_eval_metrics; None: what the rows carry), each row's
+    score in its record, their means in the scores. `box_format`: the frame the model writes boxes in
+    (methods/grounding.py), for rows whose reference box is a `solution` in the image's pixels; None: read
+    as written."""
     prompts = prompts_from_rows(rows)
+    if metrics is None:
+        metrics, _ = choose_eval_metrics(None, [p.targets for p in prompts], "the eval rows")
     answers = generate_answers(
         model, processor, prompts, max_new_tokens, batch_size, desc, autocast_dtype, videos
     )
@@ -189,8 +225,32 @@ def evaluate_generation(
         record = {"id": p.id, "task": p.task, "prompt": p.text, "reference": p.reference, "output": answer}
         if answer != generated:
             record["thinking"] = generated.rsplit(THINK_END, 1)[0]
-        records.append(record | {"exact_match": exact_match(answer, p.reference or "")})
-    return score_predictions(records, tolerance), records
+        record["exact_match"] = exact_match(answer, p.reference or "")
+        box = answer_box_in_pixels(answer, p, processor, box_format)
+        records.append(record | answer_scores(answer, p.targets, metrics, box))
+    return score_predictions(records, tolerance, [m for m in metrics if m in BENCHMARK_METRICS]), records
+
+
+def answer_box_in_pixels(answer: str, prompt: Prompt, processor, box_format: str | None) -> Box | None:
+    """The answer's box in pixels of the row's first image, for a row whose reference box is a `solution`
+    (pixels, as the iou reward reads it) and a model writing boxes in another frame; None otherwise (the
+    answer's box is read as written)."""
+    targets = prompt.targets
+    if targets is None or not targets.box_in_pixels or box_format in (None, "same", "pixels"):
+        return None
+    box = first_box(answer)
+    image = next(
+        (p["image"] for m in prompt.messages for p in m["content"] if p.get("type") == "image"), None
+    )
+    if box is None or image is None:
+        return None
+    if not isinstance(image, Image.Image):
+        with Image.open(image) as opened:
+            size = opened.size
+    else:
+        size = image.size
+    resized = resized_size(processor, *size) if box_format == "resized_pixels" else None
+    return in_image_pixels(box, box_format, size, resized)
 
 
 def row_media(rows, spill_dir: Path) -> list[dict[str, list[str]]]:

@@ -1,7 +1,7 @@
 """What a stage measured: loss curves, throughput, peak memory, and the scored answers on the eval split.
 
-The stage (stages/run.py) calls `evaluate_at_start` before training, `measure` after it and `evaluate_stage`
-once its final model is known."""
+The stage (stages/run.py) calls `decide_eval_metrics` when it checks its data, `evaluate_at_start` before
+training, `measure` after it and `evaluate_stage` once its final model is known."""
 
 from __future__ import annotations
 
@@ -15,18 +15,44 @@ import torch
 
 from vlm_recipes.data.rows import StageData, dataset_signature
 from vlm_recipes.data.video import VideoLoader, VideoSampling
-from vlm_recipes.decisions import Environment
-from vlm_recipes.evaluation.generation import evaluate_generation, row_media
+from vlm_recipes.decisions import Decision, Environment
+from vlm_recipes.evaluation.benchmarks import choose_eval_metrics
+from vlm_recipes.evaluation.generation import eval_targets, evaluate_generation, row_media
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS, Stage
 
 log = logging.getLogger(__name__)
 
 
+def decide_eval_metrics(stage: Stage, data: StageData) -> Decision | None:
+    """What the stage's eval answers are scored by (data.eval_metrics, else what the eval rows carry), kept
+    in `data.eval_metrics`; None without an eval split or answers to score (evaluation.generate off). Every
+    eval row's references, options and box are read here, before the model loads: a row whose values
+    cannot be read is a DataError naming it."""
+    if data.eval is None or not stage.evaluation.generate:
+        return None
+    source = data.eval_source or "the eval split"
+    targets = eval_targets(data.eval, source)
+    data.eval_metrics, why = choose_eval_metrics(stage.data.eval_metrics, targets, source)
+    return Decision("eval-metrics", ", ".join(data.eval_metrics), why)
+
+
+def answers_box_format(stage: Stage, built: BuiltModel) -> str | None:
+    """The frame the stage's model writes boxes in, as its iou reward reads them: the reward's box_format,
+    else the family's."""
+    if stage.method in SAMPLING_METHODS:
+        for reward in stage.sampling.rewards:
+            if reward.name == "iou" and reward.box_format:
+                return reward.box_format
+    return built.family.box_format
+
+
 def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stage_dir: Path) -> dict:
-    """Greedy answers for the eval split, scored; predictions saved beside the metrics."""
+    """Greedy answers for the eval split, scored; predictions saved beside the metrics. Returns what
+    metrics.json gains: `eval` (the scores overall and per task) and `eval_<metric>`, the mean of each of
+    the benchmarks' metrics the eval computed."""
     settings = stage.evaluation
     # The same autocast as training: trainable fp32 and frozen half-precision weights meet in one forward.
     autocast = built.compute_dtype if built.compute_dtype != torch.float32 else None
@@ -40,18 +66,27 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
         desc=f"evaluating {stage.name}",
         autocast_dtype=autocast,
         videos=VideoLoader.for_model(built.family, built.processor, VideoSampling.from_settings(stage.data)),
+        metrics=data.eval_metrics or None,
+        box_format=answers_box_format(stage, built),
     )
     media = row_media(data.eval, stage_dir / "eval-images")  # for the report page, beside the answers
     write_jsonl(stage_dir / "predictions.jsonl", [r | m for r, m in zip(records, media, strict=True)])
     overall = scores["all"]
     fields = overall.get("json_fields")
+    means = {f"eval_{m}": overall[m] for m in BENCHMARK_METRICS if m in overall}
+    shown = [
+        f"; {m} {overall[m]:.3f} ({overall['rows_scored'][m]} rows)"
+        for m in BENCHMARK_METRICS
+        if m in overall
+    ]
     log.info(
-        "  eval: exact match %.3f on %d rows%s",
+        "  eval: exact match %.3f on %d rows%s%s",
         overall["exact_match"],
         overall["rows"],
         f"; JSON field F1 {fields['f1']:.3f}" if fields else "",
+        "".join(shown),
     )
-    return scores
+    return {"eval": scores, **means}
 
 
 EVAL_AT_START = "eval-at-start.json"

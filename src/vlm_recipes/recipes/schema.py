@@ -28,6 +28,13 @@ Method = Literal["sft", "dpo", "kto", "grpo", "rloo"]
 SAMPLING_METHODS = ("grpo", "rloo")  # the methods that sample completions and score them with rewards
 PREFERENCE_METHODS = ("dpo", "kto")  # the methods that learn from answers marked better or worse
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
+# What a stage's eval scores its answers by (evaluation/benchmarks.py): the benchmarks' own metrics
+# (evaluation/paper_metrics.py), then the two every eval computes (exact match; JSON field F1 where the
+# references are JSON objects).
+EvalMetric = Literal[
+    "vqa_accuracy", "anls", "relaxed_accuracy", "option_accuracy", "box_acc50", "exact_match", "json_f1"
+]
+BENCHMARK_METRICS = ("vqa_accuracy", "anls", "relaxed_accuracy", "option_accuracy", "box_acc50")
 
 
 @dataclass
@@ -79,6 +86,13 @@ class DataSettings:
         "use only the first N training rows (quick runs)", None, range=AT_LEAST_1
     )
     max_eval_samples: int | None = doc("use only the first N eval rows", None, range=AT_LEAST_1)
+    eval_metrics: list[EvalMetric] | None = doc(
+        "what the eval's answers are scored by besides exact match: vqa_accuracy, anls, relaxed_accuracy, "
+        "option_accuracy, box_acc50 (the benchmarks' own metrics, read from the eval rows' `answers`, "
+        "`options` / `choices` / A-D columns, boxes), exact_match, json_f1 (always computed); null: what the "
+        "eval rows carry (several `answers`: vqa_accuracy; options: option_accuracy; boxes: box_acc50)",
+        None,
+    )
     min_pixels: int | None = doc(
         "image processor lower bound on pixels per image; null: the model's own", None, range=AT_LEAST_1
     )

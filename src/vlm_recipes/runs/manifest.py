@@ -14,7 +14,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import exit_code_of
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.recipes.load import recipe_to_dict
-from vlm_recipes.recipes.schema import SAMPLING_METHODS, Recipe, Stage
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS, Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
 from vlm_recipes.versions import library_versions
@@ -125,6 +125,17 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
     return manifest
 
 
+# The benchmarks' metrics as metrics.json and run.json name them, and as the end-of-run table heads them.
+BENCHMARK_KEYS = tuple(f"eval_{m}" for m in BENCHMARK_METRICS)
+BENCHMARK_HEADS = {
+    "eval_vqa_accuracy": "VQA acc",
+    "eval_anls": "ANLS",
+    "eval_relaxed_accuracy": "relaxed acc",
+    "eval_option_accuracy": "option acc",
+    "eval_box_acc50": "box Acc@0.5",
+}
+
+
 def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:
     return {
         "index": index,
@@ -142,17 +153,22 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         # the same, measured before the stage's first step (evaluation/metrics.evaluate_at_start)
         "eval_reward_accuracy_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward_accuracy"),
         "eval_reward_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward"),
+        # the benchmarks' metrics the stage's eval computed (data.eval_metrics), each the mean over its rows
+        **{key: metrics[key] for key in BENCHMARK_KEYS if metrics.get(key) is not None},
     }
 
 
 def format_summary(run_dir: Path) -> str:
     """The table printed at the end of a run (with DPO's eval reward accuracy and GRPO's eval reward when a
-    stage has one, each as start → end where the stage measured its start)."""
+    stage has one, each as start → end where the stage measured its start; a column per benchmark metric
+    some stage's eval computed)."""
     manifest = read_json(run_dir / "run.json")
     stages = manifest["stages"]
     accuracies = any(s.get("eval_reward_accuracy") is not None for s in stages)
     rewards = any(s.get("eval_reward") is not None for s in stages)
+    benchmarks = [key for key in BENCHMARK_KEYS if any(s.get(key) is not None for s in stages)]
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
+    header += "".join(f" {BENCHMARK_HEADS[key]:>11}" for key in benchmarks)
     header += f" {'reward acc':>15}" * accuracies + f" {'reward':>15}" * rewards + f" {'time':>7}"
     lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
     for s in stages:
@@ -161,6 +177,7 @@ def format_summary(run_dir: Path) -> str:
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(train_loss):>10} "
             f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
         )
+        line += "".join(f" {_num(s.get(key), 3):>11}" for key in benchmarks)
         line += f" {_start_to_end(s, 'eval_reward_accuracy'):>15}" * accuracies
         line += f" {_start_to_end(s, 'eval_reward'):>15}" * rewards
         lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")

@@ -21,7 +21,13 @@ from vlm_recipes.data.rows import (
     video_rules,
 )
 from vlm_recipes.decisions import Decision, Environment
-from vlm_recipes.evaluation.metrics import evaluate_at_start, evaluate_stage, measure, reset_peak_memory
+from vlm_recipes.evaluation.metrics import (
+    decide_eval_metrics,
+    evaluate_at_start,
+    evaluate_stage,
+    measure,
+    reset_peak_memory,
+)
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
@@ -75,7 +81,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     method = method_of(ctx.stage)
     precision, decisions = check_machine(ctx, method)  # what this machine can do, before any file is read
     ctx.record(*decisions)
-    data, processor = check_data(ctx, method)  # every data check runs before the model loads
+    data, processor, decision = check_data(ctx, method)  # every data check runs before the model loads
+    ctx.record(decision)
     built, decisions = load_guarded_model(ctx, processor, precision)
     ctx.record(*decisions)
     feature_cache, decisions = speed_up(ctx, built, data)
@@ -122,9 +129,10 @@ def check_machine(ctx: StageContext, method: TrainingMethod) -> tuple[Decision, 
     ]
 
 
-def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, object]:
-    """Rows checked, the model's processor loaded, every sample's length checked: a bad row costs
-    seconds, not a model load."""
+def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, object, Decision | None]:
+    """Rows checked, the model's processor loaded, every sample's length checked, what the eval's answers
+    are scored by decided (from data.eval_metrics or the eval rows): a bad row costs seconds, not a model
+    load."""
     stage = ctx.stage
     log.info("%s: checking data", ctx.title)
     family = ctx.family
@@ -147,7 +155,7 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
             rows = rows.add_column("length", lengths)
         setattr(data, split, rows)
         data.lengths[split] = lengths
-    return data, processor
+    return data, processor, decide_eval_metrics(stage, data)
 
 
 def load_guarded_model(
@@ -303,7 +311,7 @@ def finish(
     sharded = ctx.parallel.mode in ("fsdp", "deepspeed")
     generate = data.eval is not None and ctx.stage.evaluation.generate and ctx.is_main
     if generate and not sharded:
-        metrics["eval"] = evaluate_stage(trainer.model, built, ctx.stage, data, ctx.stage_dir)
+        metrics.update(evaluate_stage(trainer.model, built, ctx.stage, data, ctx.stage_dir))
     gathered = gather_sharded_state(trainer) if sharded else None
     if not ctx.is_main:
         return
@@ -323,7 +331,7 @@ def finish(
         write_json(ctx.stage_dir / "report.json", report)  # a failed audit explains itself there too
     if generate and sharded:
         final_model = load_final_for_eval(ctx.stage_dir / FINAL_DIR, built, ctx)
-        metrics["eval"] = evaluate_stage(final_model, built, ctx.stage, data, ctx.stage_dir)
+        metrics.update(evaluate_stage(final_model, built, ctx.stage, data, ctx.stage_dir))
     metrics["wall_time_s"] = round(time.time() - started, 2)
     write_json(ctx.stage_dir / "metrics.json", metrics)
     mark_done(ctx.stage_dir)
