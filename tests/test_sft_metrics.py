@@ -25,7 +25,7 @@ STEPS, EVAL_STEPS = 6, 2
 TIMINGS = ("runtime", "per_second")  # wall-clock keys of the log: differ from run to run
 
 
-def train_r1(directory: Path, trls_own: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def train_r1(directory: Path, trls_own: bool, precision: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """r1's stage for STEPS steps, at a learning rate that makes the tiny model right about some tokens by
     the 3rd step (a token accuracy of 0 everywhere would compare nothing): the trainer's log history and
     the trained tensors."""
@@ -50,15 +50,16 @@ def train_r1(directory: Path, trls_own: bool) -> tuple[list[dict], dict[str, tor
             *("training.learning_rate=1e-2", "training.per_device_batch_size=2"),
             "training.gradient_accumulation_steps=2",  # each step's metrics: the average of 2 micro-batches'
             *("training.save_steps=0", "evaluation.generate=false", "training.report_to=[none]"),
-            *("data.max_train_samples=32", "data.max_eval_samples=4", "precision=fp32"),
+            *("data.max_train_samples=32", "data.max_eval_samples=4", f"precision={precision}"),
         ]
         assert main(args) == 0
     return captured["history"], captured["trained"]
 
 
-def test_the_logged_metrics_and_the_trained_weights_are_trls_own(tmp_path):
-    deferred, deferred_weights = train_r1(tmp_path / "deferred", trls_own=False)
-    trls, trls_weights = train_r1(tmp_path / "trl", trls_own=True)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_logged_metrics_and_the_trained_weights_are_trls_own(tmp_path, precision):
+    deferred, deferred_weights = train_r1(tmp_path / "deferred", trls_own=False, precision=precision)
+    trls, trls_weights = train_r1(tmp_path / "trl", trls_own=True, precision=precision)
 
     assert [e.keys() for e in deferred] == [e.keys() for e in trls]
     logged = [{k: v for k, v in e.items() if not any(t in k for t in TIMINGS)} for e in trls]
@@ -80,6 +81,10 @@ def test_the_logged_metrics_and_the_trained_weights_are_trls_own(tmp_path):
     assert deferred_weights.keys() == trls_weights.keys() and trls_weights
     differ = [k for k in trls_weights if not torch.equal(deferred_weights[k], trls_weights[k])]
     assert not differ, f"{len(differ)} trained tensors differ from TRL's, e.g. {differ[:1]}"
+    # and training moved them: LoRA's B matrices start at zero
+    moved = max(t.abs().max().item() for k, t in trls_weights.items() if "lora_B" in k)
+    print(f"{precision}: LoRA B moved up to {moved:.2e} from zero; ours and TRL's equal bit for bit")
+    assert moved > 1e-3, moved
 
 
 def a_trainer() -> SimpleNamespace:
