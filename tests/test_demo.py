@@ -70,8 +70,28 @@ def test_cache_dir_env_and_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert files.cache_dir() == Path.home() / ".cache" / "vlm-recipes"
 
 
+def assert_metric_columns(row: dict) -> None:
+    """What a demo row carries for the benchmarks' metrics: ten annotators' `answers`, most (7 or more) the
+    row's answer, the rest its one variant ("round" for "circle"); or, asked to choose, the two `options` its
+    question names in order, one of them its answer; a nutrition label neither (JSON F1 scores it)."""
+    answer, question = _answer(row), row["messages"][0]["content"][-1]["text"]
+    if "answers" in row:
+        assert "options" not in row and len(row["answers"]) == 10
+        variants = Counter(row["answers"])
+        assert variants[answer] >= 7 and set(variants) <= {
+            answer,
+            demo_samples.ANNOTATOR_VARIANTS.get(answer),
+        }
+    elif "options" in row:
+        first, second = row["options"]
+        assert answer in (first, second) and first != second
+        assert question.index(first) < question.rindex(second)
+    else:
+        assert row["task"] == "nutrition"
+
+
 def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
-    assert data_dir == demo_cache / demo_dataset.VERSION / "data"
+    assert data_dir == demo_cache / demo_dataset.VERSION / "data-2"
     info = json.loads((data_dir / "dataset_info.json").read_text())
     assert (data_dir / "README.md").is_file()
     for split, n in (("train", 192), ("eval", 48)):
@@ -88,7 +108,9 @@ def test_dataset_layout(demo_cache: Path, data_dir: Path) -> None:
         assert counts == info["splits"][split]["tasks"] == expected
         images, videos = {"pair": 2, "motion": 0}, {"motion": 1}
         for r in rows:
-            assert set(r) == {"id", "task", "messages", "images", "videos"}
+            columns = {"shapes": {"answers", "options"}, "pair": {"answers"}, "motion": {"answers"}}
+            assert set(r) - {"id", "task", "messages", "images", "videos"} <= columns.get(r["task"], set())
+            assert_metric_columns(r)
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
             parts = [p["type"] for p in r["messages"][0]["content"]]
             assert parts.count("image") == len(r["images"]) == images.get(r["task"], 1)
@@ -109,7 +131,7 @@ def test_the_teaching_eval_set_is_demo_evals_kind_of_rows_three_times_over(demo_
     """demo:teaching-eval, what `demo-learns` scores on: demo:eval's task mix three times over, rows of their
     own (no image of demo:eval's), pair answers alternating; without video, its rows less the clips."""
     path = Path(demo_dataset.resolve_data_source("demo:teaching-eval"))
-    assert path == demo_cache / demo_dataset.VERSION / "teaching-data" / "eval.jsonl"
+    assert path == demo_cache / demo_dataset.VERSION / "teaching-data-2" / "eval.jsonl"
     rows, evals = _rows(path), _rows(data_dir / "eval.jsonl")
     assert len(rows) == 3 * len(evals) == 144
     assert [r["id"] for r in rows] == [f"teaching-{i:05d}" for i in range(144)]
@@ -297,12 +319,12 @@ def test_interrupted_build_is_rebuilt(
     monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path))
     parent = tmp_path / demo_dataset.VERSION
     # A build killed half-way leaves only its temp dir; it must neither count as the dataset nor block.
-    dead = parent / ".data.tmp-killed"
+    dead = parent / ".data-2.tmp-killed"
     dead.mkdir(parents=True)
     (dead / "train.jsonl").write_text('{"id": "train-00000"')
     old = time.time() - 2 * 3600
     os.utime(dead, (old, old))
-    live = parent / ".data.tmp-live"  # possibly a concurrent builder's: too young to sweep
+    live = parent / ".data-2.tmp-live"  # possibly a concurrent builder's: too young to sweep
     live.mkdir()
 
     with caplog.at_level(logging.INFO, logger="vlm_recipes.files"):
@@ -319,7 +341,7 @@ def test_interrupted_build_is_rebuilt(
     (target / "eval.jsonl").unlink()  # cache damaged after the fact
     assert demo_dataset.ensure_demo_dataset() == target
     assert (target / "eval.jsonl").read_bytes() == expected
-    assert sorted(p.name for p in parent.iterdir()) == [".data.tmp-live", "data"]
+    assert sorted(p.name for p in parent.iterdir()) == [".data-2.tmp-live", "data-2"]
 
 
 def test_damaged_model_is_rebuilt(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -337,4 +359,4 @@ def test_concurrent_builders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert len(set(results)) == 1
     assert len(_rows(results[0] / "train.jsonl")) == 192
     # Losers discard their temp dirs; only the published dataset remains.
-    assert [p.name for p in (tmp_path / demo_dataset.VERSION).iterdir()] == ["data"]
+    assert [p.name for p in (tmp_path / demo_dataset.VERSION).iterdir()] == ["data-2"]

@@ -317,11 +317,12 @@ def load_stage_data(
 
 
 def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
-    """Identifies an eval set, so runs measured on different data are never compared as equals."""
+    """Identifies an eval set, so runs measured on different data are never compared as equals: its rows'
+    turns and what the metrics read beside them (references, options, boxes: formats.EVAL_COLUMNS), so two
+    files with the same questions and other `answers` are two eval sets."""
     digest = hashlib.sha256()
-    for row in ds.select_columns(
-        [c for c in ("id", "messages", "prompt", "chosen", "rejected") if c in ds.column_names]
-    ):
+    read = ("id", "messages", "prompt", "chosen", "rejected", *EVAL_COLUMNS)
+    for row in ds.select_columns([c for c in read if c in ds.column_names]):
         digest.update(json.dumps(row, sort_keys=True, default=str).encode())
     return f"{source}|{len(ds)} rows|{digest.hexdigest()[:12]}"
 

@@ -24,6 +24,7 @@ from typing import Any
 from vlm_recipes.demo.english import ENGLISH_WORDS
 from vlm_recipes.demo.grounding import resolve_grounding_source
 from vlm_recipes.demo.samples import (
+    ANNOTATOR_VARIANTS,
     COLOURS,
     SHAPES,
     describe_sample,
@@ -41,7 +42,11 @@ log = logging.getLogger(__name__)
 
 DEMO_DATA_PREFIX = "demo:"
 VERSION = "demo-v5"  # v5: pair rows half yes, half no; the tiny Gemma 4's sliding window (tiny/gemma4.py)
-_DATA_DIRNAME = "data"
+# The rows' own revision, beside the models' VERSION: 2 gave demo:train and demo:eval their `answers` (VQAv2's
+# ten annotators) and `options` (the either-or questions'), for the benchmarks' metrics (docs/evaluation.md);
+# the images, turns and models are demo-v5's, so no model is built again.
+_ROWS_REVISION = 2
+_DATA_DIRNAME = f"data-{_ROWS_REVISION}"
 _SPLITS = {"train": 192, "eval": 48}
 _SPLIT_SEEDS = {"train": 1234, "eval": 5678}
 _DATA_FILES = (
@@ -58,7 +63,7 @@ _VIDEO_TASKS = ("motion",)
 # 0.024, and its 6 pair rows, answered yes or no by a model that cannot compare two images, move one seed's
 # score by up to 0.14: the weakest towers' verdicts were decided by one row. Held out of the tokenizer
 # corpus, so adding it changed no model.
-_TEACHING_DIRNAME = "teaching-data"
+_TEACHING_DIRNAME = f"teaching-data-{_ROWS_REVISION}"
 _TEACHING_ROWS, _TEACHING_SEED = 144, 9012
 _TEACHING_SOURCE = "teaching-eval"
 
@@ -142,7 +147,9 @@ def _generate_split(
 ) -> list[tuple[dict[str, Any], list, list]]:
     """Rows (JSONL dicts) with their images and clips for one split (ids `<split>-00000`...); same seed, same
     bytes. `n` and `seed`: a split outside _SPLITS (demo:teaching-eval's)."""
-    rng = random.Random(_SPLIT_SEEDS[split] if seed is None else seed)
+    seed = _SPLIT_SEEDS[split] if seed is None else seed
+    rng = random.Random(seed)
+    annotators = random.Random(f"{seed}-annotators")  # its own stream: the images stay those of demo-v5
     n = _SPLITS[split] if n is None else n
     tasks = ["nutrition"] * (n // 4) + ["pair"] * (n // 8) + ["motion"] * (n // 8)
     tasks += ["shapes"] * (n - len(tasks))
@@ -152,17 +159,22 @@ def _generate_split(
     samples, pairs = [], 0
     for i, task in enumerate(tasks):
         row_id = f"{split}-{i:05d}"
-        images, clips = [], []
+        images, clips, columns = [], [], {}
         if task == "pair":
             # yes and no alternate: a model that always says one of them scores 0.5 whichever it is (drawn,
             # demo-v4's eval had 5 no to 1 yes, and which word a seed settled on moved exact match by 0.1)
             images, question, answer = pair_sample(rng, same=pairs % 2 == 0)
             pairs += 1
+            columns["answers"] = [answer] * 10
         elif task == "motion":
             clip, question, answer = motion_sample(rng)
-            clips = [clip]
+            clips, columns["answers"] = [clip], annotators_answers(annotators, answer)
+        elif task == "shapes":
+            img, question, answer, options = shape_question_sample(rng)
+            images = [img]
+            columns = {"options": options} if options else {"answers": annotators_answers(annotators, answer)}
         else:
-            img, question, answer = (shape_question_sample if task == "shapes" else nutrition_sample)(rng)
+            img, question, answer = nutrition_sample(rng)
             images = [img]
         content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in clips]
         row = {
@@ -177,9 +189,18 @@ def _generate_split(
                 for k in range(len(images))
             ],
             "videos": [f"videos/{row_id}.mp4" for _ in clips],
+            **columns,
         }
         samples.append((row, images, clips))
     return samples
+
+
+def annotators_answers(rng: random.Random, answer: str) -> list[str]:
+    """Ten annotators' answers, as VQAv2 ships them: most say `answer`, up to three its variant
+    (samples.ANNOTATOR_VARIANTS: "round" for "circle"). The majority answer scores 1 by VQA accuracy, the
+    variant min(1, its count / 3)."""
+    variants = rng.randint(0, 3)
+    return [answer] * (10 - variants) + [ANNOTATOR_VARIANTS[answer]] * variants
 
 
 def _write_media(out: Path, row: dict, images: list, clips: list) -> None:
@@ -253,6 +274,8 @@ def _build_dataset(out: Path) -> None:
         "(extract a rendered nutrition label as JSON), `pair` (two images: same colour?) and `motion` "
         "(a 2 s clip: which way does the dot move?).\n"
         "Rows are TRL conversational vision format; image and video paths are relative to this directory. "
+        "Beside their turns, rows carry what the benchmarks' metrics read: `answers` (ten annotators', as "
+        "VQAv2 ships them) on the kind, pair and motion questions, `options` on the either-or ones. "
         "`*-images.jsonl`: the same splits without the video rows.\n\n" + "\n".join(lines) + "\n",
         encoding="utf-8",
     )

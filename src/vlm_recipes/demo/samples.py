@@ -101,17 +101,18 @@ def one_shape_sample(rng: random.Random, question: str | None = None) -> tuple[I
 SHAPE_QUESTIONS = ("shape", "colour_choice", "shape_choice")
 
 
-def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
+def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str, list[str] | None]:
     """The demo's `shapes` rows: one shape asked its kind, or to choose between two colours or two kinds, one
-    of them its own. What a pretrained demo model sees (colours surely, kinds less), in forms its pretraining
-    never asked: "Is the shape red or blue?" it answers yes or no before fine-tuning, a colour after it. The
-    counts and places of shapes_sample are beyond the demo's 32-wide towers (docs/families.md), so a fine-tune
-    on them could teach their form only."""
+    of them its own, and those two options as the question lists them (None for the kind question). What a
+    pretrained demo model sees (colours surely, kinds less), in forms its pretraining never asked: "Is the
+    shape red or blue?" it answers yes or no before fine-tuning, a colour after it. The counts and places of
+    shapes_sample are beyond the demo's 32-wide towers (docs/families.md), so a fine-tune on them could teach
+    their form only."""
     img, _, name = one_shape_sample(rng, "name")  # "a red circle"
     _, colour, kind = name.split()
     question = rng.choice(SHAPE_QUESTIONS)
     if question == "shape":
-        return img, ONE_SHAPE_QUESTIONS["shape"], kind
+        return img, ONE_SHAPE_QUESTIONS["shape"], kind, None
     if question == "colour_choice":
         first, second = colour, rng.choice([c for c in COLOURS if c != colour])
         template, answer = "Is the shape {} or {}?", colour
@@ -120,7 +121,18 @@ def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
         template, answer = "Is it a {} or a {}?", kind
     if rng.random() < 0.5:
         first, second = second, first
-    return img, template.format(first, second), answer
+    return img, template.format(first, second), answer, [first, second]
+
+
+# What a few of ten annotators say instead of the demo's answer, as VQAv2's annotators differ ("round" for a
+# circle): the demo's `answers` (dataset.annotators_answers), so VQA accuracy gives such an answer partial
+# credit where exact match gives none.
+ANNOTATOR_VARIANTS = {
+    "circle": "round",
+    "square": "rectangle",
+    "triangle": "triangular",
+    **{direction: f"{direction}ward" for direction in ("left", "right", "up", "down")},
+}
 
 
 def scene_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
