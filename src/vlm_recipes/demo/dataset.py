@@ -24,9 +24,7 @@ from typing import Any
 from vlm_recipes.demo.english import ENGLISH_WORDS
 from vlm_recipes.demo.grounding import resolve_grounding_source
 from vlm_recipes.demo.samples import (
-    ANNOTATOR_VARIANTS,
-    COLOURS,
-    SHAPES,
+    annotators_answers,
     describe_sample,
     motion_sample,
     nutrition_sample,
@@ -35,6 +33,7 @@ from vlm_recipes.demo.samples import (
     shape_question_sample,
     shapes_sample,
     write_clip,
+    wrong_answer,
 )
 from vlm_recipes.files import build_dir_atomically, cache_dir
 
@@ -195,14 +194,6 @@ def _generate_split(
     return samples
 
 
-def annotators_answers(rng: random.Random, answer: str) -> list[str]:
-    """Ten annotators' answers, as VQAv2 ships them: most say `answer`, up to three its variant
-    (samples.ANNOTATOR_VARIANTS: "round" for "circle"). The majority answer scores 1 by VQA accuracy, the
-    variant min(1, its count / 3)."""
-    variants = rng.randint(0, 3)
-    return [answer] * (10 - variants) + [ANNOTATOR_VARIANTS[answer]] * variants
-
-
 def _write_media(out: Path, row: dict, images: list, clips: list) -> None:
     for path, img in zip(row["images"], images, strict=True):
         img.save(out / path, format="PNG")
@@ -287,23 +278,6 @@ _PREFERENCE_PREFIX = "preference-"
 _PREFERENCE_SEEDS = {"train": 2468, "eval": 1357}
 
 
-def _wrong_answer(rng: random.Random, task: str, answer: str) -> str:
-    """A plausible wrong answer: another kind or colour, the other yes/no, one nutrition value off."""
-    if task == "nutrition":
-        facts = json.loads(answer)
-        key = rng.choice(list(facts))
-        facts[key] += (
-            rng.choice([-1, 1]) * rng.randint(1, 5) * (10 if key in ("calories", "sodium_mg") else 1)
-        )
-        facts[key] = abs(facts[key]) if facts[key] else 1
-        return json.dumps(facts, separators=(",", ":"))
-    if task == "pair":
-        return "no" if answer == "yes" else "yes"
-    if answer in SHAPES:
-        return rng.choice([kind for kind in SHAPES if kind != answer])
-    return rng.choice([c for c in COLOURS if c != answer])
-
-
 def _build_preference_dataset(out: Path) -> None:
     """The demo splits' prompts and images (same generator, same bytes) as prompt / chosen / rejected rows."""
     (out / "images").mkdir()
@@ -316,7 +290,7 @@ def _build_preference_dataset(out: Path) -> None:
                 _write_media(out, row, images, clips)
                 prompt, answer = row["messages"]
                 right = answer["content"][0]["text"]
-                wrong = _wrong_answer(rng, row["task"], right)
+                wrong = wrong_answer(rng, row["task"], right)
                 pair = {
                     "id": row["id"],
                     "task": row["task"],

@@ -125,7 +125,7 @@ def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str, li
 
 
 # What a few of ten annotators say instead of the demo's answer, as VQAv2's annotators differ ("round" for a
-# circle): the demo's `answers` (dataset.annotators_answers), so VQA accuracy gives such an answer partial
+# circle): the demo rows' `answers` (annotators_answers), so VQA accuracy gives such an answer partial
 # credit where exact match gives none.
 ANNOTATOR_VARIANTS = {
     "circle": "round",
@@ -277,3 +277,29 @@ def describe_sample(rng: random.Random) -> tuple[Image.Image, str, str]:
         draw_shape(draw, shape, (x0, y0, x0 + 30, y0 + 30), COLOURS[colour])
         parts.append(f"a {colour} {shape} at the {POSITIONS[(cx, cy)]}")
     return img, "Describe every shape and where it is.", "There is " + ", ".join(parts) + "."
+
+
+def annotators_answers(rng: random.Random, answer: str) -> list[str]:
+    """Ten annotators' answers, as VQAv2 ships them: most say `answer`, up to three its variant
+    (ANNOTATOR_VARIANTS: "round" for "circle"). The majority answer scores 1 by VQA accuracy, the
+    variant min(1, its count / 3)."""
+    variants = rng.randint(0, 3)
+    return [answer] * (10 - variants) + [ANNOTATOR_VARIANTS[answer]] * variants
+
+
+def wrong_answer(rng: random.Random, task: str, answer: str) -> str:
+    """A plausible wrong answer to a demo row (demo:preference-*'s rejected): another kind or colour, the
+    other yes/no, one nutrition value off."""
+    if task == "nutrition":
+        facts = json.loads(answer)
+        key = rng.choice(list(facts))
+        facts[key] += (
+            rng.choice([-1, 1]) * rng.randint(1, 5) * (10 if key in ("calories", "sodium_mg") else 1)
+        )
+        facts[key] = abs(facts[key]) if facts[key] else 1
+        return json.dumps(facts, separators=(",", ":"))
+    if task == "pair":
+        return "no" if answer == "yes" else "yes"
+    if answer in SHAPES:
+        return rng.choice([kind for kind in SHAPES if kind != answer])
+    return rng.choice([c for c in COLOURS if c != answer])
