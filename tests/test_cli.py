@@ -38,6 +38,7 @@ def test_help_lists_the_commands(capsys):
         "compare",
         "predict",
         "inspect",
+        "eval",
         "bench",
         "bench-grpo",
         "demo-learns",

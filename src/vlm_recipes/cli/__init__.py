@@ -4,6 +4,7 @@ vlm-recipes train ...     run a recipe             (= python scripts/train_recip
 vlm-recipes compare ...   compare finished runs    (= python scripts/compare_recipes.py ...)
 vlm-recipes predict ...   answer with a trained model (= python scripts/predict.py ...)
 vlm-recipes inspect ...   what the guards see in a model (= python scripts/inspect_checkpoint.py ...)
+vlm-recipes eval --lmms-eval TASK RUN   an lmms-eval task on a stage's final/ (the lmms-eval extra)
 vlm-recipes data check PATH   a dataset read as a stage reads it: format, lengths, every problem
 vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ...)
 vlm-recipes demo-learns   does the demo teach? each demo model at its start and trained (= python scripts/demo_learns.py)
@@ -25,6 +26,10 @@ COMMANDS = {
     ),
     "predict": ("vlm_recipes.cli.predict", "answer with a trained model: an image + prompt, or a data file"),
     "inspect": ("vlm_recipes.cli.inspect_checkpoint", "print what the guards see in a model directory"),
+    "eval": (
+        "vlm_recipes.cli.lmms_eval",
+        "`eval --lmms-eval TASK RUN`: an lmms-eval task on a stage's final/, filed beside its metrics",
+    ),
     "data": (
         "vlm_recipes.cli.data_check",
         "`data check PATH`: a dataset read as a stage reads it, every problem listed",
