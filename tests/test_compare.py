@@ -4,6 +4,7 @@ seed spread and leaves one within it unmarked; answers are put side by side from
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import statistics
@@ -14,6 +15,7 @@ import pytest
 
 from vlm_recipes.comparison.answers import format_answers_markdown, format_answers_text, side_by_side
 from vlm_recipes.comparison.plot import comparison_figure
+from vlm_recipes.comparison.report_page import render_page, task_table, write_run_page
 from vlm_recipes.comparison.run_summary import RunSummary, load_run
 from vlm_recipes.comparison.tables import (
     compare_runs,
@@ -221,7 +223,7 @@ GRPO_METRICS = {
 }
 
 
-def write_finished_run(root: Path, stages: list[tuple[str, str, dict]]) -> Path:
+def write_finished_run(root: Path, stages: list[tuple[str, str, dict]], seed: int = 0) -> Path:
     """A finished run: run.json listing (name, method) stages as the runner does, each with its metrics.json."""
     summaries = []
     for index, (name, method, metrics) in enumerate(stages, 1):
@@ -230,7 +232,7 @@ def write_finished_run(root: Path, stages: list[tuple[str, str, dict]]) -> Path:
         (stage_dir / "metrics.json").write_text(json.dumps(metrics))
         stage = Stage(name=name, method=method)
         summaries.append(stage_summary(index, stage, stage_dir, "previous", metrics))
-    manifest = {"recipe": root.parent.name, "seeds": [0], "status": "finished", "stages": summaries}
+    manifest = {"recipe": root.parent.name, "seeds": [seed], "status": "finished", "stages": summaries}
     manifest["final_model"] = summaries[-1]["final_model"]
     (root / "run.json").write_text(json.dumps(manifest))
     return root
@@ -323,3 +325,117 @@ def test_the_end_of_run_table_shows_the_reward_and_no_loss_for_a_grpo_stage(tmp_
 
 def read_stages(run_dir: Path) -> list[dict]:
     return json.loads((run_dir / "run.json").read_text())["stages"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmarks' metrics (eval_<metric> in metrics.json, each row's score in predictions.jsonl)
+
+
+def benchmark_run(root: Path, recipe: str, seed: int, **scores) -> RunSummary:
+    """A finished one-stage run whose metrics.json holds `eval_<metric>` for each of `scores`."""
+    metrics = stage_metrics(3, [2.0, 1.5, 1.2], **{f"eval_{m}": v for m, v in scores.items()})
+    return load_run(write_finished_run(root / recipe / f"s-seed{seed}", [("llm-lora", "sft", metrics)], seed))
+
+
+def column_cells(table: str, column: str) -> dict[str, str]:
+    """recipe → its cell in `column`, from the text table (columns apart by two spaces or more)."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("recipe"))
+    header = re.split(r"\s{2,}", lines[start])
+    body = [re.split(r"\s{2,}", line) for line in lines[start + 2 :] if line.startswith(("better", "worse"))]
+    return {cells[0]: cells[header.index(column)] for cells in body}
+
+
+def test_a_benchmark_metric_beyond_the_seed_spread_is_marked_in_the_table_markdown_and_page(tmp_path):
+    runs = [benchmark_run(tmp_path, "better", s, option_accuracy=0.80 + s / 50) for s in (0, 1)]
+    runs += [benchmark_run(tmp_path, "worse", s, option_accuracy=0.60 + s / 50) for s in (0, 1)]
+    comparison = compare_runs(runs)
+    text = format_comparison(comparison, answer_rows=0)
+    assert column_cells(text, "option acc") == {"better": "0.810 ± 0.014 (best)", "worse": "0.610 ± 0.014 *"}
+    header = re.split(r"\s{2,}", next(line for line in text.splitlines() if line.startswith("recipe")))
+    assert header[header.index("JSON F1") + 1] == "option acc"
+    # the other benchmarks' metrics: no run has them, no column
+    assert not {"VQA acc", "ANLS", "relaxed acc", "box Acc@0.5"} & set(header)
+    markdown = format_markdown(comparison, None, answer_rows=0)
+    assert "| JSON F1 | option acc |" in markdown and "| 0.610 ± 0.014 \\* |" in markdown
+    head = next(line for line in markdown.splitlines() if line.startswith("| recipe"))
+    assert "VQA acc" not in head and "ANLS" not in head and "box" not in head
+    page = render_page(comparison, "t")
+    assert '<td class="beyond">0.610 ± 0.014 *</td>' in page and "<th>option acc</th>" in page
+
+
+def test_a_benchmark_metric_within_the_seed_spread_is_not_marked(tmp_path):
+    runs = [benchmark_run(tmp_path, "better", s, option_accuracy=0.80 + s / 25) for s in (0, 1)]
+    runs += [benchmark_run(tmp_path, "worse", s, option_accuracy=0.79 + s / 25) for s in (0, 1)]
+    comparison = compare_runs(runs)
+    text = format_comparison(comparison, answer_rows=0)
+    # 0.010 apart, each spread 0.028: within it
+    assert column_cells(text, "option acc") == {"better": "0.820 ± 0.028 (best)", "worse": "0.810 ± 0.028"}
+    assert "| 0.810 ± 0.028 |" in format_markdown(comparison, None, answer_rows=0)
+
+
+def test_the_table_shows_eval_vqa_accuracy_as_read_from_metrics_json(tmp_path):
+    per_task = {"task:vqa": {"exact_match": 0.25, "vqa_accuracy": 0.5, "rows_scored": {"vqa_accuracy": 4}}}
+    first = benchmark_run(tmp_path, "better", 0, vqa_accuracy=0.475)
+    runs = [first, benchmark_run(tmp_path, "better", 1, vqa_accuracy=0.625)]
+    metrics = stage_metrics(3, [2.0, 1.5, 1.2], eval={"all": {"exact_match": 0.25}, **per_task})
+    runs.append(load_run(write_finished_run(tmp_path / "worse" / "t", [("llm-lora", "sft", metrics)])))
+    assert first.benchmark_scores == {"vqa_accuracy": 0.475} and runs[2].benchmark_scores == {}
+    assert runs[2].task_scores == {"vqa": {"exact_match": 0.25, "vqa_accuracy": 0.5}}
+    # by hand: mean (0.475 + 0.625) / 2 = 0.55; sample std √(2 · 0.075² / 1) = 0.075 · √2 = 0.1061
+    text = format_comparison(compare_runs(runs), answer_rows=0)
+    assert column_cells(text, "VQA acc") == {"better": "0.550 ± 0.106", "worse": "-"}
+    legend = comparison_figure(compare_runs(runs)).axes[2].get_legend().get_texts()
+    assert "VQA acc" in [t.get_text() for t in legend]  # the task-metrics panel draws it too
+    assert "VQA acc" in task_table(compare_runs(runs[2:]).groups["no eval set"])
+
+
+def scored_record(row_id: str, output: str, reference: str, **scores) -> dict:
+    return record(row_id, output, reference) | {"exact_match": float(output == reference)} | scores
+
+
+def test_the_report_page_shows_each_rows_scores_beside_its_answer(tmp_path):
+    """Two stages, three rows: each answer cell holds that row's answer and, beside it, that row's scores
+    from that stage's record (exact match, then each benchmark metric the record carries)."""
+    metrics = stage_metrics(3, [2.0, 1.5, 1.2], eval_vqa_accuracy=0.5)
+    run_dir = write_finished_run(tmp_path / "r1" / "t", [("tower", "sft", metrics), ("llm", "sft", metrics)])
+    stages = {
+        "tower": [
+            scored_record("q1", "blue", "red", vqa_accuracy=2 / 3, option_accuracy=1.0),
+            scored_record("q2", "<b>two</b>", "two", vqa_accuracy=0.0),
+            scored_record("q3", "A", "A", option_accuracy=1.0),
+        ],
+        "llm": [
+            scored_record("q1", "red", "red", vqa_accuracy=1.0, option_accuracy=1.0),
+            scored_record("q2", "two", "two", vqa_accuracy=0.3),
+            scored_record("q3", "B", "A", option_accuracy=0.0),
+        ],
+    }
+    for index, (name, records) in enumerate(stages.items(), 1):
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        (run_dir / f"stage-{index}-{name}" / "predictions.jsonl").write_text(lines)
+    expected = {
+        ("q1", "tower"): ("blue", "exact match 0 · VQA acc 0.67 · option acc 1"),
+        ("q1", "llm"): ("red", "exact match 1 · VQA acc 1 · option acc 1"),
+        ("q2", "tower"): ("<b>two</b>", "exact match 0 · VQA acc 0"),
+        ("q2", "llm"): ("two", "exact match 1 · VQA acc 0.3"),
+        ("q3", "tower"): ("A", "exact match 1 · option acc 1"),
+        ("q3", "llm"): ("B", "exact match 0 · option acc 0"),
+    }
+    page = write_run_page(run_dir).read_text()
+    assert '<span class="output">&lt;b&gt;two&lt;/b&gt;</span>' in page  # an answer is text, not markup
+    shown = {}
+    for row_id, cells in re.findall(r'<tr class="answer-row" data-id="([^"]*)"[^>]*>(.*?)</tr>', page, re.S):
+        for who, cell in re.findall(r'<td class="answer [^"]*" data-who="([^"]*)">(.*?)</td>', cells, re.S):
+            beside = re.fullmatch(
+                r'<span class="sign">[^<]*</span><span class="output">(.*?)</span>'
+                r'<span class="scores">(.*?)</span>',
+                cell,
+            )
+            assert beside, cell
+            shown[row_id, who.removeprefix("r1 / ")] = (html.unescape(beside[1]), html.unescape(beside[2]))
+    assert shown == expected
+    text = format_answers_text(side_by_side([("", run_dir)], 3))
+    assert f"  {'llm'.ljust(len('reference'))}  red  [exact match 1 · VQA acc 1 · option acc 1]" in text
+    markdown = format_answers_markdown(side_by_side([("", run_dir)], 3))
+    assert "| tower | blue | exact match 0 · VQA acc 0.67 · option acc 1 |" in markdown

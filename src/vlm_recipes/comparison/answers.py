@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlm_recipes.comparison.run_summary import SCORE_LABELS
 from vlm_recipes.files import read_json
 
 ROWS_SHOWN = 3  # eval rows shown side by side by default
@@ -33,6 +34,7 @@ class RowAnswers:
     reference: str
     answers: list[tuple[str, str | None]] = field(default_factory=list)  # (who, answer; None: not asked)
     right: list[bool | None] = field(default_factory=list)  # per answer: exact match (None: not scored)
+    scores: list[dict[str, float]] = field(default_factory=list)  # per answer: its record's scores
     images: list[str] = field(default_factory=list)  # where its images and videos are (generation.row_media)
     videos: list[str] = field(default_factory=list)
 
@@ -84,6 +86,9 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
                     else None
                 )
                 row.right.append(right)
+                row.scores.append(
+                    {k: record[k] for k in SCORE_LABELS if record.get(k) is not None} if same else {}
+                )
         rights = {right for right in row.right if right is not None}
         candidates.append((0 if len(rights) == 2 else 1 if row.answers_differ() else 2, row))
     seen: dict[tuple[int, str | None], int] = {}  # (tier, task): rows of that task already ranked in the tier
@@ -92,6 +97,11 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
         nth = seen[tier, row.task] = seen.get((tier, row.task), -1) + 1
         ranked.append(((tier, nth, position), row))
     return [row for _, row in sorted(ranked, key=lambda pair: pair[0])[:rows]]
+
+
+def format_scores(scores: dict[str, float]) -> str:
+    """An answer's scores by name, e.g. "exact match 0 · VQA acc 0.67 · option acc 1" ("" without one)."""
+    return " · ".join(f"{SCORE_LABELS[k]} {round(v, 2):g}" for k, v in scores.items())
 
 
 def _one_line(text: str, width: int) -> str:
@@ -112,9 +122,10 @@ def format_answers_text(rows: list[RowAnswers], whose: str = "", width: int = TE
     for row in rows:
         lines += ["", f"{row.id}{f' ({row.task})' if row.task else ''}: {_one_line(row.prompt, width)}"]
         lines.append(f"  {'reference'.ljust(who_width)}  {_one_line(row.reference, width)}")
-        for who, answer in row.answers:
+        for (who, answer), scores in zip(row.answers, row.scores, strict=True):
             shown = "(not evaluated on this row)" if answer is None else _one_line(answer, width)
-            lines.append(f"  {who.ljust(who_width)}  {shown}")
+            scored = f"  [{format_scores(scores)}]" if scores else ""
+            lines.append(f"  {who.ljust(who_width)}  {shown}{scored}")
     return "\n".join(lines)
 
 
@@ -125,15 +136,18 @@ def _cell(text: str) -> str:
 
 
 def format_answers_markdown(rows: list[RowAnswers], whose: str = "") -> str:
-    """One small table per row: the reference, then each answer."""
+    """One small table per row: the reference, then each answer (and its scores, where it has some)."""
     if not rows:
         return ""
     lines = [f"Answers{whose} on {len(rows)} eval row(s); {WHEN}; {PICKED}.", ""]
     for row in rows:
         task = f" ({row.task})" if row.task else ""
-        lines += [f"**{html.escape(row.id)}**{task}: {_cell(row.prompt)}", "", "| | answer |", "|---|---|"]
-        lines.append(f"| reference | {_cell(row.reference)} |")
-        for who, answer in row.answers:
-            lines.append(f"| {who} | {'*not evaluated on this row*' if answer is None else _cell(answer)} |")
+        scored = any(row.scores)
+        head = ["| | answer | score |", "|---|---|---|"] if scored else ["| | answer |", "|---|---|"]
+        lines += [f"**{html.escape(row.id)}**{task}: {_cell(row.prompt)}", "", *head]
+        lines.append(f"| reference | {_cell(row.reference)} |" + " |" * scored)
+        for (who, answer), scores in zip(row.answers, row.scores, strict=True):
+            shown = "*not evaluated on this row*" if answer is None else _cell(answer)
+            lines.append(f"| {who} | {shown} |" + f" {format_scores(scores)} |" * scored)
         lines.append("")
     return "\n".join(lines)

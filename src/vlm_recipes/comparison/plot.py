@@ -5,20 +5,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS
 from vlm_recipes.comparison.tables import (
     Comparison,
     RecipeRow,
     mean_std,
     spread_marks,
 )
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 
 TASK_METRICS = [
     ("exact_match", "exact match", "o"),
     ("json_f1", "JSON field F1", "s"),
     ("reward_accuracy", "reward accuracy (DPO)", "^"),
     ("reward", "mean reward (GRPO)", "v"),
+    *((m, BENCHMARK_LABELS[m], marker) for m, marker in zip(BENCHMARK_METRICS, "DPXh*", strict=True)),
 ]
-ONE_METHOD_ONLY = ("reward_accuracy", "reward")  # only a DPO / GRPO last stage has one
+# not named as "not measured" where absent: only a DPO / GRPO last stage has one, a benchmark's metric only
+# an eval whose rows it scores
+MEASURED_SOMETIMES = ("reward_accuracy", "reward", *BENCHMARK_METRICS)
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> Path:
@@ -37,9 +42,9 @@ def plot_comparison(comparison: Comparison, path: Path) -> Path:
 def comparison_figure(comparison: Comparison):
     """Three panels: train curves (steps counted across stages, stage boundaries dashed; DPO losses and GRPO
     rewards on a second axis); eval loss; task metrics (exact match, JSON field F1, DPO's reward accuracy,
-    GRPO's mean reward). Eval loss and metrics are each recipe's mean ± std over seeds on an axis that spans
-    the values (not from 0), so 6.85 against 6.87 shows; the eval-loss panel shades the best recipe's mean ±
-    std, and a recipe further from it than the seed spread has `*`."""
+    GRPO's mean reward, the benchmarks' metrics). Eval loss and metrics are each recipe's mean ± std over
+    seeds on an axis that spans the values (not from 0), so 6.85 against 6.87 shows; the eval-loss panel
+    shades the best recipe's mean ± std, and a recipe further from it than the seed spread has `*`."""
     import matplotlib.pyplot as plt
 
     rows = [row for group in comparison.groups.values() for row in group]
@@ -144,7 +149,7 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
             shown.append((attr, label, marker))
         elif values:
             zero.append(label)
-        elif attr not in ONE_METHOD_ONLY:
+        elif attr not in MEASURED_SOMETIMES:
             missing.append(label)
     not_shown = [f"{', '.join(zero)}: 0.000 in every run"] * bool(zero)
     not_shown += [f"{', '.join(missing)}: not measured"] * bool(missing)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from vlm_recipes.comparison.answers import ROWS_SHOWN, WHEN, RowAnswers
+from vlm_recipes.comparison.answers import ROWS_SHOWN, WHEN, RowAnswers, format_scores
 from vlm_recipes.comparison.plot import draw_train_curves, plot_comparison
-from vlm_recipes.comparison.run_summary import load_run
+from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, load_run
 from vlm_recipes.comparison.tables import (
     MARKS,
     Comparison,
@@ -110,14 +110,13 @@ def _mark_class(cell: str) -> str:
 
 
 def task_table(rows: list[RecipeRow]) -> str:
-    """Exact match (and JSON field F1 where a task's references are JSON) per task and recipe, mean ± std,
-    marked against the task's best as the metrics table is."""
+    """Exact match (and JSON field F1 where a task's references are JSON, each benchmark metric where it
+    scored a task's rows) per task and recipe, mean ± std, marked against the task's best as the metrics
+    table is."""
     tasks = sorted({task for row in rows for run in row.runs for task in run.task_scores})
     if not tasks:
         return ""
-    metrics = [
-        m for m in ("exact_match", "json_f1") if any(_task_values(r, t, m) for r in rows for t in tasks)
-    ]
+    metrics = [m for m in TASK_METRICS if any(_task_values(r, t, m) for r in rows for t in tasks)]
     body = []
     for task in tasks:
         cells = [f"<td>{_text(task)}</td>"]
@@ -129,12 +128,14 @@ def task_table(rows: list[RecipeRow]) -> str:
                 cells.append(f'<td class="{_mark_class(shown)}">{_text(shown)}</td>')
         body.append(f"<tr>{''.join(cells)}</tr>")
     recipes = "".join(f"<th>{_text(row.recipe)}</th>" for row in rows)
-    names = {"exact_match": "exact match", "json_f1": "JSON field F1"}
     head = "<tr><th rowspan=2>task</th>" + "".join(
-        f"<th colspan={len(rows)}>{names[m]}</th>" for m in metrics
+        f"<th colspan={len(rows)}>{_text(TASK_METRICS[m])}</th>" for m in metrics
     )
     head += f"</tr><tr>{recipes * len(metrics)}</tr>"
     return f'<h3>Per-task metrics</h3><table class="metrics">{head}{"".join(body)}</table>'
+
+
+TASK_METRICS = {"exact_match": "exact match", "json_f1": "JSON field F1"} | BENCHMARK_LABELS
 
 
 def _task_values(row: RecipeRow, task: str, metric: str) -> list[float]:
@@ -212,15 +213,16 @@ def _answer_row(row: RowAnswers) -> str:
         + f"<br>{_text(row.prompt)}</td>",
         f'<td class="reference">{_text(row.reference)}</td>',
     ]
-    for (who, answer), right in zip(row.answers, row.right, strict=True):
+    for (who, answer), right, scores in zip(row.answers, row.right, row.scores, strict=True):
         if answer is None:
             cells.append(f'<td class="answer unasked" data-who="{_text(who)}">not evaluated on this row</td>')
             continue
         verdict = {True: "right", False: "wrong", None: "unscored"}[right]
         sign = {True: "✓ ", False: "✗ ", None: ""}[right]
+        scored = f'<span class="scores">{_text(format_scores(scores))}</span>' if scores else ""
         cells.append(
             f'<td class="answer {verdict}" data-who="{_text(who)}"><span class="sign">{sign}</span>'
-            f'<span class="output">{_text(answer)}</span></td>'
+            f'<span class="output">{_text(answer)}</span>{scored}</td>'
         )
     task = _text(row.task or "")
     return f'<tr class="answer-row" data-id="{_text(row.id)}" data-task="{task}" data-wrong="{int(wrong)}" data-differ="{int(row.answers_differ())}">{"".join(cells)}</tr>'
@@ -304,6 +306,7 @@ td.question { min-width: 10em; max-width: 16em; } td.reference { max-width: 18em
 td.answer { max-width: 22em; overflow-wrap: anywhere; }
 td.answer.right { background: #e6f4e6; } td.answer.wrong { background: #fde7e7; }
 td.answer.unasked { color: #999; font-style: italic; }
+.scores { display: block; color: #555; font-size: 12px; margin-top: 2px; }
 .sign { font-weight: bold; } .id { color: #888; font-size: 12px; } .task { background: #eef; padding: 0 4px; }
 .filters { margin: 0.5em 0; }
 """

@@ -12,8 +12,13 @@ from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.schema import PREFERENCE_METHODS, SAMPLING_METHODS
-from vlm_recipes.runs.manifest import run_state
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, PREFERENCE_METHODS, SAMPLING_METHODS
+from vlm_recipes.runs.manifest import BENCHMARK_HEADS, run_state
+
+# The benchmarks' metrics as the comparison heads them (the end-of-run table's names), and every score an
+# eval row's prediction record may carry.
+BENCHMARK_LABELS = {m: BENCHMARK_HEADS[f"eval_{m}"] for m in BENCHMARK_METRICS}
+SCORE_LABELS = {"exact_match": "exact match"} | BENCHMARK_LABELS
 
 
 @dataclass
@@ -43,7 +48,13 @@ class RunSummary:
     reward_accuracy_at_start: float | None = None  # reward_accuracy and reward before the last stage's step 1
     reward_at_start: float | None = None
     eval_loss_curve: list[tuple[int, float]] = field(default_factory=list)  # the SFT stages' eval losses
-    task_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task → exact match, JSON F1
+    task_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task → metric → its score
+    # the last stage's eval_<metric> of each benchmark metric its eval computed (metric → mean over its rows)
+    benchmark_scores: dict[str, float] = field(default_factory=dict)
+
+    def value(self, name: str) -> float | None:
+        """A column's value: the attribute, or a benchmark metric's mean (None where not computed)."""
+        return self.benchmark_scores.get(name) if name in BENCHMARK_METRICS else getattr(self, name)
 
 
 def load_run(run_dir: Path) -> RunSummary:
@@ -89,17 +100,22 @@ def load_run(run_dir: Path) -> RunSummary:
         rewards=reward_formula(manifest) if sampled else None,
         eval_loss_curve=curves["sft_eval"],
         task_scores=task_scores(last.get("eval") or {}),
+        benchmark_scores={
+            m: last[f"eval_{m}"] for m in BENCHMARK_METRICS if last.get(f"eval_{m}") is not None
+        },
     )
 
 
 def task_scores(scores: dict) -> dict[str, dict[str, float]]:
-    """The last stage's eval scores per task (`task:<name>` in metrics.json's eval): exact match, and the JSON
-    field F1 where the task's references are JSON."""
+    """The last stage's eval scores per task (`task:<name>` in metrics.json's eval): exact match, the JSON
+    field F1 where the task's references are JSON, and each benchmark metric that scored some of its rows."""
     out = {}
     for name, entry in scores.items():
         if name.startswith("task:"):
-            out[name.removeprefix("task:")] = {"exact_match": entry["exact_match"]} | (
-                {"json_f1": entry["json_fields"]["f1"]} if entry.get("json_fields") else {}
+            out[name.removeprefix("task:")] = (
+                {"exact_match": entry["exact_match"]}
+                | ({"json_f1": entry["json_fields"]["f1"]} if entry.get("json_fields") else {})
+                | {m: entry[m] for m in BENCHMARK_METRICS if entry.get(m) is not None}
             )
     return out
 

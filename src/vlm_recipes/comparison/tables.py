@@ -21,8 +21,8 @@ from vlm_recipes.comparison.answers import (
     format_answers_text,
     side_by_side,
 )
-from vlm_recipes.comparison.run_summary import RunSummary
-from vlm_recipes.recipes.schema import SAMPLING_METHODS
+from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, RunSummary
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS
 
 # ---------------------------------------------------------------------------------------------
 # Aggregation
@@ -34,7 +34,8 @@ class RecipeRow:
     runs: list[RunSummary]
 
     def values(self, attr: str) -> list[float]:
-        return [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
+        """The runs' known values of a column (`RunSummary.value`: an attribute or a benchmark metric)."""
+        return [v for r in self.runs if (v := r.value(attr)) is not None]
 
     def cell(self, attr: str, fmt: str = "{:.4f}") -> str:
         values = self.values(attr)
@@ -85,7 +86,7 @@ HIGHER_IS_BETTER = {
     "reward_accuracy": True,
     "reward_margin": True,
     "reward": True,
-}
+} | dict.fromkeys(BENCHMARK_METRICS, True)
 LOSSES = ("train_loss", "eval_loss")
 NOT_JUDGED_LOSSES = SAMPLING_METHODS  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
@@ -177,6 +178,7 @@ COLUMNS = [
     ("eval loss", "eval_loss", "{:.4f}"),
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
+    *((BENCHMARK_LABELS[m], m, "{:.3f}") for m in BENCHMARK_METRICS),
     ("reward acc at start", "reward_accuracy_at_start", "{:.3f}"),  # before the last stage's first step
     ("reward acc", "reward_accuracy", "{:.3f}"),
     ("reward margin", "reward_margin", "{:.4f}"),
@@ -192,10 +194,11 @@ MARKS = {"best": " (best)", "beyond": " *", "": ""}
 
 
 AT_START = ("reward_accuracy_at_start", "reward_at_start")  # shown only where a run measured its start
+WHERE_MEASURED = AT_START + BENCHMARK_METRICS  # shown only where some run has one (a benchmark's: its rows')
 
 
 def shown_columns(rows: list[RecipeRow]) -> list[tuple]:
-    return [c for c in COLUMNS if c[1] not in AT_START or any(row.values(c[1]) for row in rows)]
+    return [c for c in COLUMNS if c[1] not in WHERE_MEASURED or any(row.values(c[1]) for row in rows)]
 
 
 def table_rows(rows: list[RecipeRow]) -> tuple[list[str], list[list[str]]]:
@@ -244,7 +247,8 @@ def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: i
             lines += ["### Answers", "", answers, ""]
     lines.append(
         "Values are mean ± std over seeds where a recipe ran more than once. Losses and metrics are "
-        "the last stage's; a DPO stage's eval loss is its preference loss, its exact match scores the "
+        "the last stage's (a benchmark's metric, such as VQA acc, the mean over the eval rows it scores); "
+        "a DPO stage's eval loss is its preference loss, its exact match scores the "
         "chosen answers; a GRPO stage's losses are its policy loss (not judged), its reward the mean total "
         "reward of completions sampled for the eval prompts (higher is better)."
     )
