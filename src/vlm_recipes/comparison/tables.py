@@ -194,7 +194,10 @@ MARKS = {"best": " (best)", "beyond": " *", "": ""}
 
 
 AT_START = ("reward_accuracy_at_start", "reward_at_start")  # shown only where a run measured its start
-WHERE_MEASURED = AT_START + BENCHMARK_METRICS  # shown only where some run has one (a benchmark's: its rows')
+REWARDS = ("reward_accuracy", "reward_margin", "reward")  # a DPO, KTO, GRPO or RLOO last stage's
+# shown only where some run has one: a benchmark's metric where its rows carry what it reads, a reward where a
+# stage measures one (a table of SFT recipes has no reward column of dashes)
+WHERE_MEASURED = AT_START + BENCHMARK_METRICS + REWARDS
 
 
 def shown_columns(rows: list[RecipeRow]) -> list[tuple]:

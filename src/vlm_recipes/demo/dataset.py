@@ -41,21 +41,16 @@ log = logging.getLogger(__name__)
 
 DEMO_DATA_PREFIX = "demo:"
 VERSION = "demo-v5"  # v5: pair rows half yes, half no; the tiny Gemma 4's sliding window (tiny/gemma4.py)
-# The rows' own revision, beside the models' VERSION: 2 gave demo:train and demo:eval their `answers` (VQAv2's
-# ten annotators) and `options` (the either-or questions'), for the benchmarks' metrics (docs/evaluation.md);
-# the images, turns and models are demo-v5's, so no model is built again.
+# The rows' own revision, beside the models' VERSION: 2 gave demo:train and demo:eval (and the preference and
+# prompt rows drawn from them) their `answers` (VQAv2's ten annotators) and `options` (the either-or
+# questions'), for the benchmarks' metrics (docs/evaluation.md); the images, turns and models are demo-v5's,
+# so no model is built again.
 _ROWS_REVISION = 2
 _DATA_DIRNAME = f"data-{_ROWS_REVISION}"
 _SPLITS = {"train": 192, "eval": 48}
 _SPLIT_SEEDS = {"train": 1234, "eval": 5678}
-_DATA_FILES = (
-    "train.jsonl",
-    "eval.jsonl",
-    "train-images.jsonl",
-    "eval-images.jsonl",
-    "dataset_info.json",
-    "README.md",
-)
+_DATA_FILES = ("train.jsonl", "eval.jsonl", "train-images.jsonl", "eval-images.jsonl", "dataset_info.json")
+_DATA_FILES += ("README.md",)
 _VIDEO_TASKS = ("motion",)
 # demo:teaching-eval: rows drawn as demo:eval's, three times as many, for the per-family teaching verdict
 # (cli/demo_learns.py). On demo:eval's 42 scored rows (48 with the clips) exact match moves in steps of
@@ -98,7 +93,7 @@ def ensure_preference_dataset() -> Path:
     """``train.jsonl`` / ``eval.jsonl`` preference rows (method: dpo) over the demo tasks' images: chosen is
     the right answer, rejected a plausible wrong one."""
     return build_dir_atomically(
-        cache_dir() / VERSION / "preference-data",
+        cache_dir() / VERSION / f"preference-data-{_ROWS_REVISION}",
         ("train.jsonl", "eval.jsonl", "dataset_info.json"),
         _build_preference_dataset,
         "demo preference dataset",
@@ -278,6 +273,12 @@ _PREFERENCE_PREFIX = "preference-"
 _PREFERENCE_SEEDS = {"train": 2468, "eval": 1357}
 
 
+def _metric_columns(row: dict) -> dict:
+    """A demo row's `answers` or `options`, carried into the preference and prompt rows drawn from it: their
+    evals are scored by the same metrics as demo:eval's."""
+    return {key: row[key] for key in ("answers", "options") if key in row}
+
+
 def _build_preference_dataset(out: Path) -> None:
     """The demo splits' prompts and images (same generator, same bytes) as prompt / chosen / rejected rows."""
     (out / "images").mkdir()
@@ -298,6 +299,7 @@ def _build_preference_dataset(out: Path) -> None:
                     "chosen": [answer],
                     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
                     "images": row["images"],
+                    **_metric_columns(row),
                 }
                 f.write(json.dumps(pair, ensure_ascii=False) + "\n")
         info["splits"][split] = {"rows": len(samples)}
@@ -309,17 +311,19 @@ def _build_preference_dataset(out: Path) -> None:
 _PROMPT_PREFIX = "prompt-"
 
 
-def _ensure_train_and_eval(name: str, build: Callable[[Path], None]) -> Path:
-    """The `<name>-data` directory of this version's cache with ``train.jsonl``, ``eval.jsonl`` and
-    ``dataset_info.json``, built once by `build`."""
+def _ensure_train_and_eval(name: str, build: Callable[[Path], None], revised: bool = False) -> Path:
+    """The `<name>-data` directory of this version's cache (`<name>-data-<_ROWS_REVISION>` for rows drawn from
+    the demo splits, `revised`) with ``train.jsonl``, ``eval.jsonl`` and ``dataset_info.json``, built once by
+    `build`."""
     files = ("train.jsonl", "eval.jsonl", "dataset_info.json")
-    return build_dir_atomically(cache_dir() / VERSION / f"{name}-data", files, build, f"demo {name} dataset")
+    directory = cache_dir() / VERSION / (f"{name}-data-{_ROWS_REVISION}" if revised else f"{name}-data")
+    return build_dir_atomically(directory, files, build, f"demo {name} dataset")
 
 
 def ensure_prompt_dataset() -> Path:
     """``train.jsonl`` / ``eval.jsonl`` prompt rows (method: grpo) over the demo tasks' images: the question
     as `prompt`, the answer as `solution` (exact match and JSON F1 check it)."""
-    return _ensure_train_and_eval("prompt", _build_prompt_dataset)
+    return _ensure_train_and_eval("prompt", _build_prompt_dataset, revised=True)
 
 
 def _build_prompt_dataset(out: Path) -> None:
@@ -334,7 +338,8 @@ def _build_prompt_dataset(out: Path) -> None:
                 prompt, answer = row["messages"]
                 solution = answer["content"][0]["text"]
                 line = {"id": row["id"], "task": row["task"], "prompt": [prompt], "solution": solution}
-                f.write(json.dumps({**line, "images": row["images"]}, ensure_ascii=False) + "\n")
+                line |= {"images": row["images"], **_metric_columns(row)}
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
         info["splits"][split] = {"rows": len(samples)}
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
