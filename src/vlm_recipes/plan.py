@@ -30,6 +30,7 @@ from vlm_recipes.families.parameters import (
 from vlm_recipes.machine import detect_environment
 from vlm_recipes.model.guards import decide_precision
 from vlm_recipes.rank_memory import quantized_weights, rank_memory
+from vlm_recipes.recipes.data_sources import describe_sources
 from vlm_recipes.recipes.learning_rates import learning_rate_scale
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
@@ -271,7 +272,7 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 "memory": memory,
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
                 "experts": describe_experts(model, family, stage, lora_roles),
-                "data": f"{stage.data.train} → eval {stage.data.eval or '-'}",
+                "data": f"{describe_sources(stage.data.train)} → eval {describe_sources(stage.data.eval or '-')}",
                 "training": f"{stage.training.epochs:g} epoch(s), lr {learning_rate}, "
                 f"batch {stage.training.per_device_batch_size} × accum "
                 f"{stage.training.gradient_accumulation_steps}",

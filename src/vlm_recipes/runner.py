@@ -23,6 +23,7 @@ from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
 from vlm_recipes.machine import detect_environment
 from vlm_recipes.plan import ParallelPlan, plan_parallel
 from vlm_recipes.ranks import broadcast_from_main, launched, process_state
+from vlm_recipes.recipes.data_sources import source_paths
 from vlm_recipes.recipes.learning_rates import stage_learning_rates
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import (
@@ -219,7 +220,8 @@ def demo_data_paths(stage: Stage, family) -> dict[str, str]:
     reads these paths and never asks the demo again."""
     from vlm_recipes.demo.dataset import DEMO_DATA_PREFIX, resolve_data_source
 
-    named = [s for s in (stage.data.train, stage.data.eval) if s and s.startswith(DEMO_DATA_PREFIX)]
+    sources = source_paths(stage.data.train) + source_paths(stage.data.eval)  # a mixture's every source
+    named = [s for s in sources if s.startswith(DEMO_DATA_PREFIX)]
     with_videos = stage.method == "sft" and family.takes_video
     return {name: resolve_data_source(name, with_videos) for name in named}
 

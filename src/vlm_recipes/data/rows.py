@@ -25,6 +25,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 
@@ -32,11 +33,13 @@ import datasets
 from PIL import Image
 
 from vlm_recipes.data.formats import EVAL_COLUMNS
+from vlm_recipes.data.mixture import Mixture, load_mixture
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.families.base import Family
+from vlm_recipes.recipes.data_sources import describe_sources
 from vlm_recipes.recipes.schema import DataSettings, Stage
 
 log = logging.getLogger(__name__)
@@ -48,11 +51,14 @@ MAX_LISTED_PROBLEMS = 10
 class StageData:
     train: datasets.Dataset
     eval: datasets.Dataset | None
-    train_source: str
+    train_source: str  # as the recipe named it (a mixture: each source with its share, data/mixture.py)
     eval_source: str | None
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # split → reason → rows skipped
     lengths: dict[str, list[int]] = field(default_factory=dict)  # split → tokens per row (length check)
     eval_metrics: list[str] = field(default_factory=list)  # what the eval's answers are scored by
+    # split → its sources, where the recipe lists several: the split holds their rows once each until the
+    # length check, then the epoch's draw (mixture.draw_mixture)
+    mixtures: dict[str, Mixture] = field(default_factory=dict)
 
 
 def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad row(s)") -> dict[str, int]:
@@ -214,6 +220,24 @@ def load_split(
     `extra_columns` beside them (an eval split's formats.EVAL_COLUMNS).
 
     Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
+    rows, skipped, _ = read_split(
+        source, split, max_samples, on_bad_sample, allow_remote_images, row_format, video, path, extra_columns
+    )
+    return rows, skipped
+
+
+def read_split(
+    source: str,
+    split: str,
+    max_samples: int | None,
+    on_bad_sample: str = "fail",
+    allow_remote_images: bool = False,
+    row_format: RowFormat | None = None,
+    video: VideoRules | None = None,
+    path: str | None = None,
+    extra_columns: tuple[str, ...] = (),
+) -> tuple[datasets.Dataset, dict[str, int], str]:
+    """load_split's rows and skip counts, and the format the source was in (a mixture reports each one's)."""
     check, columns = row_format or MESSAGES
     loaded = read_source(path or source, split)
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
@@ -252,7 +276,7 @@ def load_split(
         else [c for c in (*columns, "videos") if c in ds.column_names]
     )
     extra = [c for c in ds.column_names if c not in keep and c not in ("id", "task", *extra_columns)]
-    return (ds.remove_columns(extra) if extra else ds), skipped
+    return (ds.remove_columns(extra) if extra else ds), skipped, loaded.format
 
 
 def _summary(ds: datasets.Dataset, fmt: str) -> str:
@@ -284,36 +308,41 @@ def load_stage_data(
     paths: Mapping[str, str] = MappingProxyType({}),
 ) -> StageData:
     """Both splits, checked; all of it before any model loads. `paths`: where the run's plan found a
-    source that names no file (a demo id); reports keep the name the recipe gave."""
+    source that names no file (a demo id); reports keep the name the recipe gave. A split that lists several
+    sources (a mixture) holds each source's rows once, with the sources in `mixtures`: the stage draws the
+    epoch's rows from them once their lengths are counted (mixture.draw_mixture)."""
+    eval_source = describe_sources(settings.eval) if settings.eval else None
+    data = StageData(None, None, describe_sources(settings.train), eval_source)
+    for split in ("train", "eval"):
+        if not (source := getattr(settings, split)):
+            continue
+        read = partial(_read_source, settings, split, row_format, video, paths)
+        limit = settings.max_train_samples if split == "train" else settings.max_eval_samples
+        if isinstance(source, str):
+            rows, skipped, _ = read(source, limit)
+        else:
+            data.mixtures[split] = mixture = load_mixture(source, split, limit, read)
+            rows, skipped = mixture.rows(), mixture.skipped
+        setattr(data, split, rows)
+        if skipped:
+            data.skipped[split] = skipped
+    return data
+
+
+def _read_source(
+    settings: DataSettings,
+    split: str,
+    row_format: RowFormat | None,
+    video: VideoRules | None,
+    paths: Mapping[str, str],
+    source: str,
+    limit: int | None,
+) -> tuple[datasets.Dataset, dict[str, int], str]:
+    """One source of a stage's `split` (train or eval), read as the stage's data settings say."""
+    hub_split = settings.train_split if split == "train" else settings.eval_split
     policy, remote = settings.on_bad_sample, settings.allow_remote_images
-    train, skipped_train = load_split(
-        settings.train,
-        settings.train_split,
-        settings.max_train_samples,
-        policy,
-        remote,
-        row_format,
-        video,
-        paths.get(settings.train),
-    )
-    eval_ds, skipped = None, {"train": skipped_train} if skipped_train else {}
-    if settings.eval:
-        eval_ds, skipped_eval = load_split(
-            settings.eval,
-            settings.eval_split,
-            settings.max_eval_samples,
-            policy,
-            remote,
-            row_format,
-            video,
-            paths.get(settings.eval),
-            EVAL_COLUMNS,
-        )
-        if skipped_eval:
-            skipped["eval"] = skipped_eval
-    return StageData(
-        train=train, eval=eval_ds, train_source=settings.train, eval_source=settings.eval, skipped=skipped
-    )
+    extra = EVAL_COLUMNS if split == "eval" else ()
+    return read_split(source, hub_split, limit, policy, remote, row_format, video, paths.get(source), extra)
 
 
 def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from vlm_recipes.recipes.data_sources import Sources
 from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, doc
 from vlm_recipes.recipes.method_settings import (
     DpoSettings,
@@ -73,19 +74,28 @@ class QuantizationSettings:
 
 @dataclass
 class DataSettings:
-    train: str = doc(
+    train: Sources = doc(
         "training data: demo:train, a .jsonl/.json/.parquet file or folder, a LLaMA-Factory "
         "dataset_info.json#entry, or a hub dataset id (TRL, LLaMA-Factory, ms-swift and LLaVA rows: "
-        "docs/data.md)",
+        "docs/data.md); or a mixture, a list of {path, weight: above 0} or {path, samples: at least 1}, drawn "
+        "with training.seed (docs/data.md#mixtures)",
         "demo:train",
     )
-    eval: str | None = doc("held-out data, same forms as train; null for none", "demo:eval")
+    eval: Sources | None = doc(
+        "held-out data, same forms as train (a list: its sources' rows together, each row's source kept; "
+        "weights optional); null for none",
+        "demo:eval",
+    )
     train_split: str = doc("split name when `train` is a hub dataset id", "train")
     eval_split: str = doc("split name when `eval` is a hub dataset id", "test")
     max_train_samples: int | None = doc(
-        "use only the first N training rows (quick runs)", None, range=AT_LEAST_1
+        "use only the first N training rows (quick runs); a mixture: its epoch's rows", None, range=AT_LEAST_1
     )
-    max_eval_samples: int | None = doc("use only the first N eval rows", None, range=AT_LEAST_1)
+    max_eval_samples: int | None = doc(
+        "use only the first N eval rows (an eval list: of each source; with weights, the draw's rows)",
+        None,
+        range=AT_LEAST_1,
+    )
     eval_metrics: list[EvalMetric] | None = doc(
         "what the eval's answers are scored by besides exact match: vqa_accuracy, anls, relaxed_accuracy, "
         "option_accuracy, box_acc50 (the benchmarks' own metrics, read from the eval rows' `answers`, "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_recipes.errors import BadInput
+from vlm_recipes.recipes.data_sources import sources_problems
 from vlm_recipes.recipes.fields import Range
 from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, SAMPLING_METHODS, Recipe
 from vlm_recipes.roles import ROLES
@@ -26,22 +27,6 @@ from vlm_recipes.roles import ROLES
 log = logging.getLogger(__name__)
 
 STAGE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
-DEMO_DATA = (
-    "demo:train",
-    "demo:eval",
-    "demo:teaching-eval",
-    "demo:bench",
-    "demo:preference-train",
-    "demo:preference-eval",
-    "demo:prompt-train",
-    "demo:prompt-eval",
-    "demo:grounding-train",
-    "demo:grounding-eval",
-    "demo:grounding-sft-train",
-    "demo:grounding-sft-eval",
-    "demo:pretraining-train",
-    "demo:pretraining-eval",
-)
 
 
 @dataclass
@@ -84,10 +69,12 @@ def convert(hint: Any, value: Any, where: str, problems: list[Problem], bounds: 
     if dataclasses.is_dataclass(hint):
         return _convert_dataclass(hint, value, where, problems)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
+        options = [o for o in typing.get_args(hint) if o is not type(None)]
+        if value is None and len(options) < len(typing.get_args(hint)):
             return None
-        (inner,) = [o for o in options if o is not type(None)]
+        # text or a list of entries (data.train: one source, or a mixture): the value's shape picks
+        lists = [o for o in options if typing.get_origin(o) is list]
+        inner = lists[0] if isinstance(value, list) and lists else [o for o in options if o not in lists][0]
         return convert(inner, value, where, problems, bounds)
     if origin is typing.Literal:
         choices = typing.get_args(hint)
@@ -142,6 +129,8 @@ def _in_range(value: float, bounds: Range | None, where: str, problems: list[Pro
 
 
 def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem]) -> Any:
+    if isinstance(value, str) and (shorthand := getattr(cls, "SHORTHAND", None)):
+        value = {shorthand: value}  # `- a.jsonl` in a list of sources is `{path: a.jsonl}`
     if not isinstance(value, dict):
         problems.append(Problem(where, f"expected a mapping of keys, got {value!r}"))
         return cls()
@@ -269,7 +258,7 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
 
 
 def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Problem]:
-    """init_from and demo data references that point nowhere."""
+    """init_from, demo data and mixtures' entries that point nowhere (recipes/data_sources.py)."""
     problems = []
     init = stage.init_from
     if init.startswith("stage:"):
@@ -282,18 +271,9 @@ def _source_problems(recipe: Recipe, stage, at: str, seen: list[str]) -> list[Pr
     if is_model_source and (problem := model_source_problem(init)):
         problems.append(Problem(f"{at}.init_from", problem))
     for key in ("train", "eval"):
-        source = getattr(stage.data, key)
-        if source and source.startswith("demo:") and source not in DEMO_DATA:
-            problems.append(
-                Problem(
-                    f"{at}.data.{key}",
-                    f"unknown demo data `{source}`: use demo:train or demo:eval "
-                    "(demo:preference-train or demo:preference-eval for method: dpo or kto, "
-                    "demo:prompt-train or demo:prompt-eval for method: grpo or rloo; demo:grounding-train / -eval "
-                    "(prompt rows with boxes) and demo:grounding-sft-train / -eval; demo:teaching-eval: demo:eval's "
-                    "kind of rows, three times as many)",
-                )
-            )
+        problems += [
+            Problem(f"{at}.{path}", why) for path, why in sources_problems(getattr(stage.data, key), key)
+        ]
     return problems
 
 

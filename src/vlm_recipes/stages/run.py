@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from vlm_recipes.caches.token_counts import remembered_token_counts
+from vlm_recipes.data.mixture import draw_mixture
 from vlm_recipes.data.rows import (
     StageData,
     has_text_only_rows,
@@ -145,10 +146,17 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
     splits = {"train": (data.train, data.train_source)}
     if data.eval is not None:
         splits["eval"] = (data.eval, data.eval_source or "")
-    for split, (rows, source) in splits.items():
-        rows, lengths, skipped = method.check_lengths(
+
+    def measure(rows, source: str):
+        return method.check_lengths(
             rows, processor, family, max_length, source, policy, video.sampling, remembered_token_counts
         )
+
+    for split, (rows, source) in splits.items():
+        if mixture := data.mixtures.get(split):  # several sources: each counted once, then the epoch drawn
+            rows, lengths, skipped = draw_mixture(mixture, measure, stage.training.seed)
+        else:
+            rows, lengths, skipped = measure(rows, source)
         if skipped:
             data.skipped.setdefault(split, {}).update(skipped)
         if stage.training.group_by_length:  # Trainer groups eval batches by length too
@@ -250,6 +258,9 @@ def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_f
             "eval_rows": len(data.eval) if data.eval is not None else 0,
             "max_sample_tokens": max(data.lengths["train"]),
             "skipped_rows": data.skipped,
+            # per source of a mixture, its share and the rows and tokens drawn (data/mixture.py); null: one source
+            "mixture": data.mixtures["train"].report if "train" in data.mixtures else None,
+            "eval_mixture": data.mixtures["eval"].report if "eval" in data.mixtures else None,
         },
         "resumed_from": str(resume_from) if resume_from else None,
     }

@@ -1,0 +1,396 @@
+"""Mixtures: `data.train` as a list of sources in their own formats, each with its weight or its samples,
+drawn with the stage's seed; what report.json records; a stage killed mid-epoch on a mixture resumes to the
+same weights; a bad mixture is a recipe error naming the entry.
+
+Every source is written here: a TRL JSONL file, a LLaMA-Factory sharegpt file with its dataset_info.json,
+and a LLaVA (ShareGPT conversations) file, with small PIL images."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_train, write_recipe
+from PIL import Image
+from test_resume import r2_command
+from transformers import AutoModelForImageTextToText
+
+from vlm_recipes.cli.train import main
+from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN, draw_mixture, row_counts
+from vlm_recipes.data.rows import load_stage_data
+from vlm_recipes.demo.models import resolve_model_source
+from vlm_recipes.files import read_json
+from vlm_recipes.recipes.data_sources import DataSource
+from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipes.schema import DataSettings
+
+COLOURS = ("red", "green", "blue", "yellow", "purple")
+SIZES = {"trl": 5, "lf": 3, "llava": 7}  # rows per source: each smaller than its share, so each repeats
+
+
+@pytest.fixture()
+def sources(tmp_path) -> dict[str, str]:
+    """The three sources (name -> what data.train names), each row asking `<name>-<i>: colour?`."""
+    for colour in COLOURS:
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"{colour}.png")
+
+    def image(i: int) -> str:
+        return f"{COLOURS[i % len(COLOURS)]}.png"
+
+    trl = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}, {"type": "text", "text": f"trl-{i}: colour?"}],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": COLOURS[i % 5]}]},
+            ],
+            "images": [image(i)],
+        }
+        for i in range(SIZES["trl"])
+    ]
+    (tmp_path / "trl.jsonl").write_text("".join(json.dumps(row) + "\n" for row in trl))
+    factory = [
+        {
+            "messages": [
+                {"role": "user", "content": f"<image>lf-{i}: colour?"},
+                {"role": "assistant", "content": COLOURS[i % 5]},
+            ],
+            "images": [image(i)],
+        }
+        for i in range(SIZES["lf"])
+    ]
+    (tmp_path / "factory.json").write_text(json.dumps(factory))
+    openai_tags = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+    }
+    info = {
+        "mine": {
+            "file_name": "factory.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": openai_tags,
+        }
+    }
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    llava = [
+        {
+            "id": f"llava-{i}",
+            "conversations": [
+                {"from": "human", "value": f"<image>\nllava-{i}: colour?"},
+                {"from": "gpt", "value": COLOURS[i % 5]},
+            ],
+            "image": image(i),
+        }
+        for i in range(SIZES["llava"])
+    ]
+    (tmp_path / "llava.json").write_text(json.dumps(llava))
+    return {
+        "trl": str(tmp_path / "trl.jsonl"),
+        "lf": f"{tmp_path / 'dataset_info.json'}#mine",
+        "llava": str(tmp_path / "llava.json"),
+    }
+
+
+def mixture(sources: dict[str, str], shares: dict[str, dict]) -> list[DataSource]:
+    return [DataSource(sources[name], **share) for name, share in shares.items()]
+
+
+WEIGHTS = {"trl": {"weight": 0.5}, "lf": {"weight": 0.3}, "llava": {"weight": 0.2}}
+
+
+def by_text(rows, source: str):
+    """A stand-in for the stage's length check: each row's length is its question's characters."""
+    return rows, [len(m[0]["content"][-1]["text"]) for m in rows["messages"]], {}
+
+
+def drawn(sources, shares, seed: int, total: int | None = None, split: str = "train"):
+    """The rows drawn from a mixture (and the mixture, with its report), as a stage draws them."""
+    settings = DataSettings(train=mixture(sources, shares), eval=None, max_train_samples=total)
+    if split == "eval":  # the train split one source, the eval split the list
+        settings.train, settings.eval, settings.max_eval_samples = sources["trl"], settings.train, total
+    data = load_stage_data(settings)
+    rows, lengths, _ = draw_mixture(data.mixtures[split], by_text, seed)
+    return rows, lengths, data.mixtures[split]
+
+
+def questions(rows) -> list[str]:
+    return [m[0]["content"][-1]["text"].split(":")[0].strip() for m in rows["messages"]]
+
+
+def test_ten_thousand_draws_give_each_source_its_weight_in_one_seeded_order(sources):
+    rows, lengths, mix = drawn(sources, WEIGHTS, seed=0, total=10_000)
+    assert len(rows) == len(lengths) == 10_000
+    order = questions(rows)
+    per_source = Counter(question.split("-")[0] for question in order)
+    assert per_source == {"trl": 5000, "lf": 3000, "llava": 2000}  # the rounded counts, exactly
+    for name, share in WEIGHTS.items():
+        assert abs(per_source[name] / 10_000 - share["weight"]) <= 0.02
+    # a small source repeats: every row of it as often as the others, give or take one
+    for name, size in SIZES.items():
+        times = Counter(q for q in order if q.startswith(f"{name}-"))
+        assert len(times) == size and max(times.values()) - min(times.values()) <= 1, times
+    # the sources are shuffled together, not laid end to end
+    assert len(set(order[:100])) > 10 and {q.split("-")[0] for q in order[:100]} == set(SIZES)
+    assert [r["rows"] for r in mix.report] == [5000, 3000, 2000]
+    assert [r["source_rows"] for r in mix.report] == [5, 3, 7]
+    assert [r["format"] for r in mix.report] == [
+        "TRL conversational",
+        "sharegpt (dataset_info.json#mine)",
+        "sharegpt conversations (LLaMA-Factory, LLaVA)",
+    ]
+    assert [r["weight"] for r in mix.report] == [0.5, 0.3, 0.2]
+    assert sum(r["tokens"] for r in mix.report) == sum(lengths)
+    assert mix.report[0]["tokens"] == sum(
+        n for q, n in zip(order, lengths, strict=True) if q.startswith("trl")
+    )
+
+    again, _, _ = drawn(sources, WEIGHTS, seed=0, total=10_000)
+    assert questions(again) == order  # the same seed: the same rows in the same order
+    other, _, other_mix = drawn(sources, WEIGHTS, seed=1, total=10_000)
+    assert questions(other) != order  # another seed: another order, the same counts
+    assert [r["rows"] for r in other_mix.report] == [5000, 3000, 2000]
+
+
+def test_samples_give_exactly_that_many_rows_and_an_unset_total_is_every_sources_rows(sources):
+    rows, _, mix = drawn(sources, {"trl": {"samples": 12}, "lf": {"samples": 2}, "llava": {"samples": 7}}, 3)
+    assert Counter(q.split("-")[0] for q in questions(rows)) == {"trl": 12, "lf": 2, "llava": 7}
+    assert [r["samples"] for r in mix.report] == [12, 2, 7] and "weight" not in mix.report[0]
+    # the same rows of a source whose share is all its rows: each once
+    assert sorted(q for q in questions(rows) if q.startswith("llava")) == [f"llava-{i}" for i in range(7)]
+    # no max_train_samples: the epoch is as many rows as the sources hold (15), shared by weight
+    rows, _, mix = drawn(sources, WEIGHTS, seed=0)
+    assert len(rows) == 15 and [r["rows"] for r in mix.report] == [8, 4, 3]  # 7.5, 4.5, 3.0 rounded to 15
+    # max_train_samples below the samples' sum shrinks every source in proportion
+    counts = row_counts([5, 3], [DataSource("a", samples=30), DataSource("b", samples=10)], 8)
+    assert counts == [6, 2]
+
+
+def test_an_eval_list_keeps_every_row_of_each_source_in_order_with_its_source(sources):
+    rows, _, mix = drawn({k: sources[k] for k in ("trl", "llava")}, {"trl": {}, "llava": {}}, 0, split="eval")
+    assert questions(rows) == [f"trl-{i}" for i in range(5)] + [f"llava-{i}" for i in range(7)]
+    assert rows[MIXTURE_SOURCE_COLUMN] == [sources["trl"]] * 5 + [sources["llava"]] * 7
+    assert [r.get("all_rows") for r in mix.report] == [True, True]
+    # max_eval_samples: the first N rows of each source
+    rows, _, _ = drawn({k: sources[k] for k in ("trl", "llava")}, {"trl": {}, "llava": {}}, 0, 2, "eval")
+    assert questions(rows) == ["trl-0", "trl-1", "llava-0", "llava-1"]
+
+
+def test_sources_whose_columns_hold_other_kinds_of_values_draw_as_one_table(tmp_path, sources):
+    """A TRL file whose content parts carry a key the others lack (Arrow will not concatenate those tables
+    as they are): its rows and the others' are read again as one table."""
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "odd-0: colour?", "lang": "en"}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "red", "lang": "en"}]},
+        ],
+        "images": ["red.png"],
+    }
+    (tmp_path / "odd.jsonl").write_text(json.dumps(row) + "\n")
+    rows, _, _ = drawn(
+        {**sources, "odd": str(tmp_path / "odd.jsonl")}, {"trl": {"samples": 2}, "odd": {"samples": 2}}, 0
+    )
+    asked = questions(rows)
+    assert asked.count("odd-0") == 2 and len([q for q in asked if q.startswith("trl-")]) == 2
+    assert all(image.size == (56, 56) for images in rows["images"] for image in images)
+
+
+def test_a_recipe_reads_a_mixture_and_bare_paths_in_an_eval_list(tmp_path, sources):
+    body = f"""model: demo:tiny-qwen2-vl
+data:
+  train:
+    - {{path: {sources["trl"]}, weight: 0.5}}
+    - {{path: "{sources["lf"]}", weight: 0.3}}
+    - {{path: {sources["llava"]}, weight: 0.2}}
+  eval: [{sources["trl"]}, {sources["llava"]}]
+stages:
+  - name: s
+    train: {{llm: lora}}
+"""
+    recipe = load_recipe(str(write_recipe(tmp_path, "mix", body)))
+    data = recipe.stages[0].data
+    assert data.train == mixture(sources, WEIGHTS)
+    assert data.eval == [DataSource(sources["trl"]), DataSource(sources["llava"])]
+    # a single string is one source, as before; an override replaces the mixture with it
+    assert (
+        load_recipe(str(tmp_path / "mix.yaml"), [f"data.train={sources['trl']}"]).stages[0].data.train
+        == (sources["trl"])
+    )
+
+
+MIXTURE_STAGE = [
+    "training.per_device_batch_size=2",
+    "training.logging_steps=1",
+    "precision=fp32",
+    "evaluation.max_new_tokens=2",
+]
+
+
+def test_a_stage_trains_on_a_mixture_and_its_report_records_the_draw(tmp_path, sources, capsys, caplog):
+    shares = ", ".join(
+        f'{{path: "{sources[name]}", weight: {share["weight"]}}}' for name, share in WEIGHTS.items()
+    )
+    body = f"""model: demo:tiny-qwen2-vl
+data:
+  train: [{shares}]
+  eval: ["{sources["trl"]}", "{sources["llava"]}"]
+  max_train_samples: 20
+  max_eval_samples: 2
+stages:
+  - name: mix
+    train: {{llm: lora}}
+"""
+    recipe = str(write_recipe(tmp_path, "mix", body))
+    out = tmp_path / "runs"
+    assert main(["--recipe", recipe, "--dry-run", "--output-dir", str(out)]) == 0
+    assert f"{sources['trl']} (weight 0.5) + {sources['lf']} (weight 0.3)" in capsys.readouterr().out
+
+    caplog.set_level(logging.INFO)
+    args = [
+        "--recipe",
+        recipe,
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        "run",
+        *MIXTURE_STAGE,
+    ]
+    assert main(args) == 0
+    stage_dir = out / "mix" / "run" / "stage-1-mix"
+    report = read_json(stage_dir / "report.json")["data"]
+    assert report["train_rows"] == 20 and report["eval_rows"] == 4
+    assert [(r["source"], r["weight"], r["rows"]) for r in report["mixture"]] == [
+        (sources["trl"], 0.5, 10),
+        (sources["lf"], 0.3, 6),
+        (sources["llava"], 0.2, 4),
+    ]
+    assert all(r["tokens"] > 0 for r in report["mixture"])
+    assert [(r["source"], r["rows"]) for r in report["eval_mixture"]] == [
+        (sources["trl"], 2),
+        (sources["llava"], 2),
+    ]
+    assert (
+        "data: train mixture, 20 rows an epoch (seed 42):" in caplog.text
+        and "sharegpt (dataset_info.json#mine)" in caplog.text
+    )
+    answered = [json.loads(line) for line in (stage_dir / "predictions.jsonl").read_text().splitlines()]
+    assert len(answered) == 4
+
+
+def test_a_stage_on_a_mixture_killed_mid_epoch_resumes_to_the_same_weights(tmp_path, sources, caplog):
+    shares = ", ".join(f'{{path: "{sources[n]}", weight: {s["weight"]}}}' for n, s in WEIGHTS.items())
+    # 40 rows an epoch at 4 a step: 10 steps; 6 trained, killed after step 5, resumed from checkpoint 4
+    extra = (
+        f"data.train=[{shares}]",
+        "data.max_train_samples=40",
+        "data.eval=null",
+        "precision=fp32",
+        "training.per_device_batch_size=4",
+        "training.save_steps=2",
+        "training.learning_rate=1e-3",  # moves the weights far past fp32's rounding in 6 steps
+        "--max-steps",
+        "6",
+    )
+    reference = tmp_path / "reference"
+    assert main(r2_command(reference, *extra)) == 0
+    killed = run_train(*r2_command(tmp_path, *extra), fault="stage1:step5", timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = tmp_path / "r2-vision-only" / "run"
+    caplog.set_level(logging.INFO)
+    assert main(["--resume", str(run_dir)]) == 0
+    assert f"resuming from {run_dir / 'stage-1-vision-full/checkpoints/checkpoint-4'}" in caplog.text
+
+    def weights(run: Path) -> dict[str, torch.Tensor]:
+        model = AutoModelForImageTextToText.from_pretrained(run / "stage-1-vision-full" / "final")
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    resumed, uninterrupted = weights(run_dir), weights(reference / "r2-vision-only" / "run")
+    start = AutoModelForImageTextToText.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
+    moved = {n: (resumed[n] - p.detach()).abs().max().item() for n, p in start.named_parameters()}
+    # the tower and projector trained (31 of 58 tensors): the equality below is of trained weights
+    assert max(moved.values()) > 1e-3 and sum(m > 0 for m in moved.values()) > len(moved) // 2, moved
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    report = read_json(run_dir / "stage-1-vision-full" / "report.json")["data"]["mixture"]
+    assert [r["rows"] for r in report] == [20, 12, 8]
+
+
+def bad_mixture(tmp_path: Path, sources: dict[str, str], entries: str, extra: str = "") -> list[str]:
+    body = f"model: demo:tiny-qwen2-vl\ndata:\n  train: {entries}\n{extra}stages:\n  - name: s\n    train: {{llm: lora}}\n"
+    return ["--recipe", str(write_recipe(tmp_path, "bad", body))]
+
+
+BAD_MIXTURES = {
+    "unknown key": (
+        '[{{path: "{trl}", weight: 1}}, {{path: "{llava}", wieght: 1}}]',
+        "stages[0].data.train[1].wieght: unknown key; did you mean `weight`?",
+    ),
+    "negative weight": (
+        '[{{path: "{trl}", weight: 1}}, {{path: "{llava}", weight: -0.3}}]',
+        "stages[0].data.train[1].weight: must be above 0 (a share of the epoch's rows), got -0.3",
+    ),
+    "zero weight": (
+        '[{{path: "{trl}", weight: 0}}, {{path: "{llava}", weight: 1}}]',
+        "stages[0].data.train[0].weight: must be above 0 (a share of the epoch's rows), got 0.0",
+    ),
+    "weights and samples mixed": (
+        '[{{path: "{trl}", weight: 0.5}}, {{path: "{llava}", samples: 10}}]',
+        "stages[0].data.train[1].samples: weights (data.train[0]) and samples mixed in one list",
+    ),
+    "weight and samples in one entry": (
+        '[{{path: "{trl}", weight: 0.5, samples: 3}}]',
+        "stages[0].data.train[0]: gives both `weight` and `samples`: keep one",
+    ),
+    "an entry without a share": (
+        '[{{path: "{trl}", weight: 0.5}}, "{llava}"]',
+        "stages[0].data.train[1]: no `weight` or `samples`",
+    ),
+    "a missing file": (
+        '[{{path: "{trl}", weight: 0.5}}, {{path: "{missing}", weight: 0.5}}]',
+        "stages[0].data.train[1].path: data file not found: {missing} (check the path, or remove the entry)",
+    ),
+    "a missing dataset_info.json": (
+        '[{{path: "{trl}", weight: 0.5}}, {{path: "{missing_info}#mine", weight: 0.5}}]',
+        "stages[0].data.train[1].path: dataset_info file not found: {missing_info}",
+    ),
+    "an unknown demo id": (
+        '[{{path: "{trl}", weight: 0.5}}, {{path: "demo:trian", weight: 0.5}}]',
+        "stages[0].data.train[1].path: unknown demo data `demo:trian`",
+    ),
+    "an empty list": ("[]", "stages[0].data.train: an empty list"),
+    "an entry of the wrong kind": (
+        '[{{path: "{trl}", weight: 0.5}}, 3]',
+        "stages[0].data.train[1]: expected a mapping",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_MIXTURES))
+def test_a_bad_mixture_is_a_recipe_error_naming_the_entry(name, tmp_path, sources, capsys):
+    names = {
+        **sources,
+        "missing": str(tmp_path / "none.jsonl"),
+        "missing_info": str(tmp_path / "no" / "dataset_info.json"),
+    }
+    entries, message = (text.format(**names) for text in BAD_MIXTURES[name])
+    out = tmp_path / "runs"
+    code = main([*bad_mixture(tmp_path, sources, entries), "--output-dir", str(out), "--run-name", "bad"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"bad.yaml: {message}" in err
+    assert "Traceback" not in err
+    assert not out.exists(), "found when the recipe loads: no run begins"
