@@ -28,6 +28,7 @@ from vlm_recipes.files import read_json
 from vlm_recipes.recipes.data_sources import DataSource
 from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
+from vlm_recipes.scoring import score_predictions
 
 COLOURS = ("red", "green", "blue", "yellow", "purple")
 SIZES = {"trl": 5, "lf": 3, "llava": 7}  # rows per source: each smaller than its share, so each repeats
@@ -394,3 +395,50 @@ def test_a_bad_mixture_is_a_recipe_error_naming_the_entry(name, tmp_path, source
     assert f"bad.yaml: {message}" in err
     assert "Traceback" not in err
     assert not out.exists(), "found when the recipe loads: no run begins"
+
+
+def test_the_mixture_recipe_scores_each_eval_source_and_its_report_page_shows_them(tmp_path, caplog):
+    """recipes/r3-two-stage-mixture.yaml end to end on the tiny demo model: its last stage's eval is scored
+    per source (`source:<path as the recipe names it>`) as well as overall, every prediction keeps its
+    source, and the run's report page has a row per source."""
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "runs"
+    args = ["--recipe", "r3-two-stage-mixture", "--max-steps", "2", "--output-dir", str(out)]
+    overrides = ["data.max_train_samples=8", "data.max_eval_samples=3", "training.per_device_batch_size=2"]
+    assert (
+        main([*args, "--run-name", "run", *overrides, "precision=fp32", "evaluation.max_new_tokens=2"]) == 0
+    )
+    run_dir = out / "r3-two-stage-mixture" / "run"
+    stage_dir = run_dir / "stage-2-llm-lora"
+    scores = read_json(stage_dir / "metrics.json")["eval"]
+    sources = ["demo:eval", "demo:pretraining-eval"]
+    per_source = [scores[f"source:{source}"] for source in sources]
+    assert [entry["rows"] for entry in per_source] == [3, 3] and scores["all"]["rows"] == 6
+    recombined = sum(entry["exact_match"] * entry["rows"] for entry in per_source) / scores["all"]["rows"]
+    assert recombined == pytest.approx(scores["all"]["exact_match"])
+    answered = [json.loads(line) for line in (stage_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [record["source"] for record in answered] == [sources[0]] * 3 + [sources[1]] * 3
+    assert "    demo:pretraining-eval: exact match" in caplog.text
+    page = (run_dir / "report.html").read_text()
+    assert "<h3>Per-source metrics</h3>" in page
+    for source, entry in zip(sources, per_source, strict=True):
+        assert f'<tr class="source-row"><td>{source}</td><td class="">{entry["exact_match"]:.3f}' in page
+
+
+def test_eval_scores_are_grouped_per_source_and_recombine_to_the_overall_ones():
+    records = [
+        {"reference": "red", "output": "red", "source": "a.jsonl", "task": "colour"},
+        {"reference": "blue", "output": "green", "source": "a.jsonl", "task": "colour"},
+        {"reference": "square", "output": "square", "source": "demo:eval", "task": "kind"},
+        {"reference": '{"n": 1}', "output": '{"n": 1}', "source": "demo:eval"},
+        {"reference": "circle", "output": "circle", "source": "demo:eval"},
+    ]
+    scores = score_predictions(records)
+    assert (scores["source:a.jsonl"]["rows"], scores["source:a.jsonl"]["exact_match"]) == (2, 0.5)
+    assert (scores["source:demo:eval"]["rows"], scores["source:demo:eval"]["exact_match"]) == (3, 1.0)
+    assert (
+        scores["source:demo:eval"]["json_fields"]["f1"] == 1.0
+        and "json_fields" not in scores["source:a.jsonl"]
+    )
+    assert scores["all"]["exact_match"] == pytest.approx((2 * 0.5 + 3 * 1.0) / 5)
+    assert scores["task:colour"]["rows"] == 2  # tasks are still grouped beside the sources

@@ -146,18 +146,20 @@ def precision_recall_f1(tp: int, fp: int, fn: int) -> dict[str, float]:
 
 
 def score_predictions(records: Iterable[dict], tolerance: float = 0.01, metrics: Iterable[str] = ()) -> dict:
-    """Aggregate scores over prediction records (`reference`, `output`, optional `task`).
+    """Aggregate scores over prediction records (`reference`, `output`, optional `task` and `source`).
 
     Exact match for every row; JSON field precision/recall/F1 for rows whose reference is a JSON object;
     the mean of each of `metrics` a record carries a score for (the benchmarks' metrics, scored per row by
-    evaluation/benchmarks.py), over the rows that carry one (`rows_scored`). Also broken down per task when
-    rows carry one."""
+    evaluation/benchmarks.py), over the rows that carry one (`rows_scored`). Also broken down per task
+    (`task:<name>`) and per source of an eval mixture (`source:<path as the recipe names it>`) when rows
+    carry one."""
     metrics = tuple(metrics)
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         groups["all"].append(record)
-        if record.get("task"):
-            groups[f"task:{record['task']}"].append(record)
+        for key in ("task", "source"):
+            if record.get(key):
+                groups[f"{key}:{record[key]}"].append(record)
     scores = {}
     for name, rows in groups.items():
         entry: dict = {

@@ -3,9 +3,10 @@ page itself: one self-contained HTML file (comparison.html of `compare`, report.
 puts the image beside every answer.
 
 What it holds, per eval set: the metrics table (mean ± std over seeds, marked where a recipe is further from
-the best than the seed spread), every run's train and eval loss curves on shared axes, the per-task metrics,
-and the eval rows whose answers differ between the columns (every recipe's and stage's answer) with each
-row's image(s) or a clip's frames, the question and the reference, right and wrong marked. The page filters
+the best than the seed spread), every run's train and eval loss curves on shared axes, the per-task metrics
+(and per source, where the eval is a mixture), and the eval rows whose answers differ between the columns
+(every recipe's and stage's answer) with each row's image(s) or a clip's frames, the question and the
+reference, right and wrong marked. The page filters
 the rows by task and by "any answer wrong".
 
 Self-contained: images are embedded as JPEG thumbnails (data URIs), the curves as matplotlib's SVG, the
@@ -86,6 +87,7 @@ def render_page(comparison: Comparison, title: str) -> str:
         ]
         parts.append(f"<h3>Loss curves</h3>\n{curves_svg(rows)}")
         parts.append(task_table(rows))
+        parts.append(task_table(rows, by="source"))  # an eval mixture's sources (data.eval as a list)
         parts.append(answers_section(group_answers(rows, count=10**9)))
         parts.append("</section>")
     return PAGE.format(title=_text(title), style=STYLE, body="\n".join(parts), script=SCRIPT)
@@ -109,37 +111,43 @@ def _mark_class(cell: str) -> str:
     return "beyond" if cell.endswith(" *") else "best" if cell.endswith(" (best)") else ""
 
 
-def task_table(rows: list[RecipeRow]) -> str:
-    """Exact match (and JSON field F1 where a task's references are JSON, each benchmark metric where it
-    scored a task's rows) per task and recipe, mean ± std, marked against the task's best as the metrics
-    table is."""
-    tasks = sorted({task for row in rows for run in row.runs for task in run.task_scores})
-    if not tasks:
+def task_table(rows: list[RecipeRow], by: str = "task") -> str:
+    """Exact match (and JSON field F1 where a group's references are JSON, each benchmark metric where it
+    scored a group's rows) per task (`by` "task") or per source of an eval mixture (`by` "source") and
+    recipe, mean ± std, marked against the group's best as the metrics table is."""
+    scores = {"task": "task_scores", "source": "source_scores"}[by]
+    groups = sorted({group for row in rows for run in row.runs for group in getattr(run, scores)})
+    if not groups:
         return ""
-    metrics = [m for m in TASK_METRICS if any(_task_values(r, t, m) for r in rows for t in tasks)]
+    metrics = [m for m in TASK_METRICS if any(_task_values(r, g, m, scores) for r in rows for g in groups)]
     body = []
-    for task in tasks:
-        cells = [f"<td>{_text(task)}</td>"]
+    for group in groups:
+        cells = [f"<td>{_text(group)}</td>"]
         for metric in metrics:
-            values = {row.recipe: _task_values(row, task, metric) for row in rows}
+            values = {row.recipe: _task_values(row, group, metric, scores) for row in rows}
             marks = marks_against_best({r: v for r, v in values.items() if v}, higher_is_better=True)
             for row in rows:
                 shown = _mean_std(values[row.recipe]) + MARKS[marks.get(row.recipe, "")]
                 cells.append(f'<td class="{_mark_class(shown)}">{_text(shown)}</td>')
-        body.append(f"<tr>{''.join(cells)}</tr>")
+        body.append(f'<tr class="{by}-row">{"".join(cells)}</tr>')
     recipes = "".join(f"<th>{_text(row.recipe)}</th>" for row in rows)
-    head = "<tr><th rowspan=2>task</th>" + "".join(
+    head = f"<tr><th rowspan=2>{by}</th>" + "".join(
         f"<th colspan={len(rows)}>{_text(TASK_METRICS[m])}</th>" for m in metrics
     )
     head += f"</tr><tr>{recipes * len(metrics)}</tr>"
-    return f'<h3>Per-task metrics</h3><table class="metrics">{head}{"".join(body)}</table>'
+    return f'<h3>Per-{by} metrics</h3><table class="metrics">{head}{"".join(body)}</table>'
 
 
 TASK_METRICS = {"exact_match": "exact match", "json_f1": "JSON field F1"} | BENCHMARK_LABELS
 
 
-def _task_values(row: RecipeRow, task: str, metric: str) -> list[float]:
-    return [run.task_scores[task][metric] for run in row.runs if metric in run.task_scores.get(task, {})]
+def _task_values(row: RecipeRow, group: str, metric: str, scores: str = "task_scores") -> list[float]:
+    """A task's (or a source's: `scores` "source_scores") `metric` in each of the row's runs that has it."""
+    return [
+        getattr(run, scores)[group][metric]
+        for run in row.runs
+        if metric in getattr(run, scores).get(group, {})
+    ]
 
 
 def _mean_std(values: list[float]) -> str:

@@ -49,6 +49,7 @@ class RunSummary:
     reward_at_start: float | None = None
     eval_loss_curve: list[tuple[int, float]] = field(default_factory=list)  # the SFT stages' eval losses
     task_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task → metric → its score
+    source_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # an eval mixture's, per source
     # the last stage's eval_<metric> of each benchmark metric its eval computed (metric → mean over its rows)
     benchmark_scores: dict[str, float] = field(default_factory=dict)
 
@@ -100,19 +101,21 @@ def load_run(run_dir: Path) -> RunSummary:
         rewards=reward_formula(manifest) if sampled else None,
         eval_loss_curve=curves["sft_eval"],
         task_scores=task_scores(last.get("eval") or {}),
+        source_scores=task_scores(last.get("eval") or {}, "source:"),
         benchmark_scores={
             m: last[f"eval_{m}"] for m in BENCHMARK_METRICS if last.get(f"eval_{m}") is not None
         },
     )
 
 
-def task_scores(scores: dict) -> dict[str, dict[str, float]]:
-    """The last stage's eval scores per task (`task:<name>` in metrics.json's eval): exact match, the JSON
-    field F1 where the task's references are JSON, and each benchmark metric that scored some of its rows."""
+def task_scores(scores: dict, prefix: str = "task:") -> dict[str, dict[str, float]]:
+    """The last stage's eval scores per task (`task:<name>` in metrics.json's eval), or per source of an eval
+    mixture (`prefix` "source:"): exact match, the JSON field F1 where the group's references are JSON, and
+    each benchmark metric that scored some of its rows."""
     out = {}
     for name, entry in scores.items():
-        if name.startswith("task:"):
-            out[name.removeprefix("task:")] = (
+        if name.startswith(prefix):
+            out[name.removeprefix(prefix)] = (
                 {"exact_match": entry["exact_match"]}
                 | ({"json_f1": entry["json_fields"]["f1"]} if entry.get("json_fields") else {})
                 | {m: entry[m] for m in BENCHMARK_METRICS if entry.get(m) is not None}

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from vlm_recipes.data.collate import attach_videos
 from vlm_recipes.data.images import upright_rgb
+from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.benchmarks import Box, Targets, answer_scores, choose_eval_metrics, row_targets
@@ -38,6 +39,7 @@ class Prompt:
     text: str = field(default="")  # the user's words, for predictions.jsonl
     videos: list[str] = field(default_factory=list)  # for the video parts, decoded batch by batch
     targets: Targets | None = None  # what the row carries for the benchmarks' metrics
+    source: str | None = None  # an eval mixture's row: its source, as the recipe names it
 
 
 def attach_images(messages: list[dict], images: list) -> list[dict]:
@@ -101,6 +103,7 @@ def prompts_from_rows(rows: Iterable[dict], source: str = "eval") -> list[Prompt
                 text=user_text,
                 videos=list(row.get("videos") or []),
                 targets=row_targets(row, reference, f"{source} row {row_id}"),
+                source=row.get(MIXTURE_SOURCE_COLUMN),
             )
         )
     return prompts
@@ -223,6 +226,8 @@ def evaluate_generation(
     for p, generated in zip(prompts, answers, strict=True):
         answer = final_answer(generated)
         record = {"id": p.id, "task": p.task, "prompt": p.text, "reference": p.reference, "output": answer}
+        if p.source is not None:
+            record["source"] = p.source  # scored per source too (scoring.score_predictions)
         if answer != generated:
             record["thinking"] = generated.rsplit(THINK_END, 1)[0]
         record["exact_match"] = exact_match(answer, p.reference or "")

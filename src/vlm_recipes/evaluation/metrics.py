@@ -51,8 +51,8 @@ def answers_box_format(stage: Stage, built: BuiltModel) -> str | None:
 
 def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stage_dir: Path) -> dict:
     """Greedy answers for the eval split, scored; predictions saved beside the metrics. Returns what
-    metrics.json gains: `eval` (the scores overall and per task) and `eval_<metric>`, the mean of each of
-    the benchmarks' metrics the eval computed."""
+    metrics.json gains: `eval` (the scores overall, per task and per source of an eval mixture) and
+    `eval_<metric>`, the mean of each of the benchmarks' metrics the eval computed."""
     settings = stage.evaluation
     # The same autocast as training: trainable fp32 and frozen half-precision weights meet in one forward.
     autocast = built.compute_dtype if built.compute_dtype != torch.float32 else None
@@ -86,6 +86,10 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
         f"; JSON field F1 {fields['f1']:.3f}" if fields else "",
         "".join(shown),
     )
+    for name, entry in scores.items():  # an eval mixture: each source's exact match under the overall
+        if name.startswith("source:"):
+            source = name.removeprefix("source:")
+            log.info("    %s: exact match %.3f on %d rows", source, entry["exact_match"], entry["rows"])
     return {"eval": scores, **means}
 
 
