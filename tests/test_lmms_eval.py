@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_train
+from test_families import TINY_RUN
 
 from vlm_recipes.cli import main as vlm_recipes
 from vlm_recipes.cli.lmms_eval import (
@@ -348,14 +349,6 @@ def test_the_command_files_a_result_only_when_lmms_eval_wrote_one(tmp_path, mode
 
 # ------------------------------------------------------------------------------- the real lmms-eval
 
-TINY_RUN = [
-    "--max-steps",
-    "2",
-    "training.per_device_batch_size=4",
-    "data.max_train_samples=8",
-    "data.max_eval_samples=4",
-    "evaluation.max_new_tokens=4",
-]
 
 # A task of one's own (lmms-eval's task YAML, https://github.com/EvolvingLMMs-Lab/lmms-eval docs/task_guide.md
 # form): its rows in a local JSON Lines file, read by `datasets`' json builder, so no hub is asked.

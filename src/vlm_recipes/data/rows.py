@@ -202,27 +202,9 @@ ALL_COLUMNS: tuple[str, ...] = ("*",)
 MESSAGES: RowFormat = (row_problem, ("messages", "images"))
 
 
-def load_split(
-    source: str,
-    split: str,
-    max_samples: int | None,
-    on_bad_sample: str = "fail",
-    allow_remote_images: bool = False,
-    row_format: RowFormat | None = None,
-    video: VideoRules | None = None,
-    path: str | None = None,
-    extra_columns: tuple[str, ...] = (),
-) -> tuple[datasets.Dataset, dict[str, int]]:
-    """Load one split (from `path`, where the recipe's `source` was found when the run was planned: a
-    demo id's file; else `source` itself), check every row (`messages` rows, or another format such as preference.PREFERENCE
-    for method dpo; videos by `video`), and turn image paths into decodable Image features and video paths
-    into paths from the working directory. The row format's columns are kept, `id`, `task` and
-    `extra_columns` beside them (an eval split's formats.EVAL_COLUMNS).
-
-    Returns the dataset and the count of skipped rows per reason (`on_bad_sample: skip`)."""
-    rows, skipped, _ = read_split(
-        source, split, max_samples, on_bad_sample, allow_remote_images, row_format, video, path, extra_columns
-    )
+def load_split(*args, **kwargs) -> tuple[datasets.Dataset, dict[str, int]]:
+    """read_split's rows and skipped counts, without the source's format."""
+    rows, skipped, _ = read_split(*args, **kwargs)
     return rows, skipped
 
 
@@ -237,7 +219,14 @@ def read_split(
     path: str | None = None,
     extra_columns: tuple[str, ...] = (),
 ) -> tuple[datasets.Dataset, dict[str, int], str]:
-    """load_split's rows and skip counts, and the format the source was in (a mixture reports each one's)."""
+    """Load one split (from `path`, where the recipe's `source` was found when the run was planned: a
+    demo id's file; else `source` itself), check every row (`messages` rows, or another format such as preference.PREFERENCE
+    for method dpo; videos by `video`), and turn image paths into decodable Image features and video paths
+    into paths from the working directory. The row format's columns are kept, `id`, `task` and
+    `extra_columns` beside them (an eval split's formats.EVAL_COLUMNS).
+
+    Returns the dataset, the count of skipped rows per reason (`on_bad_sample: skip`) and the format the source
+    was in (a mixture reports each one's)."""
     check, columns = row_format or MESSAGES
     loaded = read_source(path or source, split)
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
