@@ -439,3 +439,61 @@ def test_the_report_page_shows_each_rows_scores_beside_its_answer(tmp_path):
     assert f"  {'llm'.ljust(len('reference'))}  red  [exact match 1 · VQA acc 1 · option acc 1]" in text
     markdown = format_answers_markdown(side_by_side([("", run_dir)], 3))
     assert "| tower | blue | exact match 0 · VQA acc 0.67 · option acc 1 |" in markdown
+
+
+# A stage trained on a mixture of sources (report.json's data.mixture)
+
+MIXTURE = [
+    {
+        "source": "demo:train",
+        "format": "TRL conversational",
+        "weight": 0.7,
+        "source_rows": 48,
+        "rows": 118,
+        "tokens": 4130,
+    },
+    {
+        "source": "extra.jsonl",
+        "format": "sharegpt",
+        "samples": 50,
+        "source_rows": 20,
+        "rows": 50,
+        "tokens": 1750,
+    },
+]
+
+
+def mixture_run(root: Path) -> Path:
+    """A finished two-stage run whose second stage's report.json records its draw from two sources (the first
+    stage's, from a single source, records none)."""
+    metrics = stage_metrics(3, [2.0, 1.5, 1.2])
+    run_dir = write_finished_run(root, [("tower", "sft", metrics), ("llm-lora", "sft", metrics)])
+    (run_dir / "stage-1-tower" / "report.json").write_text(json.dumps({"data": {"mixture": None}}))
+    report = {"data": {"mixture": MIXTURE, "eval_mixture": None}}
+    (run_dir / "stage-2-llm-lora" / "report.json").write_text(json.dumps(report))
+    return run_dir
+
+
+def test_a_stage_trained_on_a_mixture_shows_each_sources_draw_in_compare_and_on_the_report_page(tmp_path):
+    mixed = mixture_run(tmp_path / "runs" / "r3-mix" / "t")
+    plain = write_finished_run(tmp_path / "runs" / "r1" / "t", [("llm", "sft", stage_metrics(2, [2.0, 1.0]))])
+    assert load_run(mixed).mixtures == {"llm-lora": MIXTURE} and load_run(plain).mixtures == {}
+
+    line = "mixture (r3-mix, llm-lora): demo:train 0.7 → 118 rows, extra.jsonl samples 50 → 50 rows"
+    comparison = compare_runs([load_run(mixed), load_run(plain)])
+    text = format_comparison(comparison, answer_rows=0)
+    assert line in text.splitlines() and text.count("mixture (") == 1  # the plain run has none
+    assert f"- {line}" in format_markdown(comparison, None, answer_rows=0).splitlines()
+
+    page = write_run_page(mixed).read_text()
+    assert "<h3>Training mixtures</h3>" in page and "<caption>r3-mix / llm-lora</caption>" in page
+    rows = re.findall(r'<tr class="mixture-row">(.*?)</tr>', page)
+    assert [re.findall(r"<td>(.*?)</td>", row) for row in rows] == [
+        ["demo:train", "TRL conversational", "weight 0.7", "118", "4,130"],
+        ["extra.jsonl", "sharegpt", "samples 50", "50", "1,750"],
+    ]
+    several = render_page(comparison, "Recipe comparison")  # comparison.html: the mixture run's table only
+    assert several.count('<tr class="mixture-row">') == 2
+
+    for page in (write_run_page(plain).read_text(), render_page(compare_runs([load_run(plain)]), "t")):
+        assert "mixture" not in page

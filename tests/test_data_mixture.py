@@ -400,7 +400,8 @@ def test_a_bad_mixture_is_a_recipe_error_naming_the_entry(name, tmp_path, source
 def test_the_mixture_recipe_scores_each_eval_source_and_its_report_page_shows_them(tmp_path, caplog):
     """recipes/r3-two-stage-mixture.yaml end to end on the tiny demo model: its last stage's eval is scored
     per source (`source:<path as the recipe names it>`) as well as overall, every prediction keeps its
-    source, and the run's report page has a row per source."""
+    source, and the run's report page has a row per source, and a table of its last stage's training draw
+    (a row per source of the mixture, as report.json records it)."""
     caplog.set_level(logging.INFO)
     out = tmp_path / "runs"
     args = ["--recipe", "r3-two-stage-mixture", "--max-steps", "2", "--output-dir", str(out)]
@@ -423,6 +424,12 @@ def test_the_mixture_recipe_scores_each_eval_source_and_its_report_page_shows_th
     assert "<h3>Per-source metrics</h3>" in page
     for source, entry in zip(sources, per_source, strict=True):
         assert f'<tr class="source-row"><td>{source}</td><td class="">{entry["exact_match"]:.3f}' in page
+    drawn = read_json(stage_dir / "report.json")["data"]["mixture"]  # the training draw
+    assert [row["source"] for row in drawn] == ["demo:train", "demo:pretraining-train"]
+    assert "<caption>r3-two-stage-mixture / llm-lora</caption>" in page
+    for row in drawn:
+        assert f'<tr class="mixture-row"><td>{row["source"]}</td><td>{row["format"]}</td>' in page
+        assert f"<td>weight {row['weight']:g}</td><td>{row['rows']:,}</td><td>{row['tokens']:,}</td>" in page
 
 
 def test_eval_scores_are_grouped_per_source_and_recombine_to_the_overall_ones():

@@ -4,7 +4,8 @@ puts the image beside every answer.
 
 What it holds, per eval set: the metrics table (mean ± std over seeds, marked where a recipe is further from
 the best than the seed spread), every run's train and eval loss curves on shared axes, the per-task metrics
-(and per source, where the eval is a mixture), and the eval rows whose answers differ between the columns
+(and per source, where the eval is a mixture), each stage trained on a mixture's draw (source, format,
+share, rows drawn, tokens, from its report.json), and the eval rows whose answers differ between the columns
 (every recipe's and stage's answer) with each row's image(s) or a clip's frames, the question and the
 reference, right and wrong marked. The page filters
 the rows by task and by "any answer wrong".
@@ -25,6 +26,7 @@ from pathlib import Path
 from PIL import Image
 
 from vlm_recipes.comparison.answers import ROWS_SHOWN, WHEN, RowAnswers, format_scores
+from vlm_recipes.comparison.mixture_table import mixture_html
 from vlm_recipes.comparison.plot import draw_train_curves, plot_comparison
 from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, load_run
 from vlm_recipes.comparison.tables import (
@@ -35,6 +37,7 @@ from vlm_recipes.comparison.tables import (
     format_markdown,
     group_answers,
     marks_against_best,
+    mixture_draws,
     rewards_note,
     spread_note,
     table_rows,
@@ -88,6 +91,7 @@ def render_page(comparison: Comparison, title: str) -> str:
         parts.append(f"<h3>Loss curves</h3>\n{curves_svg(rows)}")
         parts.append(task_table(rows))
         parts.append(task_table(rows, by="source"))  # an eval mixture's sources (data.eval as a list)
+        parts.append(mixture_html(mixture_draws(rows)))  # each stage trained on a mixture: its draw
         parts.append(answers_section(group_answers(rows, count=10**9)))
         parts.append("</section>")
     return PAGE.format(title=_text(title), style=STYLE, body="\n".join(parts), script=SCRIPT)

@@ -1,4 +1,4 @@
-"""What one finished run's files say (run.json, each stage's metrics.json), for comparing runs; which runs
+"""What one finished run's files say (run.json, each stage's metrics.json and report.json), for comparing runs; which runs
 under a runs directory are finished. Nothing is computed again: a run is read from its files only."""
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class RunSummary:
     source_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # an eval mixture's, per source
     # the last stage's eval_<metric> of each benchmark metric its eval computed (metric → mean over its rows)
     benchmark_scores: dict[str, float] = field(default_factory=dict)
+    # stage name → its report.json's data.mixture (each source's share, rows drawn, tokens): the stages
+    # trained on a mixture of sources only
+    mixtures: dict[str, list[dict]] = field(default_factory=dict)
 
     def value(self, name: str) -> float | None:
         """A column's value: the attribute, or a benchmark metric's mean (None where not computed)."""
@@ -105,7 +108,20 @@ def load_run(run_dir: Path) -> RunSummary:
         benchmark_scores={
             m: last[f"eval_{m}"] for m in BENCHMARK_METRICS if last.get(f"eval_{m}") is not None
         },
+        mixtures=training_mixtures(manifest),
     )
+
+
+def training_mixtures(manifest: dict) -> dict[str, list[dict]]:
+    """Each stage trained on a mixture → its report.json's `data.mixture` (a stage without report.json, or
+    on a single source, has none)."""
+    out = {}
+    for stage in manifest["stages"]:
+        report = Path(stage["dir"]) / "report.json"
+        mixture = ((read_json(report) if report.exists() else {}).get("data") or {}).get("mixture")
+        if mixture:
+            out[stage["name"]] = mixture
+    return out
 
 
 def task_scores(scores: dict, prefix: str = "task:") -> dict[str, dict[str, float]]:

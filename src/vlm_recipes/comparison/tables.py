@@ -21,6 +21,7 @@ from vlm_recipes.comparison.answers import (
     format_answers_text,
     side_by_side,
 )
+from vlm_recipes.comparison.mixture_table import Draw, mixture_line
 from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, RunSummary
 from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS
 
@@ -151,6 +152,11 @@ def rewards_note(rows: list[RecipeRow]) -> str:
     return f"reward = {listed}" + (" (different rewards: compared only within the same)" if differ else "")
 
 
+def mixture_draws(rows: list[RecipeRow]) -> list[Draw]:
+    """Each stage trained on a mixture, of each recipe's first run (seeds draw the same rows per source)."""
+    return [(row.recipe, stage, draw) for row in rows for stage, draw in row.runs[0].mixtures.items()]
+
+
 def spread_note(rows: list[RecipeRow]) -> str:
     """The legend of the marks under a table ("" with a single recipe: nothing is compared)."""
     if len(rows) < 2:
@@ -245,6 +251,8 @@ def format_markdown(comparison: Comparison, png_name: str | None, answer_rows: i
         lines += ["| " + " | ".join(r).replace("*", "\\*") + " |" for r in body]
         for note in filter(None, (spread_note(rows), rewards_note(rows))):
             lines += ["", note.replace("*", "\\*")]
+        if draws := mixture_draws(rows):
+            lines += [""] + [f"- {mixture_line(draw)}".replace("*", "\\*") for draw in draws]
         lines += ["", "Runs: " + ", ".join(f"`{run.run_dir}`" for row in rows for run in row.runs), ""]
         if answers := format_answers_markdown(group_answers(rows, answer_rows), FIRST_RUNS):
             lines += ["### Answers", "", answers, ""]
@@ -270,6 +278,7 @@ def format_comparison(comparison: Comparison, answer_rows: int = ROWS_SHOWN) -> 
     for signature, rows in comparison.groups.items():
         parts += ["", f"Eval set {signature}", format_table(rows)]
         parts += filter(None, (spread_note(rows), rewards_note(rows)))
+        parts += [mixture_line(draw) for draw in mixture_draws(rows)]
         if answers := format_answers_text(group_answers(rows, answer_rows), FIRST_RUNS):
             parts += ["", answers]
     return "\n".join(parts)
