@@ -5,9 +5,11 @@ uninterrupted result, and bad prompt rows, prompts and reward functions as clear
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
+import math
 import random
 import signal
 import statistics
@@ -159,15 +161,16 @@ def first_token_even(completion_ids, **kwargs):
 """
 
 
-def moving_grpo_recipe(directory: Path, monkeypatch, data: str, training: str) -> Path:
+def moving_grpo_recipe(directory: Path, monkeypatch, data: str, training: str, grpo: str = "") -> Path:
     """A GRPO stage on random weights whose LoRA moves (the first_token_even reward), its reward module
-    importable from the working directory."""
+    importable from the working directory; `grpo`: more keys of its `grpo:` section (", key: value, ...")."""
     monkeypatch.chdir(directory)
     (directory / "even_rewards.py").write_text(textwrap.dedent(FIRST_TOKEN_EVEN))
     return grpo_recipe(
         directory,
         data=data,
-        grpo="{num_generations: 4, max_completion_length: 4, rewards: [{name: 'even_rewards:first_token_even'}]}",
+        grpo="{num_generations: 4, max_completion_length: 4, rewards: [{name: 'even_rewards:first_token_even'}]"
+        f"{grpo}}}",
         training=training,
     )
 
@@ -494,7 +497,8 @@ def test_a_step_of_partial_prompt_groups_is_refused_at_load(tmp_path, capsys):
 def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, capsys, private_demo_cache):
     """grpo.use_vllm, vllm_mode and vllm_gpu_memory_utilization reach TRL's GRPOConfig as written; where vLLM
     cannot sample (no GPU, or vllm not installed) the stage stops before its model loads, exit 2, naming the
-    key and the fix. vLLM's sampling itself is not tested: it needs a GPU, and none has been lent."""
+    key and the fix. vLLM's sampling itself is not tested: it needs a GPU, and the one GPU lease (an H100,
+    2026-11-26) ran no vLLM; none has been lent since."""
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
@@ -514,22 +518,49 @@ def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, 
     assert not list((tmp_path / "runs").rglob("report.json")), "stopped before the model loaded"
 
 
-def test_gspo_reaches_trl_and_trains_and_a_bad_level_is_refused_at_load(tmp_path, capsys, private_demo_cache):
-    """grpo.importance_sampling_level: sequence (GSPO) and epsilon_high reach TRL's GRPOConfig as written, and
-    a stage trains with them; a level TRL does not know stops the recipe at load, exit 2, naming the key."""
+def test_gspo_reaches_trl_and_trains_and_a_bad_level_is_refused_at_load(
+    tmp_path, capsys, monkeypatch, private_demo_cache
+):
+    """grpo.importance_sampling_level: sequence (GSPO), epsilon and epsilon_high reach TRL's GRPOConfig as
+    written, and the trainer that trains the stage holds them (what TRL's loss reads); the stage moves the
+    weights (a reward that varies within each group), and logs its loss and clip ratios. A level TRL does
+    not know stops the recipe at load, exit 2, naming the key.
+
+    On-policy (one optimizer step per sampling, TRL's num_iterations 1, which no recipe key changes) every
+    ratio is exactly 1 at either level, so nothing is clipped and the step's gradient is the token level's;
+    the level shows where old and current log-probabilities differ, which
+    test_gspo_weighs_each_completion_by_its_sequence_level_ratio_in_trls_loss checks on this trainer."""
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.stages import run as stage_run
 
     settings = ", importance_sampling_level: sequence, epsilon: 3.0e-4, epsilon_high: 4.0e-4"
-    recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
+    recipe = moving_grpo_recipe(
+        tmp_path,
+        monkeypatch,
+        data="{train: demo:prompt-train, eval: null, max_train_samples: 4}",
+        training="{max_steps: 1, per_device_batch_size: 4, learning_rate: 1.0e-3, logging_steps: 1}",
+        grpo=settings,
+    )
     stage = load_recipe(str(recipe)).stages[0]
     config = GRPO().build_config(
         ConfigInputs(stage, tmp_path / "out", "fp32", Environment("cpu", 0, False), has_eval=False)
     )
     assert (config.importance_sampling_level, config.epsilon, config.epsilon_high) == ("sequence", 3e-4, 4e-4)
-    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs"), "--max-steps", "1"]) == 0
+    trained, train = [], stage_run.train
+    monkeypatch.setattr(
+        stage_run, "train", lambda ctx, trainer, *a: trained.append(trainer) or train(ctx, trainer, *a)
+    )
+    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "runs"), "--run-name", "gspo"]) == 0
+    (trainer,) = trained
+    assert (trainer.loss_type, trainer.importance_sampling_level) == ("dapo", "sequence")
+    assert (trainer.epsilon_low, trainer.epsilon_high) == (3e-4, 4e-4)
+    assert_moved(final_weights(tmp_path / "runs" / "grpo" / "gspo" / "stage-1-grpo"), base_weights())
+    (step,) = [entry for entry in trainer.state.log_history if "clip_ratio/region_mean" in entry]
+    assert step["clip_ratio/region_mean"] == 0, "on-policy every ratio is 1: nothing to clip"
+    assert step["reward_std"] > 0 and math.isfinite(step["loss"]), step
 
     bad = _grpo_recipe(tmp_path, "demo:prompt-train", ", importance_sampling_level: sentence")
     err = _exits_2(bad, tmp_path, capsys)
@@ -622,9 +653,62 @@ def test_gspo_weighs_each_completion_by_its_sequence_level_ratio_in_trls_loss(tm
     assert abs(gspo - per_token) > 1e-1  # the two levels are told apart far beyond the tolerance
 
 
-def test_r7_grounding_trains_end_to_end_with_dapo_gspo_and_iou(tmp_path, private_demo_cache, capsys):
+# What the r7 test writes into its GRPO stage's completions, one a completion of each group, in Qwen2-VL's
+# frame (0-1000 across the image): the whole image, its middle (half of each side), its top-left quarter,
+# and no box.
+R7_BOXES = [(0, 0, 1000, 1000), (250, 250, 750, 750), (0, 0, 500, 500), None]
+
+
+def iou_by_hand(box_1000: tuple | None, solution: str, size: tuple[int, int]) -> float:
+    """The IoU of a box written in Qwen2-VL's 0-1000 frame with a solution `[x1, y1, x2, y2]` in pixels of an
+    image of `size` (width, height): 0 for no box."""
+    if box_1000 is None:
+        return 0.0
+    (width, height), (bx1, by1, bx2, by2) = size, json.loads(solution)
+    ax1, ay1, ax2, ay2 = (v * (width, height)[i % 2] / 1000 for i, v in enumerate(box_1000))
+    inter = max(0.0, min(ax2, bx2) - max(ax1, bx1)) * max(0.0, min(ay2, by2) - max(ay1, by1))
+    return inter / ((ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter)
+
+
+def test_r7_grounding_trains_end_to_end_with_dapo_gspo_and_iou(tmp_path, private_demo_cache, monkeypatch):
     """r7 on the embedded default: SFT on box answers, then a GRPO stage with loss_type dapo,
-    importance_sampling_level sequence and the iou reward, scoring the demo's "where is the shape?" rows."""
+    importance_sampling_level sequence and the iou reward, scoring the demo's "where is the shape?" rows.
+    After two SFT steps the tiny model writes no box (every IoU 0, which a broken reward could also give),
+    so each group's sampled completions are replaced, as TRL gets them from generate(), by R7_BOXES: TRL
+    decodes them, the iou reward scores them against the rows' solutions and images, and the stage trains
+    on them. Every score, and the mean TRL logs for each step and each evaluation, equals the IoU computed
+    here by hand from the completion's box, the row's solution and its image's size."""
+    from vlm_recipes.methods import rewards
+    from vlm_recipes.methods.grpo import SamplingTrainerMixin
+
+    generate, iou_reward, calls, now = SamplingTrainerMixin._generate_single_turn, rewards.iou_reward, [], []
+
+    def boxes_written(self, *args, **kwargs):
+        """The sampled completions replaced by R7_BOXES, the i-th completion of each group by the i-th."""
+        completion_ids, logprobs = generate(self, *args, **kwargs)
+        tokenizer = self.processing_class.tokenizer
+        texts = ["({},{}),({},{})".format(*box) if box else "no box" for box in R7_BOXES]
+        written = [
+            tokenizer.encode(texts[i % 4], add_special_tokens=False) + [tokenizer.eos_token_id]
+            for i in range(len(completion_ids))
+        ]
+        now[:] = [("train" if self.model.training else "eval", self.state.global_step)]
+        return written, logprobs
+
+    def recorded(*args, **kwargs):
+        iou = iou_reward(*args, **kwargs)
+
+        @functools.wraps(iou)
+        def recording_iou(completions, **kw):
+            scores = iou(completions, **kw)
+            sizes = [images[0].size for images in kw["images"]]
+            calls.append((now[0] if now else None, completions, kw["solution"], sizes, scores))
+            return scores
+
+        return recording_iou
+
+    monkeypatch.setattr(SamplingTrainerMixin, "_generate_single_turn", boxes_written)
+    monkeypatch.setattr(rewards, "iou_reward", recorded)
     quick = ["--max-steps", "2", "data.max_train_samples=8", "data.max_eval_samples=2", "precision=fp32"]
     quick += ["stages.box-sft.training.per_device_batch_size=4", "training.logging_steps=1"]
     quick += ["stages.box-grpo.grpo.num_generations=4", "stages.box-grpo.training.per_device_batch_size=4"]
@@ -633,8 +717,30 @@ def test_r7_grounding_trains_end_to_end_with_dapo_gspo_and_iou(tmp_path, private
     )
     grpo = tmp_path / "r7-grounding-grpo" / "t" / "stage-2-box-grpo"
     metrics, report = read_json(grpo / "metrics.json"), read_json(grpo / "report.json")
-    assert metrics["steps"] == 2 and all("reward:iou" in point for point in metrics["reward_curve"])
-    assert "eval_reward:iou" in metrics["eval_at_start"] and "eval_reward:iou" in metrics
+    by_hand: dict[tuple, list[float]] = {}
+    for when, completions, solutions, sizes, scores in calls:
+        if when is None:
+            continue  # the reward checked on a training row before the stage
+        for i, (completion, solution, size, score) in enumerate(
+            zip(completions, solutions, sizes, scores, strict=True)
+        ):
+            hand = iou_by_hand(R7_BOXES[i % 4], solution, size)
+            assert score == pytest.approx(hand, abs=1e-9), (completion, solution, size, score, hand)
+            by_hand.setdefault(when, []).append(hand)
+    logged = {("train", p["step"] - 1): p["reward:iou"] for p in metrics["reward_curve"]}
+    logged |= {
+        ("eval", 0): metrics["eval_at_start"]["eval_reward:iou"],
+        ("eval", 2): metrics["eval_reward:iou"],
+    }
+    means = {when: statistics.mean(values) for when, values in by_hand.items()}
+    print(f"r7: the iou reward's mean by hand {means}, as logged {logged}")
+    assert logged.keys() == means.keys() and metrics["steps"] == 2
+    # TRL logs float32 means (7e-9 from these seen); width and height swapped in the frame moves a score by 4e-3
+    for when, value in logged.items():
+        assert value == pytest.approx(means[when], abs=1e-6), (when, value, means[when])
+    assert max(max(values) for values in by_hand.values()) > 0.2 and all(
+        p["reward_std"] > 0 for p in metrics["reward_curve"]
+    )
     recipe = (
         report["recipe"] if "recipe" in report else read_json(grpo.parent / "run.json")["resolved_recipe"]
     )

@@ -1,8 +1,9 @@
 """The GRPO sampling speed-ups (speedups/sampling.py). grpo.sample_with_merged_lora: sampling with the LoRA
-adapter merged into a copy of the weights computes what the adapter computes, up to rounding, and the
-original weights come back untouched. grpo.inverse_cdf_sampling: each draw follows softmax(logits / T), as
-torch.multinomial's does. Where either is not the same, its key is refused. grpo.cpu_log_probs: the
-log-probability pass's LM head computes what TRL's fused head computes, within its own rounding."""
+adapter merged into a copy of the weights computes what the adapter computes (without its dropout), up to
+rounding, and the original weights come back untouched. grpo.inverse_cdf_sampling: each draw follows
+softmax(logits / T), as torch.multinomial's does, from another random stream. Where either is not the same,
+its key is refused. grpo.cpu_log_probs: the log-probability pass's LM head computes what TRL's fused head
+computes, within its own rounding."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import demo_paths
 from peft import LoraConfig, get_peft_model
-from test_grpo import _exits_2, grpo_recipe
+from test_grpo import _exits_2, assert_moved, base_weights, final_weights, grpo_recipe, moving_grpo_recipe
 from transformers import AutoModelForImageTextToText
 
 from vlm_recipes.cli.train import main
@@ -133,22 +134,125 @@ def test_inverse_cdf_draws_follow_softmax_of_logits_over_temperature():
     assert ((draw_frequencies(logits, temperature, draws, off_by=1) - expected).abs() > 10 * bound).any()
 
 
-def test_a_grpo_stage_samples_with_the_speedups_and_says_so(tmp_path, private_demo_cache, monkeypatch):
-    settings = "sample_with_merged_lora: true, inverse_cdf_sampling: true, cpu_log_probs: true"
-    recipe = grpo_recipe(
-        tmp_path,
-        grpo=f"{{num_generations: 4, max_completion_length: 4, {settings}}}",
-        training="{max_steps: 1, per_device_batch_size: 4}",
+# A GRPO stage of 2 steps on one prompt (its group of 4 completions sampled at temperature 0.7 each step), run
+# from the same seed with the sampling speed-ups off, with the merged adapter only, and with all three on.
+SAMPLING_RUNS = {
+    "off": "",
+    "merged": ", sample_with_merged_lora: true",
+    "all on": ", sample_with_merged_lora: true, inverse_cdf_sampling: true, cpu_log_probs: true",
+}
+# The merged adapter's sampling logits against the adapter's own, fp32, at step 2: 1.3e-7 seen (rounding: the
+# same function summed in another order), the adapter's effect on them after one step 1.1e-1 (AMD EPYC). The
+# bound is 75x the one and 1/11,000 of the other; the adapter's scale left out of the merge puts them 5.6e-2
+# apart, a merge not put back after sampling ends with other weights.
+MERGED_LOGITS_BOUND = 1e-5
+
+
+def test_a_grpo_stage_samples_with_the_speedups_as_their_promises_say(
+    tmp_path, private_demo_cache, monkeypatch
+):
+    """The merged adapter samples what the adapter samples: from the same seed, the same completions at both
+    steps, and the same trained weights bit for bit, which the stage moved; at step 2 (step 1's adapter is
+    still zero) its sampling logits are within MERGED_LOGITS_BOUND of the adapter's, far below what the
+    adapter changes in them. LoRA dropout is 0 here: TRL samples in training mode, so with dropout the
+    adapter's samples carry dropout noise (and its masks use the random stream), which the merged weights
+    do not: with dropout on, merged sampling draws other completions by design. Inverse-CDF draws are the
+    same distribution from another random stream (the draw tests above): here every token of every
+    completion is the processor's draw, at the recipe's temperature; each group's completions differ
+    (sampled, not greedy), and the completions and weights differ from multinomial's. The log-probability
+    passes go through speedups/log_probs.py."""
+    from vlm_recipes.methods.grpo import SamplingTrainerMixin
+
+    seen: dict[str, dict] = {}
+    generate, draw, forward = (
+        SamplingTrainerMixin._generate_single_turn,
+        InverseCdfDraw.__call__,
+        log_probs.CpuLogProbs.forward,
     )
-    passes = []
-    forward = log_probs.CpuLogProbs.forward
-    monkeypatch.setattr(log_probs.CpuLogProbs, "forward", lambda *a: passes.append(1) or forward(*a))
-    assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", "fast"]) == 0
-    report = read_json(next((tmp_path / "grpo" / "fast").glob("stage-1-*/report.json")))
-    decisions = {d["guard"]: d["choice"] for d in report["decisions"]}
-    assert "merged" in decisions["merged-sampling"] and "cumulative" in decisions["inverse-cdf-sampling"]
-    assert "one vocabulary tile" in decisions["cpu-log-probs"]
-    assert passes, "the stage's log-probability passes went through speedups/log_probs.py"
+
+    def recording_generate(self, *args, **kwargs):
+        """The completions TRL scores and trains on, the first sampled position's logits, and the draws."""
+        run = seen[current]
+        head, first = self.accelerator.unwrap_model(self.model).get_output_embeddings(), []
+
+        def first_logits(module, inputs, out) -> None:
+            if not first:
+                first.append(out[0, -1].double())
+
+        hook = head.register_forward_hook(first_logits)
+        run["draws"].append([])
+        try:
+            completion_ids, logprobs = generate(self, *args, **kwargs)
+        finally:
+            hook.remove()
+        run["completions"].append(completion_ids)
+        run["logits"].append(first[0])
+        return completion_ids, logprobs
+
+    def recording_draw(self, input_ids, scores):
+        drawn = draw(self, input_ids, scores)
+        seen[current]["temperatures"].add(self.temperature)
+        seen[current]["draws"][-1].append(drawn.argmax(-1).tolist())
+        return drawn
+
+    monkeypatch.setattr(SamplingTrainerMixin, "_generate_single_turn", recording_generate)
+    monkeypatch.setattr(InverseCdfDraw, "__call__", recording_draw)
+
+    def counting_forward(*args):
+        seen[current]["passes"] += 1
+        return forward(*args)
+
+    monkeypatch.setattr(log_probs.CpuLogProbs, "forward", counting_forward)
+    weights, decisions = {}, {}
+    for current, settings in SAMPLING_RUNS.items():
+        seen[current] = {"completions": [], "logits": [], "draws": [], "temperatures": set(), "passes": 0}
+        recipe = moving_grpo_recipe(
+            tmp_path,
+            monkeypatch,
+            data="{train: demo:prompt-train, eval: null, max_train_samples: 1}",
+            training="{max_steps: 2, per_device_batch_size: 4, learning_rate: 1.0e-3}",
+            grpo=f", temperature: 0.7{settings}",
+        )
+        # TRL samples in training mode: LoRA dropout would perturb the adapter's samples (and draw masks) where
+        # the merged weights have no dropout; without it the two are the same function
+        recipe.write_text(recipe.read_text().replace("{llm: lora}", "{llm: lora}\n    lora: {dropout: 0.0}"))
+        name = current.replace(" ", "-")
+        assert main(["--recipe", str(recipe), "--output-dir", str(tmp_path), "--run-name", name]) == 0
+        stage = tmp_path / "grpo" / name / "stage-1-grpo"
+        weights[current] = final_weights(stage)
+        decisions[current] = {d["guard"]: d["choice"] for d in read_json(stage / "report.json")["decisions"]}
+    off, merged, on = (seen[run] for run in SAMPLING_RUNS)
+    assert len(off["completions"]) == 2, "one group sampled a step"
+    start = base_weights()
+    assert_moved(weights["off"], start)
+
+    # merged adapter: the same completions and weights; the sampling logits within rounding
+    assert "merged" in decisions["merged"]["merged-sampling"] and "merged-sampling" not in decisions["off"]
+    assert merged["completions"] == off["completions"]
+    differ = [n for n, value in weights["off"].items() if not torch.equal(weights["merged"][n], value)]
+    assert not differ, f"{len(differ)} trained tensors differ, e.g. {differ[:1]}"
+    assert torch.equal(merged["logits"][0], off["logits"][0]), "step 1: the adapter is zero, the merge exact"
+    rounding = (merged["logits"][1] - off["logits"][1]).abs().max().item()
+    adapter_effect = (off["logits"][1] - off["logits"][0]).abs().max().item()  # one prompt, both steps
+    print(
+        f"merged sampling in a stage (fp32): |logits merged - through the adapter| {rounding:.1e}, bound "
+        f"{MERGED_LOGITS_BOUND:.0e}; the adapter's effect on them after one step {adapter_effect:.1e}"
+    )
+    assert rounding <= MERGED_LOGITS_BOUND, rounding
+    assert adapter_effect > 100 * MERGED_LOGITS_BOUND, adapter_effect
+
+    # inverse-CDF draws: the processor drew every token, at the recipe's temperature; another stream
+    assert "cumulative" in decisions["all on"]["inverse-cdf-sampling"]
+    assert "one vocabulary tile" in decisions["all on"]["cpu-log-probs"]
+    assert on["temperatures"] == {0.7} and not off["draws"][0] and not merged["draws"][0]
+    for completions, draws in zip(on["completions"], on["draws"], strict=True):
+        for row, completion in enumerate(completions):
+            assert completion == [step[row] for step in draws][: len(completion)], (completion, draws)
+        assert len({tuple(c) for c in completions}) > 1, "sampled: a greedy group's completions are all one"
+    assert on["completions"] != off["completions"], "another random stream than torch.multinomial's"
+    assert any(not torch.equal(weights["all on"][n], v) for n, v in weights["off"].items())
+    assert_moved(weights["all on"], start)
+    assert on["passes"] and not off["passes"], "the log-probability passes went through speedups/log_probs.py"
 
 
 def test_a_grpo_trainers_log_probabilities_are_the_same_with_cpu_log_probs(

@@ -1,11 +1,15 @@
-"""The speed-ups of issue 7, each proven not to change what is learned: padding-free packing with
+"""The speed-ups of issue 7, each checked against training without it: padding-free packing with
 multimodal RoPE and per-sample attention, sparse LoRA dropout, the frozen vision tower without
 autograd, the vision feature and preprocessed sample caches, and (issue 16) length-grouped batches and
-dataloader workers; the last layer at the loss positions only, the patch embedding as a matmul.
+dataloader workers; the last layer at the loss positions only, the patch embedding as a matmul. Some are
+exact, some within fp32 rounding, and some change training by what they are (packing in bf16 rounds
+through other kernels, length-grouped batches are other batches, sparse dropout draws another random
+stream): each test bounds that change (docs/performance.md's table of the three kinds).
 
 Tests on a model run for every family's tiny model (`tiny_family`); those that train through the CLI
 use the default (Qwen2-VL). The stage-level proofs at the end compare trained weights with one shared run
-without speed-ups: equal bit for bit, or a distance far below how far training moved them."""
+without speed-ups: equal bit for bit, a distance far below how far training moved them, or, where the
+speed-up changes training by design, what it must keep (each row once an epoch, the dropout rate)."""
 
 from __future__ import annotations
 
@@ -535,7 +539,8 @@ def baseline_bf16(proof_dir) -> TrainedStage:
 
 # A bf16 proof passes within this many times the bf16 noise floor. The floor is measured, not assumed: the
 # same padded training with each batch's rows in the opposite order, the same sums added in another order,
-# so all that differs is where bf16 rounds (1.3e-5 of what training moved, against 1.6e-6 in fp32).
+# so all that differs is where bf16 rounds (1.3e-5 of what training moved where first measured, 1.4e-4 on an
+# AMD EPYC with AVX512-BF16, against 1.6e-6 in fp32).
 NOISE_FLOOR_MARGIN = 3.0
 
 
@@ -560,27 +565,34 @@ def assert_within_bf16_noise(name: str, run: TrainedStage, baseline_bf16: Traine
     assert ratio < bound, (ratio, bound)
 
 
-# Packing is not exact in bf16 (0.03 of what training moved from the padded bf16 run, 2000x the noise floor
-# above: packed rows go through other kernels, per-sample causal attention instead of the masked dense one,
-# which round otherwise). What it keeps: it ends as close to the exact (fp32) training as padded bf16 does.
-# The floor there is bf16's own error, |padded bf16 - padded fp32| (0.16 of what training moved); packing may
-# add at most a tenth of it (0.995x seen). A wrong position adds 0.25 of what training moved (in fp32).
-BF16_OWN_ERROR_MARGIN = 1.1
+# Packing is not exact in bf16: packed rows go through other kernels and shapes (per-sample causal attention on
+# each sample's slice instead of the masked dense one over padded rows, one [1, total] row in every matmul
+# instead of [8, longest]), which round otherwise; the rows-reversed floor above, where only the order of a
+# batch's sums moves, is too narrow for that (1.4e-4; packing 2.3e-2). The floor here is the same padded bf16
+# training through other shapes: each batch of 8 computed as two micro-batches of 4, each padded to its own
+# longest row, their gradients summed: in fp32 the same training within 5.6e-6 of what it moved (the loss is
+# the mean over the global batch's labelled tokens however it is split:
+# test_families::test_gradient_accumulation_trains_as_one_batch_does). Measured (AMD EPYC with AVX512-BF16,
+# 1 and 2 threads alike): that floor 1.7e-2 of what training moved; packed bf16 2.3e-2 from padded bf16
+# (1.4x the floor, under NOISE_FLOOR_MARGIN x it: 5.0e-2, a twentieth of what training moved); the sample's
+# image positions flattened to its text positions (each image token's 3-D mRoPE lost) 0.235 (14x).
+MICRO_BATCHES = ["training.per_device_batch_size=4", "training.gradient_accumulation_steps=2"]
 
 
-def test_padding_free_stage_in_bf16_ends_as_near_the_exact_training_as_padded_bf16_does(
-    baseline, baseline_bf16, bf16_noise_floor, proof_dir
-):
+def test_padding_free_stage_in_bf16_ends_within_the_bf16_floor_of_other_shapes(baseline_bf16, proof_dir):
+    """Packed bf16 against padded bf16: the weights end at a distance below NOISE_FLOOR_MARGIN x the floor of
+    the same padded training split into micro-batches (measured here), itself far below what training moved."""
+    micro = train_stage(proof_dir, "micro-batches-bf16", MICRO_BATCHES, precision="bf16")
+    floor = distance(micro.trained, baseline_bf16.trained) / baseline_bf16.moved
     packed = train_stage(proof_dir, "padding-free-bf16", ["training.padding_free=true"], precision="bf16")
-    to_padded = distance(packed.trained, baseline_bf16.trained) / baseline.moved
-    own_error = distance(baseline_bf16.trained, baseline.trained) / baseline.moved
-    packed_error = distance(packed.trained, baseline.trained) / baseline.moved
+    ratio = distance(packed.trained, baseline_bf16.trained) / baseline_bf16.moved
+    bound = NOISE_FLOOR_MARGIN * floor
     print(
-        f"padding_free (bf16): |packed - padded| / moved = {to_padded:.1e} (noise floor {bf16_noise_floor:.1e}: "
-        f"not exact in bf16); |packed bf16 - fp32| = {packed_error:.3f} against bf16's own "
-        f"|padded bf16 - fp32| = {own_error:.3f}, bound {BF16_OWN_ERROR_MARGIN} x"
+        f"padding_free (bf16): |packed - padded| / |trained - initial| = {ratio:.1e}; bound {bound:.1e} = "
+        f"{NOISE_FLOOR_MARGIN} x the floor of other shapes {floor:.1e} (2 micro-batches of 4 against 8)"
     )
-    assert packed_error < BF16_OWN_ERROR_MARGIN * own_error, (packed_error, own_error)
+    assert 0 < floor < 0.05, "bf16 rounds through other shapes, far less than training moves"
+    assert ratio < bound, (ratio, bound)
 
 
 def test_padding_free_stage_ends_where_padded_training_does(baseline, proof_dir):

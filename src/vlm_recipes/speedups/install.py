@@ -1,5 +1,6 @@
-"""Installing the speed-ups a stage asks for (each proven not to change what is learned; the mechanisms
-live in `vlm_recipes/speedups/`), each logged as a decision with its reason."""
+"""Installing the speed-ups a stage asks for (what each changes in what is learned, exact, within rounding or
+by design: docs/performance.md; the mechanisms live in `vlm_recipes/speedups/`), each logged as a decision
+with its reason."""
 
 from __future__ import annotations
 

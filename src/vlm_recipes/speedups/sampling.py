@@ -12,9 +12,11 @@ draw is the exponential race (argmax of probabilities / Exp(1) noise): one expon
 Merged adapter. Before each generate(), every LoRA layer's merged weight W + scale * B @ A (one addmm in
 W's dtype) is computed into a new tensor and the adapter is switched off (PEFT's `disable_adapter`); afterwards the original weight tensors are put back,
 untouched. Not PEFT's in-place merge and unmerge: in bf16 W + D - D is not W, and the frozen base would
-drift a little every step. What is learned does not change: the log-probabilities the loss and its ratio
-read come from the training pass, through the adapter, as before. Only the distribution the completions are
-drawn from moves, by the rounding of the merged weights (TRL's vLLM path samples from merged weights the
+drift a little every step. The log-probabilities the loss and its ratio read come from the training pass,
+through the adapter, as before. The distribution the completions are drawn from moves by the rounding of the
+merged weights, and by LoRA dropout where it is on (TRL samples in training mode, so the unmerged adapter
+samples through its dropout; the merged weights have none): with lora.dropout 0 in fp32 the same completions
+and weights (tests/test_sampling_speedups.py), otherwise other draws (TRL's vLLM path samples from merged weights the
 same way). It costs one copy of the adapted weights while sampling. Where a merge is not the same function
 (a 4-bit or 8-bit base, DoRA, experts adapted by parameter) it is refused with the reason.
 
