@@ -125,6 +125,9 @@ def demo_model_dir(private_demo_cache) -> Path:
 
 
 # Each family's tiny offline model (tests that hold for every family take `tiny_family`).
+# LLaMA-Factory's sharegpt `tags` for OpenAI-style messages (dataset_info.json), as the data tests write them
+OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+
 TINY_MODELS = {
     "qwen2-vl": "demo:tiny-qwen2-vl",
     "qwen2.5-vl": "demo:tiny-qwen2.5-vl",

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODELS
+from conftest import OPENAI_TAGS, TINY_MODELS
 from PIL import Image
 from test_speedups import padded_collator
 from test_video import make_clip
@@ -120,24 +120,18 @@ def llama_factory_dir(tmp_path_factory) -> Path:
         for n in range(1, 7)
     ]
     (root / "text.json").write_text(json.dumps(text, indent=2))
-    openai_tags = {
-        "role_tag": "role",
-        "content_tag": "content",
-        "user_tag": "user",
-        "assistant_tag": "assistant",
-    }
     info = {
         "mllm_demo": {
             "file_name": "mllm_demo.json",
             "formatting": "sharegpt",
             "columns": {"messages": "messages", "images": "images"},
-            "tags": openai_tags,
+            "tags": OPENAI_TAGS,
         },
         "mllm_video_demo": {
             "file_name": "mllm_video_demo.json",
             "formatting": "sharegpt",
             "columns": {"messages": "messages", "videos": "videos"},
-            "tags": openai_tags,
+            "tags": OPENAI_TAGS,
         },
         "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
     }

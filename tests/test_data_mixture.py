@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_train, write_recipe
+from conftest import OPENAI_TAGS, run_train, write_recipe
 from PIL import Image
 from test_resume import r2_command
 from transformers import AutoModelForImageTextToText
@@ -68,18 +68,12 @@ def sources(tmp_path) -> dict[str, str]:
         for i in range(SIZES["lf"])
     ]
     (tmp_path / "factory.json").write_text(json.dumps(factory))
-    openai_tags = {
-        "role_tag": "role",
-        "content_tag": "content",
-        "user_tag": "user",
-        "assistant_tag": "assistant",
-    }
     info = {
         "mine": {
             "file_name": "factory.json",
             "formatting": "sharegpt",
             "columns": {"messages": "messages", "images": "images"},
-            "tags": openai_tags,
+            "tags": OPENAI_TAGS,
         }
     }
     (tmp_path / "dataset_info.json").write_text(json.dumps(info))
