@@ -8,7 +8,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.model.audit import FreezeAuditError, audit_freeze
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 
 
 def saved_copy(source, out, change=None):

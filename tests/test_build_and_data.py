@@ -15,7 +15,7 @@ from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.methods.trainer import ConfigInputs, role_parameter_groups
 from vlm_recipes.model.build import build_stage_model, load_processor
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
 
 

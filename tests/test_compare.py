@@ -29,6 +29,9 @@ from vlm_recipes.runs.manifest import format_summary, stage_summary
 matplotlib.use("Agg")
 
 
+LOSS_KINDS = {"dpo": "preference", "kto": "preference", "grpo": "policy", "rloo": "policy"}  # TrainingMethod.loss_kind
+
+
 def run(recipe: str, seed: int, eval_loss: float, method: str = "sft", **metrics) -> RunSummary:
     values = {
         "exact_match": 0.0,
@@ -51,6 +54,7 @@ def run(recipe: str, seed: int, eval_loss: float, method: str = "sft", **metrics
         peak_memory_gb=None,
         eval_signature="demo:eval|48 rows|x",
         last_method=method,
+        loss_kind=LOSS_KINDS.get(method, "likelihood"),
         loss_curve=[(1, 7.0), (2, eval_loss)],
         **values,
     )
@@ -314,7 +318,7 @@ def test_grpo_recipes_are_ranked_by_reward_only_against_recipes_with_the_same_re
 
 def test_the_end_of_run_table_shows_the_reward_and_no_loss_for_a_grpo_stage(tmp_path):
     run_dir = sft_then_grpo(tmp_path / "r6" / "t")
-    assert read_stages(run_dir)[1]["eval_reward"] == 1.375
+    assert read_stages(run_dir)[1]["measures"]["eval_reward"]["value"] == 1.375
     lines = format_summary(run_dir).splitlines()
     header = next(line for line in lines if line.lstrip().startswith("#"))
     assert header.split()[-2:] == ["reward", "time"]

@@ -25,8 +25,8 @@ from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN, draw_mixture, row_co
 from vlm_recipes.data.rows import load_stage_data
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import read_json
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.data_sources import DataSource
-from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.scoring import score_predictions
 

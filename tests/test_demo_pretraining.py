@@ -22,8 +22,8 @@ from vlm_recipes.demo.models import DEMO_MODEL_IDS, PRETRAINED_PREFIX, WEIGHTS_E
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.evaluation.generation import evaluate_generation
 from vlm_recipes.files import read_json
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.learning_rates import DEMO_RATE_SCALE, learning_rate_scale, stage_learning_rates
-from vlm_recipes.recipes.load import load_recipe
 from vlm_recipes.stages import run as stage_run
 
 

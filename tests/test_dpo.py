@@ -25,7 +25,7 @@ from vlm_recipes.data.rows import load_split, load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError
 from vlm_recipes.files import read_json
-from vlm_recipes.methods.dpo import DPO
+from vlm_recipes.methods.dpo import DPO, DpoSettings
 from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
@@ -133,6 +133,7 @@ def _dpo_stage(**training) -> Stage:
     return Stage(
         name="dpo",
         method="dpo",
+        settings=DpoSettings(),
         train=TrainModes(llm="lora"),
         data=DataSettings(
             train="demo:preference-train",

@@ -122,7 +122,7 @@ def test_run_manifest_records_provenance(seed_runs):
 def test_r3_stage2_loads_stage1_weights(seed_runs):
     """The 4-bit load of stage 1's final/ keeps the tuned vision tower: compare the loaded model itself."""
     from vlm_recipes.model.build import build_stage_model
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     stage1_final = seed_runs["r3-two-stage"] / "stage-1-vision-full" / "final"
     stage2 = load_recipe("r3-two-stage").stages[1]

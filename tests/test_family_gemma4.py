@@ -35,7 +35,7 @@ from vlm_recipes.data.lengths import sample_lengths
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.gemma4 import AUDIO, GEMMA4
 from vlm_recipes.model.build import build_stage_model, load_processor
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
 from vlm_recipes.stages.outputs import model_for_final

@@ -20,7 +20,7 @@ from vlm_recipes.families import family_for_model_type
 from vlm_recipes.files import read_json
 from vlm_recipes.plan import meta_model, plan_recipe
 from vlm_recipes.rank_memory import quantized_weights
-from vlm_recipes.recipes.load import load_recipe_from_run
+from vlm_recipes.recipe import load_recipe_from_run
 from vlm_recipes.runs.layout import RunOptions
 
 pytestmark = pytest.mark.e2e

@@ -502,7 +502,7 @@ def test_use_vllm_reaches_trl_and_is_refused_where_vllm_cannot_sample(tmp_path, 
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     settings = ", use_vllm: true, vllm_mode: server, vllm_gpu_memory_utilization: 0.5"
     recipe = _grpo_recipe(tmp_path, "demo:prompt-train", settings)
@@ -533,7 +533,7 @@ def test_gspo_reaches_trl_and_trains_and_a_bad_level_is_refused_at_load(
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
     from vlm_recipes.stages import run as stage_run
 
     settings = ", importance_sampling_level: sequence, epsilon: 3.0e-4, epsilon_high: 4.0e-4"
@@ -599,7 +599,7 @@ def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     settings = f", loss_type: grpo, importance_sampling_level: {level}, epsilon: 10.0"
     tmp_path.mkdir()

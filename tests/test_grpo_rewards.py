@@ -15,7 +15,7 @@ from vlm_recipes.methods.rewards import (
     completion_text,
     guarded,
 )
-from vlm_recipes.recipes.method_settings import RewardSettings
+from vlm_recipes.methods.sampling_settings import RewardSettings
 
 WHERE = "recipe.yaml: stages[2].grpo.rewards"
 THINK = r"<think>.*?</think>\s*<answer>.*?</answer>"

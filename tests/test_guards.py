@@ -35,7 +35,7 @@ from vlm_recipes.model.guards import (
     place_tensors,
     verify_quantization_scope,
 )
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.stages.run import apply_guards
 
 CPU = Environment("cpu", 0, bf16_supported=True)

@@ -18,7 +18,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.files import read_json
 from vlm_recipes.methods.kto import KTO
 from vlm_recipes.methods.trainer import ConfigInputs
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 
 PROMPT = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}

@@ -25,6 +25,7 @@ FLOORS = [
     ["plan"],
     ["rank_memory"],
     ["evaluation"],
+    ["recipe"],
     ["methods"],
     ["speedups"],
     ["model"],

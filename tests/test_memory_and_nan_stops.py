@@ -19,7 +19,7 @@ from vlm_recipes.cli.train import main
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError, OutOfMemory
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.validate import RecipeError
 from vlm_recipes.stages.out_of_memory import memory_error_in, out_of_memory
 

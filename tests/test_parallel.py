@@ -198,7 +198,7 @@ def rows_one_rank_text_the_other_images(directory: Path, per_rank: int = 8, step
     rank takes every other batch of `per_rank` from it (accelerate's BatchSamplerShard)."""
     from accelerate.data_loader import SeedableRandomSampler
 
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     n = 2 * per_rank * steps
     seed = load_recipe("r2-vision-only").stages[0].training.seed
@@ -295,7 +295,7 @@ def test_the_zero_through_the_embeddings_leaves_every_gradient_of_a_batch_with_i
 
     from vlm_recipes.methods.trainer import every_batch_reaches_the_trained_tower
     from vlm_recipes.model.build import build_stage_model
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     built = build_stage_model(str(demo_model_dir), load_recipe("r2-vision-only").stages[0], "fp32", "cpu")
     collate = DataCollatorForVisionLanguageModeling(built.processor, assistant_only_loss=True)
@@ -397,7 +397,7 @@ def test_auto_with_two_fake_gpus_shards_a_model_too_big_for_one():
 def test_model_parallel_with_two_fake_gpus_keeps_trainer_on_one_device(tmp_path):
     from vlm_recipes.methods.sft import SFT
     from vlm_recipes.methods.trainer import ConfigInputs
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     plan, _ = decide_parallel("model-parallel", TWO_GPUS)
     assert plan == ParallelPlan("model-parallel", 1)
@@ -502,7 +502,7 @@ def test_final_from_gathered_state_equals_final_from_the_live_model(demo_model_d
     from transformers import AutoModelForImageTextToText
 
     from vlm_recipes.model.build import build_stage_model
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
     from vlm_recipes.stages.outputs import model_for_final
 
     stage = load_recipe(

@@ -8,7 +8,8 @@ import typing
 import pytest
 from conftest import REPO, write_recipe
 
-from vlm_recipes.recipes.load import available_recipes, load_recipe
+from vlm_recipes.recipe import load_recipe
+from vlm_recipes.recipes.load import available_recipes
 from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.recipes.validate import RecipeError
 

@@ -22,7 +22,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.errors import GuardError
 from vlm_recipes.files import DISCARDED, read_json, write_json
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.stages.checks import keep_the_global_batch
 from vlm_recipes.stages.context import StageContext
 

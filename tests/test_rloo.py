@@ -60,7 +60,7 @@ def test_rloo_settings_reach_trls_rlooconfig(tmp_path, monkeypatch):
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.rloo import RLOO
     from vlm_recipes.methods.trainer import ConfigInputs
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     settings = "beta: 0.0, normalize_advantages: true, epsilon: 0.1, epsilon_high: 0.3, temperature: 0.7, "
     recipe = rloo_recipe(tmp_path, monkeypatch, "{train: demo:prompt-train, eval: null}", "{}", settings)

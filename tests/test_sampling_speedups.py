@@ -268,7 +268,7 @@ def test_a_grpo_trainers_log_probabilities_are_the_same_with_cpu_log_probs(
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs
     from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     stage = load_recipe(str(grpo_recipe(tmp_path))).stages[0]
     family, _ = detect_family(str(demo_model_dir))

@@ -31,7 +31,7 @@ from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.rows import undecoded
 from vlm_recipes.model.build import build_stage_model
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.speedups import packing
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache, run_without_grad
 from vlm_recipes.speedups.liger import use_liger_kernels

@@ -32,7 +32,7 @@ from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 from vlm_recipes.errors import DataError
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.model.build import load_processor
-from vlm_recipes.recipes.load import load_recipe
+from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
 from vlm_recipes.speedups.frozen_vision import VisionFeatureCache
 from vlm_recipes.speedups.packing import PaddingFreeVisionCollator, attend_per_sample

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_recipes.families.base import Family
+from vlm_recipes.methods import method_of
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.roles import ROLES
 
@@ -105,7 +106,8 @@ def rank_memory(
     parameters, replicated = held(model.named_parameters())
     trainable = (sum(p.numel() for n, p in model.named_parameters() if trains(n)) + adapter_params) * trained
     parameters += adapter_params * trained
-    reference = sum(p.numel() for p in model.parameters()) * compute if holds_a_reference_copy(stage) else 0.0
+    # the frozen copies a method holds beside the model (a reference; a teacher), each the model's size
+    reference = sum(p.numel() for p in model.parameters()) * compute * method_of(stage).frozen_copies(stage)
     if mode != "fsdp":
         return RankMemory(mode, ranks, parameters, trainable, 2 * trainable, reference=reference)
     # FSDP2's units (methods.sharding.wrap_language_layers_only): each decoder layer, the rest in the root
@@ -130,14 +132,6 @@ def rank_memory(
         gathered=root + layer,
         reference=reference / ranks,  # TRL prepares it with the same FSDP plugin: sharded too
     )
-
-
-def holds_a_reference_copy(stage: Stage) -> bool:
-    """TRL's reference model is a second, frozen copy of the model, in the compute dtype, when a DPO or KTO stage or a
-    GRPO or RLOO stage with a KL term (beta > 0) trains weights in full; with LoRA it is the model with its adapter
-    switched off, no copy (methods/dpo.py and methods/grpo.py: reference_decision)."""
-    full = "full" in (stage.train.vision, stage.train.projector, stage.train.llm)
-    return full and stage.has_reference
 
 
 def human(size: float) -> str:

@@ -186,13 +186,13 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench-grpo") ->
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.guards import decide_precision
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     if unknown := set(args.ways.split(",")) - set(WAY_NAMES):
         parser.error(f"--ways: unknown {sorted(unknown)}; ways: {', '.join(WAY_NAMES)}")
     environment = detect_environment()
     precision = args.precision or decide_precision("auto", environment, quantized=False).choice
-    grpo = load_recipe(str(RECIPE)).stages[0].grpo
+    grpo = load_recipe(str(RECIPE)).stages[0].settings
     model = Path(resolve_model_source(args.model))
     setup = {
         "model": model,

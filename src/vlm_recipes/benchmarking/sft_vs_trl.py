@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     from vlm_recipes.errors import EXIT_BAD_INPUT, UnsupportedModelError
     from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.guards import decide_precision
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
     from vlm_recipes.roles import ROLES
 
     stages, asked = args.stages.split(","), args.scenarios.split(",")

@@ -62,7 +62,7 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.methods import method_of
     from vlm_recipes.model.build import detect_family, load_processor
-    from vlm_recipes.recipes.load import load_recipe
+    from vlm_recipes.recipe import load_recipe
 
     recipe = load_recipe(recipe_name, overrides)
     if not 1 <= stage_number <= len(recipe.stages):

@@ -82,7 +82,7 @@ def check_flags(args) -> None:
 
 def build_jobs(args, names: list[str], base_name: str) -> list:
     """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
-    from vlm_recipes.recipes.load import load_recipe, load_recipe_from_run
+    from vlm_recipes.recipe import load_recipe, load_recipe_from_run
 
     if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
         jobs = [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
@@ -127,10 +127,12 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
 def check_rewards_of(recipes) -> None:
     """Every GRPO or RLOO stage's rewards can be built (a built-in's keys; a user's module:function imports and takes
     TRL's keyword arguments), before anything trains; every bad one is reported, under its key path."""
-    from vlm_recipes.recipes.schema import SAMPLING_METHODS
+
+    def rewards_of(stage):  # a sampling method's section holds its rewards
+        return getattr(stage.settings, "rewards", None)
 
     recipes = {recipe.name: recipe for recipe in recipes}
-    if not any(stage.method in SAMPLING_METHODS for recipe in recipes.values() for stage in recipe.stages):
+    if not any(rewards_of(stage) for recipe in recipes.values() for stage in recipe.stages):
         return  # and the methods' imports (TRL, PEFT: ~6 s) are left to the processes that train
     from vlm_recipes.methods.rewards import reward_problems
     from vlm_recipes.recipes.validate import Problem, RecipeError
@@ -138,9 +140,9 @@ def check_rewards_of(recipes) -> None:
     for recipe in recipes.values():
         problems = []
         for i, stage in enumerate(recipe.stages):
-            if stage.method in SAMPLING_METHODS:
+            if rewards_of(stage):
                 at_rewards = f"stages[{i}].{stage.method}.rewards"
-                for error in reward_problems(stage.sampling.rewards, at_rewards):
+                for error in reward_problems(stage.settings.rewards, at_rewards):
                     at, _, said = str(error).partition(": ")  # the error starts with its key path
                     problems.append(Problem(f"{recipe.name}: {at}", said))
         if problems:

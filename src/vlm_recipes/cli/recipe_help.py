@@ -7,7 +7,8 @@ import typing
 
 
 def list_recipes() -> str:
-    from vlm_recipes.recipes.load import available_recipes, load_recipe
+    from vlm_recipes.recipe import load_recipe
+    from vlm_recipes.recipes.load import available_recipes
     from vlm_recipes.recipes.validate import RecipeError
 
     lines = []
@@ -27,8 +28,8 @@ def describe_schema() -> str:
     def walk(cls, indent: str) -> list[str]:
         out = []
         for f in dataclasses.fields(cls):
-            if f.name in ("source_file", "stages") or (cls is Recipe and f.name == "name"):
-                continue  # not keys of a file: the name is the file's, stages are listed below
+            if f.name in ("source_file", "stages", "settings") or (cls is Recipe and f.name == "name"):
+                continue  # not keys of a file: the name is the file's, stages and method sections below
             hint = typing.get_type_hints(cls)[f.name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if dataclasses.is_dataclass(hint):
@@ -46,12 +47,20 @@ def describe_schema() -> str:
                 out.append(f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}{allowed}")
         return out
 
+    from vlm_recipes.recipe import registered_methods
+
     lines = ["# recipe file (top level)"] + walk(Recipe, "")
     lines += ["extends: null  # another recipe to start from", "stages:  # each stage:"]
     lines += walk(Stage, "  ")
+    for name, method in registered_methods().items():  # each method's own section, from its module
+        if method.settings is not None:
+            about = " ".join(method.settings.__doc__.split()).split(". ")[0].rstrip(".")
+            lines.append(f"  {name}:  # {about}; read when method is {name}")
+            lines += walk(method.settings, "    ")
     lines += [
         "",
-        f"# {', '.join(STAGE_DEFAULT_SECTIONS)} may also be set at the top level, as defaults for "
-        "every stage; `- use: recipe:stage` reuses a stage of another recipe.",
+        f"# {', '.join(STAGE_DEFAULT_SECTIONS)} and the methods' sections may also be set at the top level, as "
+        "defaults for every stage (a method's section: for the stages of that method); `- use: recipe:stage` "
+        "reuses a stage of another recipe.",
     ]
     return "\n".join(lines)

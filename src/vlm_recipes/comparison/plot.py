@@ -108,7 +108,7 @@ def _eval_losses(axis, comparison: Comparison, color_of: dict[int, str]) -> None
     cross-entropies."""
     names: list[str] = []
     for group in comparison.groups.values():
-        sft = [row for row in group if row.runs[0].last_method == "sft" and row.values("eval_loss")]
+        sft = [row for row in group if row.runs[0].loss_kind == "likelihood" and row.values("eval_loss")]
         if not sft:
             continue
         marks = spread_marks(sft, "eval_loss")

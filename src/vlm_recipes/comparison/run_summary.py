@@ -12,8 +12,8 @@ from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, PREFERENCE_METHODS, SAMPLING_METHODS
-from vlm_recipes.runs.manifest import BENCHMARK_HEADS, run_state
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS
+from vlm_recipes.runs.manifest import BENCHMARK_HEADS, method_record, run_state
 
 # The benchmarks' metrics as the comparison heads them (the end-of-run table's names), and every score an
 # eval row's prediction record may carry.
@@ -39,7 +39,9 @@ class RunSummary:
     samples_per_s: float | None
     peak_memory_gb: float | None
     eval_signature: str | None
-    last_method: str = "sft"  # the last stage's method: dpo and grpo losses are preference / policy losses
+    last_method: str = "sft"  # the last stage's method
+    # what the last stage's losses are (TrainingMethod.loss_kind): likelihood, preference, policy, divergence
+    loss_kind: str = "likelihood"
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
     preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO and KTO stages' losses
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
@@ -70,8 +72,9 @@ def load_run(run_dir: Path) -> RunSummary:
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
     methods = [s.get("method", "sft") for s in manifest["stages"]]
-    sampled = methods[-1] in SAMPLING_METHODS  # a GRPO or RLOO last stage: its reward is the measure
-    curves, boundaries = _curves(methods, stage_metrics)
+    kinds = [method_record(m, method)["loss"] for m, method in zip(stage_metrics, methods, strict=True)]
+    sampled = kinds[-1] == "policy"  # a GRPO or RLOO last stage: its reward is the measure
+    curves, boundaries = _curves(kinds, stage_metrics)
     overall = (last.get("eval") or {}).get("all", {})
     memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
     throughput = [m["train_samples_per_second"] for m in stage_metrics if m.get("train_samples_per_second")]
@@ -97,6 +100,7 @@ def load_run(run_dir: Path) -> RunSummary:
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
         eval_signature=last.get("eval_signature"),
         last_method=methods[-1],
+        loss_kind=kinds[-1],
         loss_curve=curves["sft"],
         preference_curve=curves["preference"],
         reward_curve=curves["reward"],
@@ -157,22 +161,22 @@ def reward_formula(manifest: dict) -> str | None:
 
 
 def _curves(
-    methods: list[str], stage_metrics: list[dict]
+    kinds: list[str], stage_metrics: list[dict]
 ) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
-    """Per method, its stages' curve with steps counted across all stages: the loss of SFT stages (and their
-    eval loss, "sft_eval") and of DPO and KTO stages ("preference"),
+    """Per loss kind, its stages' curve with steps counted across all stages: the loss of SFT stages ("sft",
+    and their eval loss, "sft_eval"), of DPO and KTO stages ("preference"), of a distillation ("divergence"),
     the mean reward of GRPO and RLOO stages ("reward": their policy loss says nothing beside a likelihood);
     and the step at which each stage ends."""
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
     offset, boundaries = 0, []
-    for method, metrics in zip(methods, stage_metrics, strict=True):
-        if method in SAMPLING_METHODS:
+    for kind, metrics in zip(kinds, stage_metrics, strict=True):
+        if kind == "policy":
             points = metrics.get("reward_curve") or []
             curves["reward"] += [
                 (offset + p["step"], p["reward"]) for p in points if p.get("reward") is not None
             ]
         else:
-            key = "preference" if method in PREFERENCE_METHODS else method
+            key = "sft" if kind == "likelihood" else kind
             curves[key] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
             if key == "sft":
                 curves["sft_eval"] += [

@@ -23,7 +23,7 @@ from vlm_recipes.comparison.answers import (
 )
 from vlm_recipes.comparison.mixture_table import Draw, mixture_line
 from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, RunSummary
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 
 # ---------------------------------------------------------------------------------------------
 # Aggregation
@@ -89,7 +89,7 @@ HIGHER_IS_BETTER = {
     "reward": True,
 } | dict.fromkeys(BENCHMARK_METRICS, True)
 LOSSES = ("train_loss", "eval_loss")
-NOT_JUDGED_LOSSES = SAMPLING_METHODS  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
+NOT_JUDGED_LOSSES = ("policy",)  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
 
 
@@ -109,9 +109,9 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
     marks = {row.recipe: "" for row in rows}
     comparable: dict[str | None, list[RecipeRow]] = defaultdict(list)
     for row in rows:
-        method = row.runs[0].last_method if attr in LOSSES else ""
-        kind = row.runs[0].rewards if attr == "reward" else method
-        if row.values(attr) and method not in NOT_JUDGED_LOSSES:
+        loss = row.runs[0].loss_kind if attr in LOSSES else ""
+        kind = row.runs[0].rewards if attr == "reward" else loss
+        if row.values(attr) and loss not in NOT_JUDGED_LOSSES:
             comparable[kind].append(row)
     for same in comparable.values():
         marks |= marks_against_best({row.recipe: row.values(attr) for row in same}, HIGHER_IS_BETTER[attr])

@@ -21,7 +21,7 @@ from vlm_recipes.evaluation.generation import eval_targets, evaluate_generation,
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS, Stage
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, Stage
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,9 @@ def decide_eval_metrics(stage: Stage, data: StageData) -> Decision | None:
 def answers_box_format(stage: Stage, built: BuiltModel) -> str | None:
     """The frame the stage's model writes boxes in, as its iou reward reads them: the reward's box_format,
     else the family's."""
-    if stage.method in SAMPLING_METHODS:
-        for reward in stage.sampling.rewards:
-            if reward.name == "iou" and reward.box_format:
-                return reward.box_format
+    for reward in getattr(stage.settings, "rewards", None) or ():  # a sampling method's rewards
+        if reward.name == "iou" and reward.box_format:
+            return reward.box_format
     return built.family.box_format
 
 

@@ -1,10 +1,16 @@
 """How a stage trains (`method:` in the recipe), one module per method. Each is a TrainingMethod
-(trainer.py): how its rows are checked, its config and trainer built and its metrics read. sft.py, dpo.py,
-kto.py (answers marked good or bad, DPO's reference), grpo.py (with its rewards in rewards.py), rloo.py
-(GRPO's rows and rewards, RLOO's advantage); what every method's trainer shares is in trainer.py, and
-callbacks.py what runs beside its steps (NaN/inf, Ctrl-C, step timing, host memory); checkpoints.py the
-checkpoints they write and resume from.
-run_stage asks `method_of(stage)`; a new method is one more module and one more entry here."""
+(trainer.py) and owns everything about itself: its recipe section (`settings`, a dataclass: the schema,
+`--schema` and validation read it from there), its rows' check, its TRL config and trainer, its checks of a
+stage (`problems`), the metrics it adds and what its losses are (`loss_kind`, `measures`: the end-of-run table
+and `compare` read them from metrics.json), the frozen models it holds beside the trained one
+(`frozen_copies`: rank_memory.py counts them). sft.py, dpo.py, kto.py (answers marked good or bad, DPO's
+reference), grpo.py (with its rewards in rewards.py and the section it shares with RLOO in
+sampling_settings.py), rloo.py; what every method's trainer shares is in trainer.py, callbacks.py what runs
+beside its steps (NaN/inf, Ctrl-C, step timing, host memory), checkpoints.py the checkpoints they write and
+resume from.
+
+A new method is its module, one entry in METHODS below, its test file and its section in docs/recipes.md;
+the shared modules ask the method and change for none."""
 
 from __future__ import annotations
 

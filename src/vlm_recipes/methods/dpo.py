@@ -5,6 +5,9 @@ share (PreferenceMethod) is here too: methods/kto.py builds KTO's stage from it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from trl import DPOConfig, DPOTrainer
 
 from vlm_recipes.data.collate import UprightImagesCollator
@@ -12,7 +15,44 @@ from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
 from vlm_recipes.decisions import Decision
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
+
+DpoLoss = Literal[
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+]
+
+
+@dataclass
+class DpoSettings:
+    """Preference training (method: dpo): TRL's DPOTrainer on prompt / chosen / rejected rows."""
+
+    beta: float = doc(
+        "strength of the pull towards the reference model (the stage's start); lower: the policy may drift "
+        "further from it",
+        0.1,
+        range=ABOVE_0,
+    )
+    loss_type: DpoLoss = doc(
+        "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
+    )
+    max_length: int | None = longest_in_tokens(
+        "prompt + answer (chosen or rejected)", "pair", "data.max_length"
+    )
+
 
 REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
 
@@ -49,10 +89,14 @@ class PreferenceMethod(TrainingMethod):
     <method>.max_length, and the eval metrics are measured before step 1 too."""
 
     eval_at_start = True
+    loss_kind = "preference"
+
+    def has_reference(self, stage: Stage) -> bool:
+        return True
 
     def max_length(self, stage: Stage) -> int | None:
         """Longest prompt + answer: <method>.max_length (`dpo:` or `kto:`), else data.max_length."""
-        own = getattr(stage, self.name).max_length
+        own = stage.settings.max_length
         return own if own is not None else stage.data.max_length
 
     def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
@@ -74,6 +118,8 @@ class DPO(PreferenceMethod):
     answers (scored against `chosen`): eval reward accuracy and margin."""
 
     name = "dpo"
+    settings = DpoSettings
+    measures = {"eval_reward_accuracy": ("reward acc", True), "eval_reward_margin": ("reward margin", True)}
     row_format = PREFERENCE
     check_lengths = staticmethod(check_preference_lengths)
     trainer_class = RecipeDPOTrainer
@@ -81,8 +127,8 @@ class DPO(PreferenceMethod):
     def build_config(self, inputs: ConfigInputs) -> DPOConfig:
         return DPOConfig(
             **inputs.common_keywords(),
-            beta=inputs.stage.dpo.beta,
-            loss_type=[inputs.stage.dpo.loss_type],
+            beta=inputs.stage.settings.beta,
+            loss_type=[inputs.stage.settings.loss_type],
             # Lengths are checked before training (preference.check_preference_lengths): never cut.
             max_length=None,
         )

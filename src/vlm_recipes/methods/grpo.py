@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
@@ -20,8 +22,10 @@ from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.rewards import build_rewards, check_rewards
+from vlm_recipes.methods.sampling_settings import SampledCompletionSettings, sampling_problems
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
 from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.recipes.fields import doc
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.speedups import log_probs, sampling
 
@@ -93,7 +97,7 @@ class SamplingTrainerMixin:
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """What the KL term compares against (nothing when beta is 0)."""
     guard, section = f"{stage.method}-reference", stage.method
-    if stage.sampling.beta == 0:
+    if stage.settings.beta == 0:
         return Decision(guard, "none", f"{section}.beta is 0: no KL term, no reference pass")
     if "full" not in (stage.train.vision, stage.train.projector, stage.train.llm):
         return Decision(guard, "the model with its LoRA adapter switched off", "no second model copy")
@@ -107,7 +111,7 @@ def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
 def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> list[Decision]:
     """Switch on the sampling speed-ups the stage asks for (speedups/sampling.py); a refusal names why."""
     chosen, section = [], stage.method
-    if stage.sampling.sample_with_merged_lora:
+    if stage.settings.sample_with_merged_lora:
         sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
         why = "the weights are sharded across ranks" if sharded else sampling.merged_sampling_refusal(model)
         if why:
@@ -123,7 +127,7 @@ def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> lis
                 "still reads log-probabilities through the adapter, and the original weights are put back",
             )
         )
-    if stage.sampling.inverse_cdf_sampling:
+    if stage.settings.inverse_cdf_sampling:
         if why := sampling.inverse_cdf_refusal(trainer.args):
             raise GuardError(
                 f"stage {stage.name}: {section}.inverse_cdf_sampling is refused: {why}. Remove it"
@@ -137,7 +141,7 @@ def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> lis
                 "one random number a row instead of one exponential per vocabulary entry",
             )
         )
-    if stage.sampling.cpu_log_probs:
+    if stage.settings.cpu_log_probs:
         trainer.cpu_log_probs = True
         chosen.append(
             Decision(
@@ -168,22 +172,31 @@ class SamplingMethod(TrainingMethod):
     row_format = PROMPTS
     check_lengths = staticmethod(check_prompt_lengths)
     eval_at_start = True
+    loss_kind = "policy"
+    measures = {"eval_reward": ("reward", True)}
+
+    def has_reference(self, stage: Stage) -> bool:
+        """A reference pass only with a KL term (beta > 0)."""
+        return stage.settings.beta > 0
+
+    def problems(self, stage: Stage, at: str, earlier: list[Stage]) -> list:
+        return super().problems(stage, at, earlier) + sampling_problems(stage, at)
 
     def max_length(self, stage: Stage) -> int | None:
         """Longest prompt: <method>.max_prompt_length, else what data.max_length leaves beside the longest
         completion (<method>.max_completion_length)."""
-        if stage.sampling.max_prompt_length is not None:
-            return stage.sampling.max_prompt_length
+        if stage.settings.max_prompt_length is not None:
+            return stage.settings.max_prompt_length
         if stage.data.max_length is None:
             return None
-        return stage.data.max_length - stage.sampling.max_completion_length
+        return stage.data.max_length - stage.settings.max_completion_length
 
     def check_environment(self, stage: Stage, env: Environment) -> Decision | None:
         """Before loading: a stage that samples with vLLM (<method>.use_vllm) needs a GPU and vllm importable;
         TRL would otherwise fail after the model loaded."""
-        if not stage.sampling.use_vllm:
+        if not stage.settings.use_vllm:
             return None
-        g, section = stage.sampling, stage.method
+        g, section = stage.settings, stage.method
         key = f"stage {stage.name}: {section}.use_vllm"
         if env.device != "cuda":
             raise GuardError(
@@ -204,7 +217,7 @@ class SamplingMethod(TrainingMethod):
 
     def sampling_keywords(self, inputs: ConfigInputs) -> dict:
         """The keywords GRPOConfig and RLOOConfig share, from the stage's grpo or rloo section."""
-        g = inputs.stage.sampling
+        g = inputs.stage.settings
         common = inputs.common_keywords()
         # TRL evaluates whole prompt groups: one eval prompt's `num_generations` completions per eval batch.
         common["per_device_eval_batch_size"] = g.num_generations
@@ -220,7 +233,7 @@ class SamplingMethod(TrainingMethod):
         built, stage = inputs.built, inputs.stage
         where = f"stage {stage.name}: {stage.method}.rewards"
         rewards, _ = build_rewards(
-            stage.sampling.rewards,
+            stage.settings.rewards,
             built.processor,
             where,
             tolerance=stage.evaluation.numeric_tolerance,
@@ -266,6 +279,32 @@ class SamplingMethod(TrainingMethod):
         return {"reward_curve": curve}
 
 
+GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
+RewardScaling = Literal["group", "batch", "none"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+
+
+@dataclass
+class GrpoSettings(SampledCompletionSettings):
+    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows; a
+    completion's advantage is its reward against its group's mean (and std)."""
+
+    loss_type: GrpoLoss = doc(
+        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
+        "bnpo, cispo, sapo",
+        "dapo",
+    )
+    importance_sampling_level: ImportanceSamplingLevel = doc(
+        "the policy ratio per token (GRPO, DAPO) or one per completion, the mean of its tokens' log-ratios "
+        "(sequence: GSPO, the method Qwen3's RL used)",
+        "token",
+    )
+    scale_rewards: RewardScaling = doc(
+        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
+        "group",
+    )
+
+
 class RecipeGRPOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, GRPOTrainer):
     """The GRPO stage's trainer."""
 
@@ -275,10 +314,11 @@ class GRPO(SamplingMethod):
     its reward against its group's mean (and std)."""
 
     name = "grpo"
+    settings = GrpoSettings
     trainer_class = RecipeGRPOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> GRPOConfig:
-        g = inputs.stage.grpo
+        g = inputs.stage.settings
         return GRPOConfig(
             **self.sampling_keywords(inputs),
             loss_type=g.loss_type,

@@ -5,7 +5,8 @@ with LoRA, the model with its adapter switched off, as for DPO (methods/dpo.py).
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from trl import KTOConfig, KTOTrainer
 
@@ -13,13 +14,34 @@ from vlm_recipes.data.preference import UNPAIRED, check_unpaired_lengths
 from vlm_recipes.data.rows import StageData
 from vlm_recipes.methods.dpo import AdapterOffReferenceMixin, PreferenceMethod
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs
+from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
+
+KtoLoss = Literal["kto", "apo_zero_unpaired"]
+
+
+@dataclass
+class KtoSettings:
+    """Preference training from answers marked good or bad (method: kto): TRL's KTOTrainer on prompt /
+    completion / label rows, or on preference pairs (each pair unpaired: chosen good, rejected bad)."""
+
+    beta: float = doc(
+        "strength of the pull towards the reference model (the stage's start)", 0.1, range=ABOVE_0
+    )
+    loss_type: KtoLoss = doc("TRL's KTO loss: kto (the KTO paper) or apo_zero_unpaired", "kto")
+    desirable_weight: float = doc(
+        "weight of the good answers' loss (raise it where good answers are fewer than bad ones)",
+        1.0,
+        range=ABOVE_0,
+    )
+    undesirable_weight: float = doc("weight of the bad answers' loss", 1.0, range=ABOVE_0)
+    max_length: int | None = longest_in_tokens("prompt + answer", "row", "data.max_length")
 
 
 def estimates_kl(stage: Stage) -> bool:
     """TRL's kto loss estimates its KL term from each row's completion paired with its batch neighbour's
     prompt, so it reads the rows in a fixed order (apo_zero_unpaired has no KL term)."""
-    return stage.kto.loss_type == "kto"
+    return stage.settings.loss_type == "kto"
 
 
 def shuffled_once(data: StageData, seed: int) -> StageData:
@@ -40,12 +62,14 @@ class KTO(PreferenceMethod):
     reward and log-probability margins of the good answers over the bad ones, and the KL estimate."""
 
     name = "kto"
+    settings = KtoSettings
+    measures = {"eval_reward_margin": ("reward margin", True)}
     row_format = UNPAIRED
     check_lengths = staticmethod(check_unpaired_lengths)
     trainer_class = RecipeKTOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> KTOConfig:
-        k = inputs.stage.kto
+        k = inputs.stage.settings
         common = inputs.common_keywords()
         if estimates_kl(inputs.stage):  # the rows are shuffled once instead (make_trainer)
             common["train_sampling_strategy"] = "sequential"

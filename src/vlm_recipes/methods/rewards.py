@@ -24,7 +24,7 @@ from trl.trainer.utils import get_callable_name, is_async_callable
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.methods.grounding import BOX_FORMATS, iou_reward
-from vlm_recipes.recipes.method_settings import RewardSettings
+from vlm_recipes.methods.sampling_settings import RewardSettings
 from vlm_recipes.recipes.schema import EvaluationSettings
 from vlm_recipes.recipes.validate import did_you_mean, key_path
 from vlm_recipes.scoring import (

@@ -7,10 +7,30 @@ the metrics) is methods/grpo.py's SamplingMethod."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from trl import RLOOConfig, RLOOTrainer
 
 from vlm_recipes.methods.grpo import SamplingMethod, SamplingTrainerMixin
+from vlm_recipes.methods.sampling_settings import SampledCompletionSettings
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin
+from vlm_recipes.recipes.fields import AT_LEAST_0, doc
+
+
+@dataclass
+class RlooSettings(SampledCompletionSettings):
+    """REINFORCE Leave-One-Out (method: rloo): TRL's RLOOTrainer on `prompt` rows; a completion's advantage
+    is its reward against the mean of the other completions of its group. TRL's default KL term (beta 0.05)."""
+
+    beta: float = doc(
+        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter off), "
+        "as TRL's RLOOTrainer applies it; 0: no reference pass",
+        0.05,
+        range=AT_LEAST_0,
+    )
+    normalize_advantages: bool = doc(
+        "divide the advantages by their std over the generation batch (mean 0, std 1)", False
+    )
 
 
 class RecipeRLOOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, RLOOTrainer):
@@ -22,10 +42,11 @@ class RLOO(SamplingMethod):
     of the other completions of its group."""
 
     name = "rloo"
+    settings = RlooSettings
     trainer_class = RecipeRLOOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> RLOOConfig:
         return RLOOConfig(
             **self.sampling_keywords(inputs),
-            normalize_advantages=inputs.stage.rloo.normalize_advantages,
+            normalize_advantages=inputs.stage.settings.normalize_advantages,
         )

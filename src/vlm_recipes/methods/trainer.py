@@ -26,6 +26,8 @@ from vlm_recipes.methods.checkpoints import restore_trainable
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.recipes.validate import Problem
+from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class TrainingMethod(ABC):
     else of a method."""
 
     name: str  # the recipe's `method:`
+    settings: type | None = None  # the dataclass of the recipe's section named after the method; None: none
     row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
     # data/'s length check of the rows, a staticmethod: (rows, processor, family, max_length, source,
     # on_bad_sample, video, remember) -> (rows, tokens per row, rows skipped per reason); nothing is ever cut
@@ -133,6 +136,53 @@ class TrainingMethod(ABC):
     eval_at_start: bool = (
         False  # eval_metrics measured before step 1 too (evaluation/metrics.evaluate_at_start)
     )
+    # What its train and eval loss are: a likelihood (SFT), a preference loss (DPO, KTO), a policy loss
+    # (GRPO, RLOO: lower is not better), a divergence from a teacher; losses compare within one kind only
+    loss_kind: str = "likelihood"
+    # The eval metrics it adds (eval_metrics' keys) that say how good the stage is: heading (the end-of-run
+    # table's and compare's) and whether higher is better
+    measures: dict[str, tuple[str, bool]] = {}
+
+    def record(self, stage: Stage) -> dict:
+        """What metrics.json keeps of the method (`method`), which the run's table and `compare` read: its
+        loss kind and measures, and what else trained the stage (a teacher)."""
+        return {
+            "name": self.name,
+            "loss": self.loss_kind,
+            "measures": {
+                key: {"heading": h, "higher_is_better": up} for key, (h, up) in self.measures.items()
+            },
+        }
+
+    def has_reference(self, stage: Stage) -> bool:
+        """The method measures the policy against a reference, the stage's start (DPO and KTO always, GRPO
+        and RLOO with a KL term)."""
+        return False
+
+    def frozen_copies(self, stage: Stage) -> int:
+        """Frozen copies of the model the method holds beside the one it trains, in the compute dtype
+        (rank_memory.py counts them): the reference, when weights train in full; with LoRA the reference is
+        the model with its adapter switched off, no copy."""
+        full = "full" in (stage.train.vision, stage.train.projector, stage.train.llm)
+        return int(full and self.has_reference(stage))
+
+    def problems(self, stage: Stage, at: str, earlier: list[Stage]) -> list[Problem]:
+        """What a stage of this method may not hold that no single key shows (`at`: its key path; `earlier`:
+        the stages before it), checked when the recipe loads (recipe.py). A reference that is the model with
+        its LoRA adapter off would move with a role trained fully beside the adapter."""
+        modes = {role: getattr(stage.train, role) for role in ROLES}
+        lora = [role for role, mode in modes.items() if mode == "lora"]
+        full = [role for role, mode in modes.items() if mode == "full"]
+        if not (self.has_reference(stage) and lora and full):
+            return []
+        return [
+            Problem(
+                f"{at}.train",
+                f"method {stage.method} trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the "
+                "reference (the model with its adapter off) would move with the fully trained roles. Train "
+                "every role with LoRA, or every trained role fully",
+            )
+        ]
 
     @abstractmethod
     def max_length(self, stage: Stage) -> int | None:

@@ -1,5 +1,6 @@
 """The recipe schema's field helpers: `doc` (a field with its help text and allowed range) and `Range`, with
-the ranges most keys share. schema.py and method_settings.py build the recipe format from them."""
+the ranges most keys share. schema.py builds the recipe format from them, and each method's module
+(methods/) its own section."""
 
 from __future__ import annotations
 
@@ -59,3 +60,14 @@ def doc(text: str, default=None, factory=None, range: Range | None = None):
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def longest_in_tokens(what: str, longer: str, otherwise: str):
+    """A method's length limit, off (null) by default: what a row may hold at most, in tokens; a longer row
+    is refused or skipped, never cut (cutting would drop image tokens or the answer)."""
+    return doc(
+        f"longest {what} in tokens, image tokens included; a longer {longer} is a data error, never cut; "
+        f"null: {otherwise}",
+        None,
+        range=AT_LEAST_1,
+    )

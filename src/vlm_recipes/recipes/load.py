@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vlm_recipes.recipes.overrides import apply_overrides, name_origins
-from vlm_recipes.recipes.schema import RECIPE_FILE_KEYS, STAGE_DEFAULT_SECTIONS, Recipe, Stage
+from vlm_recipes.recipes.schema import RECIPE_FILE_KEYS, STAGE_DEFAULT_SECTIONS, MethodSections, Recipe, Stage
 from vlm_recipes.recipes.validate import Problem, RecipeError, check_recipe, convert, did_you_mean
+from vlm_recipes.recipes.yaml_text import display_path, read_yaml
 from vlm_recipes.shipped import shipped_dir
 
 __all__ = [  # RecipeError and Problem live in validate.py; importing them from here keeps working
@@ -39,8 +38,8 @@ __all__ = [  # RecipeError and Problem live in validate.py; importing them from 
     "apply_overrides",
     "available_recipes",
     "find_recipe_file",
-    "load_recipe",
-    "load_recipe_from_run",
+    "read_recipe",
+    "read_recipe_from_run",
     "recipe_to_dict",
     "resolve_recipe_dict",
 ]
@@ -92,81 +91,6 @@ def find_recipe_file(name_or_path: str) -> Path:
     )
 
 
-def display_path(path: Path | str) -> str:
-    """A path as the user would type it: relative to the working directory when inside it."""
-    path = Path(path)
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def read_text(path: Path) -> str:
-    """A recipe file's text: UTF-8 (a leading BOM is fine). Anything else is a RecipeError naming the file."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise RecipeError(
-            [Problem(display_path(path), f"cannot read the file: {exc.strerror or exc}")],
-            "Cannot read recipe",
-        ) from None
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        kind = _binary_kind(raw)
-        raise RecipeError(
-            [
-                Problem(
-                    display_path(path),
-                    f"not UTF-8 text{kind} (byte {exc.start}: {raw[exc.start : exc.start + 1]!r}): a recipe "
-                    "is a YAML text file; save it as UTF-8",
-                )
-            ],
-            "Cannot read recipe",
-        ) from None
-
-
-def _binary_kind(raw: bytes) -> str:
-    """What a file that is not UTF-8 looks like, when its first bytes say so."""
-    for magic, kind in (
-        (b"\xff\xfe", "UTF-16 text"),
-        (b"\xfe\xff", "UTF-16 text"),
-        (b"\x89PNG", "a PNG image"),
-        (b"\xff\xd8\xff", "a JPEG image"),
-        (b"PK\x03\x04", "a zip archive"),
-    ):
-        if raw.startswith(magic):
-            return f": it looks like {kind}"
-    return ""
-
-
-def read_yaml(path: Path) -> dict:
-    text = read_text(path)
-    if "\x00" in text:
-        raise RecipeError(
-            [
-                Problem(
-                    display_path(path),
-                    "not UTF-8 text: it holds NUL bytes (UTF-16? binary?); save it as UTF-8",
-                )
-            ],
-            "Cannot read recipe",
-        )
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{display_path(path)}:{mark.line + 1}" if mark else display_path(path)
-        raise RecipeError([Problem(where, f"YAML syntax error: {exc}")], "Cannot read recipe") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise RecipeError(
-            [Problem(display_path(path), "a recipe must be a mapping of keys (description, model, stages…)")]
-        )
-    return data
-
-
 def deep_merge(base: dict, override: dict) -> dict:
     """Mappings merge key by key; anything else in `override` replaces what `base` had."""
     merged = copy.deepcopy(base)
@@ -189,14 +113,22 @@ class _RawRecipe:
     stages: list[tuple[dict, dict]]  # (defaults inherited from used recipes, stage keys)
 
 
-def _read_extended(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> dict:
+def stage_defaults(top: dict, sections: MethodSections) -> dict:
+    """A recipe file's sections that are defaults for its stages: STAGE_DEFAULT_SECTIONS and the methods'
+    own sections (`dpo:`, ...; a method's section is read by the stages of that method only)."""
+    methods = sections.names(top)
+    return {k: v for k, v in top.items() if k in STAGE_DEFAULT_SECTIONS or k in methods}
+
+
+def _read_extended(
+    path: Path, chain: tuple[str, ...], problems: list[Problem], sections: MethodSections
+) -> dict:
     """A recipe file's keys with its `extends` chain merged underneath (the file's own keys win)."""
     data = read_yaml(path)
-    for unknown in set(data) - set(RECIPE_FILE_KEYS):
+    for unknown in set(data) - set(RECIPE_FILE_KEYS) - set(sections.names(data)):
+        known = [*RECIPE_FILE_KEYS, *sections.types]
         problems.append(
-            Problem(
-                f"{display_path(path)}: {unknown}", f"unknown key{did_you_mean(unknown, RECIPE_FILE_KEYS)}"
-            )
+            Problem(f"{display_path(path)}: {unknown}", f"unknown key{did_you_mean(unknown, known)}")
         )
     if "extends" not in data:
         return data
@@ -204,13 +136,13 @@ def _read_extended(path: Path, chain: tuple[str, ...], problems: list[Problem]) 
     parent_path = _find_in_chain(data["extends"], chain, problems, f"{display_path(path)}: extends")
     if parent_path is None:
         return own
-    parent = _read_extended(parent_path, (*chain, str(parent_path.resolve())), problems)
+    parent = _read_extended(parent_path, (*chain, str(parent_path.resolve())), problems, sections)
     parent.pop("description", None)  # a description describes one file
-    sections = {k: v for k, v in own.items() if k in STAGE_DEFAULT_SECTIONS}
-    if "stages" not in own and sections and isinstance(parent.get("stages"), list):
+    defaults = stage_defaults(own, sections)
+    if "stages" not in own and defaults and isinstance(parent.get("stages"), list):
         # The file changes the parent's stages rather than adding new ones: its sections reach every
         # inherited stage, even keys a stage set itself (`extends: r1` + `lora: {rank: 8}` means rank 8).
-        parent["stages"] = [deep_merge(s, sections) if isinstance(s, dict) else s for s in parent["stages"]]
+        parent["stages"] = [deep_merge(s, defaults) if isinstance(s, dict) else s for s in parent["stages"]]
     return deep_merge(parent, own)
 
 
@@ -231,10 +163,13 @@ def _find_in_chain(name: Any, chain: tuple[str, ...], problems: list[Problem], w
     return path
 
 
-def _load_raw(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> _RawRecipe:
+def _load_raw(
+    path: Path, chain: tuple[str, ...], problems: list[Problem], sections: MethodSections
+) -> _RawRecipe:
     chain = (*chain, str(path.resolve()))
-    data = _read_extended(path, chain, problems)
-    top = {k: v for k, v in data.items() if k != "stages" and k in RECIPE_FILE_KEYS}
+    data = _read_extended(path, chain, problems, sections)
+    methods = sections.names(data)
+    top = {k: v for k, v in data.items() if k != "stages" and (k in RECIPE_FILE_KEYS or k in methods)}
     stages_raw = data.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
         problems.append(Problem(f"{display_path(path)}: stages", "a recipe needs a non-empty list of stages"))
@@ -250,12 +185,12 @@ def _load_raw(path: Path, chain: tuple[str, ...], problems: list[Problem]) -> _R
         if "use" not in entry:
             stages.append(({}, entry))
             continue
-        stages.extend(_expand_use(entry, where, chain, problems))
+        stages.extend(_expand_use(entry, where, chain, problems, sections))
     return _RawRecipe(path, top, stages)
 
 
 def _expand_use(
-    entry: dict, where: str, chain: tuple[str, ...], problems: list[Problem]
+    entry: dict, where: str, chain: tuple[str, ...], problems: list[Problem], sections: MethodSections
 ) -> list[tuple[dict, dict]]:
     ref = entry["use"]
     local = {k: v for k, v in entry.items() if k != "use"}
@@ -266,8 +201,8 @@ def _expand_use(
     used_path = _find_in_chain(recipe_name, chain, problems, f"{where}.use")
     if used_path is None:
         return []
-    used = _load_raw(used_path, chain, problems)
-    used_defaults = {k: v for k, v in used.top.items() if k in STAGE_DEFAULT_SECTIONS}
+    used = _load_raw(used_path, chain, problems, sections)
+    used_defaults = stage_defaults(used.top, sections)
     picked = used.stages
     if stage_name:
         picked = [s for s in used.stages if s[1].get("name") == stage_name]
@@ -293,15 +228,15 @@ def _expand_use(
     return [(deep_merge(used_defaults, inherited), deep_merge(keys, local)) for inherited, keys in picked]
 
 
-def resolve_recipe_dict(name_or_path: str) -> tuple[Path, dict]:
+def resolve_recipe_dict(name_or_path: str, sections: MethodSections) -> tuple[Path, dict]:
     """Read a recipe file with everything it reuses into one plain mapping (not yet validated)."""
     problems: list[Problem] = []
-    raw = _load_raw(find_recipe_file(name_or_path), (), problems)
+    raw = _load_raw(find_recipe_file(name_or_path), (), problems, sections)
     if problems:
         raise RecipeError(problems, f"Recipe {display_path(raw.path)} is not valid")
-    defaults = {k: v for k, v in raw.top.items() if k in STAGE_DEFAULT_SECTIONS}
+    defaults = stage_defaults(raw.top, sections)
     stages = [deep_merge(deep_merge(inherited, defaults), keys) for inherited, keys in raw.stages]
-    resolved = {k: v for k, v in raw.top.items() if k not in STAGE_DEFAULT_SECTIONS}
+    resolved = {k: v for k, v in raw.top.items() if k not in defaults}
     resolved["name"] = raw.path.stem
     resolved["stages"] = stages
     return raw.path, resolved
@@ -311,38 +246,82 @@ def resolve_recipe_dict(name_or_path: str) -> tuple[Path, dict]:
 # The entry point
 
 
-def load_recipe(
-    name_or_path: str, overrides: list[str] | None = None, labels: dict[str, str] | None = None
+def read_recipe(
+    name_or_path: str,
+    sections: MethodSections,
+    overrides: list[str] | None = None,
+    labels: dict[str, str] | None = None,
 ) -> Recipe:
-    """Load, resolve, override and validate a recipe. Raises RecipeError listing every problem.
+    """Load, resolve, override and validate a recipe (recipe.py's load_recipe hands down the methods).
+    Raises RecipeError listing every problem.
 
     `labels` maps an override to how the user wrote it (`training.epochs=-1.0` → `--epochs -1`), for errors."""
-    path, resolved = resolve_recipe_dict(name_or_path)
+    path, resolved = resolve_recipe_dict(name_or_path, sections)
     origins: dict[str, str] = {}
     if overrides:
-        resolved, origins = apply_overrides(resolved, overrides, labels)
+        resolved, origins = apply_overrides(resolved, overrides, sections, labels)
     where = display_path(path)
     problems: list[Problem] = []
     stages = [
-        convert(Stage, s, f"{where}: stages[{i}]", problems) for i, s in enumerate(resolved.pop("stages"))
+        build_stage(s, f"{where}: stages[{i}]", problems, sections)
+        for i, s in enumerate(resolved.pop("stages"))
     ]
     name = resolved.pop("name")
     recipe = convert(Recipe, resolved, f"{where}:", problems)
     if not problems:
         recipe.name, recipe.stages, recipe.source_file = name, stages, str(path)
-        problems = check_recipe(recipe, where)
+        problems = check_recipe(recipe, where) + method_problems(recipe, where, sections)
     if problems:
         name_origins(problems, origins, f"{where}: ")
         raise RecipeError(problems, f"Recipe {where} is not valid")
     return recipe
 
 
+def build_stage(raw: dict, where: str, problems: list[Problem], sections: MethodSections) -> Stage:
+    """A stage mapping → Stage, its method's section typed by the method (`settings`). Sections of other
+    methods (a recipe's top-level `dpo:` reaches its sft stages too) are checked and left out."""
+    own = {k: v for k, v in raw.items() if k not in sections.names(raw)}
+    stage = convert(Stage, own, where, problems)
+    if stage.method != "sft" and stage.method not in sections.methods:
+        listed = ", ".join(sections.methods)
+        problems.append(
+            Problem(
+                f"{where}.method",
+                f"unknown method `{stage.method}`{did_you_mean(stage.method, sections.methods)} Methods: {listed}",
+            )
+        )
+        return stage
+    for name in sections.names(raw):
+        settings = convert(sections.types[name], raw[name], f"{where}.{name}", problems)
+        if name == stage.method:
+            stage.settings = settings
+    if stage.settings is None and stage.method in sections.types:
+        stage.settings = sections.types[stage.method]()
+    return stage
+
+
+def method_problems(recipe: Recipe, where: str, sections: MethodSections) -> list[Problem]:
+    """What each stage's method finds wrong with it (methods/<method>.py: problems)."""
+    problems = []
+    for i, stage in enumerate(recipe.stages):
+        if stage.method != "sft" or stage.settings is not None:
+            method = sections.methods[stage.method]
+            problems += method.problems(stage, f"{where}: stages[{i}]", recipe.stages[:i])
+    return problems
+
+
 def recipe_to_dict(recipe: Recipe) -> dict:
-    """The resolved recipe as plain data (saved in run.json, printed by --dry-run)."""
-    return dataclasses.asdict(recipe)
+    """The resolved recipe as plain data (saved in run.json, printed by --dry-run): each stage's method
+    section under the method's name, as the recipe file writes it."""
+    out = dataclasses.asdict(recipe)
+    for stage in out["stages"]:
+        settings = stage.pop("settings")
+        if settings is not None:
+            stage[stage["method"]] = settings
+    return out
 
 
-def load_recipe_from_run(run_dir: Path) -> Recipe:
+def read_recipe_from_run(run_dir: Path, sections: MethodSections) -> Recipe:
     """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in)."""
     manifest_path = Path(run_dir) / "run.json"
     if not manifest_path.is_file():
@@ -356,7 +335,8 @@ def load_recipe_from_run(run_dir: Path) -> Recipe:
             "Cannot resume",
         ) from None
     problems: list[Problem] = []
-    stages = [convert(Stage, s, f"{manifest_path}: stages[{i}]", problems) for i, s in enumerate(stages_raw)]
+    where = str(manifest_path)
+    stages = [build_stage(s, f"{where}: stages[{i}]", problems, sections) for i, s in enumerate(stages_raw)]
     name, source_file = resolved.pop("name", Path(run_dir).parent.name), resolved.pop("source_file", "")
     recipe = convert(Recipe, resolved, f"{manifest_path}:", problems)
     if problems:

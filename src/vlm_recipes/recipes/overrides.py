@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from vlm_recipes.recipes.schema import RENAMED_KEYS, Stage
+from vlm_recipes.recipes.schema import RENAMED_KEYS, MethodSections, Stage
 from vlm_recipes.recipes.validate import Problem, RecipeError, did_you_mean, note_renamed
 
 TOP_LEVEL_KEYS = ("model", "description", "trust_remote_code")
@@ -35,7 +35,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(
-    resolved: dict, overrides: list[str], labels: dict[str, str] | None = None
+    resolved: dict, overrides: list[str], sections: MethodSections, labels: dict[str, str] | None = None
 ) -> tuple[dict, dict[str, str]]:
     """(the recipe with `overrides` applied, origins): origins maps each key path an override set
     (`stages[0].training.epochs`, `model`) to how the user wrote it: `labels[text]` when given (e.g.
@@ -43,7 +43,7 @@ def apply_overrides(
     result = copy.deepcopy(resolved)
     origins: dict[str, str] = {}
     problems: list[Problem] = []
-    stage_keys = [f.name for f in dataclasses.fields(Stage)]
+    stage_keys = [f.name for f in dataclasses.fields(Stage) if f.metadata.get("recipe_key", True)]
     for text in overrides:
         path, value = parse_override(text)
         where = f"override `{text}`"
@@ -59,14 +59,16 @@ def apply_overrides(
             result[head] = value
             origins[head] = label
             continue
-        elif head in stage_keys:
+        elif head in stage_keys or sections.names([head]):
             targets = list(range(len(result["stages"])))
         else:
-            known = [*TOP_LEVEL_KEYS, "stages", *stage_keys]
+            known = [*TOP_LEVEL_KEYS, "stages", *stage_keys, *sections.types]
             problems.append(Problem(where, f"unknown key `{head}`{did_you_mean(head, known)}"))
             continue
-        path = _current_names(Stage, path, where)
-        error = _check_path(Stage, path)
+        # a method's section (`grpo.beta=0`) is checked against the method's dataclass
+        section = sections.types[path[0]] if sections.names(path[:1]) else None
+        path = _current_names(Stage, path, where) if section is None else path
+        error = _check_path(Stage, path) if section is None else _check_path(section, path[1:])
         if error:
             problems.append(Problem(where, error))
             continue

@@ -7,27 +7,19 @@ these dataclasses, `validate.py` checks every value against its type and its `Ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, Protocol
 
 from vlm_recipes.recipes.data_sources import Sources
 from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, doc
-from vlm_recipes.recipes.method_settings import (
-    DpoSettings,
-    GrpoSettings,
-    KtoSettings,
-    RlooSettings,
-    SampledCompletionSettings,
-)
 
 Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
-# How a stage trains; each value has its module in methods/ (methods/__init__.py lists them).
-Method = Literal["sft", "dpo", "kto", "grpo", "rloo"]
-SAMPLING_METHODS = ("grpo", "rloo")  # the methods that sample completions and score them with rewards
-PREFERENCE_METHODS = ("dpo", "kto")  # the methods that learn from answers marked better or worse
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
 # What a stage's eval scores its answers by (evaluation/benchmarks.py): the benchmarks' own metrics
 # (evaluation/paper_metrics.py), then the two every eval computes (exact match; JSON field F1 where the
@@ -260,13 +252,10 @@ class Stage:
         "the first stage's previous is base), `stage:<name>`, or a model id / local directory",
         "previous",
     )
-    method: Method = doc(
-        "how the stage trains: sft (supervised, `messages` rows), dpo (preference pairs: `prompt`, "
-        "`chosen`, `rejected` rows; see the dpo section), kto (answers marked good or bad: `prompt`, "
-        "`completion`, `label` rows, or preference pairs; see the kto section), grpo (sampled completions "
-        "scored by rewards: "
-        "`prompt` rows with a `solution`; see the grpo section) or rloo (the same rows, REINFORCE "
-        "Leave-One-Out; see the rloo section)",
+    method: str = doc(
+        "how the stage trains: sft (supervised, `messages` rows) or another method of methods/, each with its "
+        "own rows and its own section of settings named after it (dpo, kto, grpo, rloo, distill: "
+        "`vlm-recipes train --schema` lists them)",
         "sft",
     )
     train: TrainModes = doc("training mode per module role", factory=TrainModes)
@@ -284,27 +273,9 @@ class Stage:
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
-    dpo: DpoSettings = doc("preference-training settings, used when method is dpo", factory=DpoSettings)
-    kto: KtoSettings = doc("KTO settings, used when method is kto", factory=KtoSettings)
-    grpo: GrpoSettings = doc(
-        "reinforcement-learning settings, used when method is grpo", factory=GrpoSettings
-    )
-    rloo: RlooSettings = doc(
-        "REINFORCE Leave-One-Out settings, used when method is rloo", factory=RlooSettings
-    )
-
-    @property
-    def sampling(self) -> SampledCompletionSettings:
-        """The section of a stage that samples completions (method grpo or rloo): its rewards, group size,
-        completion length and sampling switches."""
-        return self.rloo if self.method == "rloo" else self.grpo
-
-    @property
-    def has_reference(self) -> bool:
-        """The method measures the policy against a reference model: DPO and KTO always, GRPO and RLOO
-        with a KL term (beta > 0)."""
-        sampled_with_kl = self.method in SAMPLING_METHODS and self.sampling.beta > 0
-        return self.method in PREFERENCE_METHODS or sampled_with_kl
+    # The section of the stage's method (`dpo:`, `grpo:`, ...), typed by that method's module
+    # (methods/<method>.py: its `settings`); None for a method without one (sft). Not a key of its own.
+    settings: Any = field(default=None, metadata={"recipe_key": False})
 
     @property
     def quantized(self) -> bool:
@@ -340,11 +311,46 @@ STAGE_DEFAULT_SECTIONS = (
     "quantization",
     "lora",
     "parallel",
-    "dpo",
-    "kto",
-)
+)  # and each method's own section (`dpo:`, `grpo:`, ...), for the stages of that method
 # Keys renamed since recipes were written with them, per section: {section: {old name: new name}}. The old
 # name is still read (a recipe file, an override, an older run's run.json), with a one-line note.
 RENAMED_KEYS: dict[type, dict[str, str]] = {TrainingSettings: {"nan_policy": "on_nan"}}
-# Every key a recipe file may hold at its top level.
+# Every key a recipe file may hold at its top level, besides the methods' sections.
 RECIPE_FILE_KEYS = ("description", "model", "trust_remote_code", "extends", "stages", *STAGE_DEFAULT_SECTIONS)
+
+
+class StageMethod(Protocol):
+    """What loading a recipe asks of a stage's method (methods/<method>.py implements it): its name (the
+    stage's `method:`), the dataclass of its section (the key named after it; None: no section), and the
+    problems of a stage of it that no single key shows."""
+
+    name: str
+    settings: type | None
+
+    def problems(self, stage: Stage, at: str, earlier: list[Stage]) -> list: ...
+
+
+class MethodSections:
+    """The stage methods, as reading a recipe needs them: each method's section (`dpo:`, `grpo:`, ...) and its
+    checks of a stage. `methods` (recipe.py hands down methods/'s registry) is asked only when a recipe holds
+    a key beyond a stage's own or a method other than sft: importing the methods brings TRL and torch
+    (seconds), and an SFT recipe, or a bad one, is read at once."""
+
+    def __init__(self, methods: Callable[[], Mapping[str, StageMethod]]):
+        self._methods = methods
+
+    @cached_property
+    def methods(self) -> Mapping[str, StageMethod]:
+        return self._methods()
+
+    @cached_property
+    def types(self) -> dict[str, type]:
+        """Section name (the method's name) → its dataclass, for the methods that have one."""
+        return {name: m.settings for name, m in self.methods.items() if m.settings is not None}
+
+    def names(self, keys) -> tuple[str, ...]:
+        """The methods' section names among `keys` (the methods asked only if some key is not a stage's)."""
+        own = {f.name for f in dataclasses.fields(Stage)} | set(RECIPE_FILE_KEYS)
+        if all(key in own for key in keys):
+            return ()
+        return tuple(key for key in keys if key in self.types)

@@ -21,7 +21,7 @@ from typing import Any
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.data_sources import sources_problems
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, SAMPLING_METHODS, Recipe
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, Recipe
 from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
@@ -146,11 +146,17 @@ def _convert_dataclass(cls: type, value: Any, where: str, problems: list[Problem
                 continue
             note_renamed(where, key, renamed[key])
             key = renamed[key]
-        if key not in hints or key == "source_file":
+        if key not in hints or not _is_recipe_key(cls, key):
             problems.append(Problem(at, f"unknown key{did_you_mean(str(key), hints)}"))
             continue
         kwargs[key] = convert(hints[key], item, at, problems, bounds[key])
     return cls(**kwargs)
+
+
+def _is_recipe_key(cls: type, key: str) -> bool:
+    """A field a recipe file may set: not the loader's own (Recipe.source_file, Stage.settings)."""
+    found = next(f for f in dataclasses.fields(cls) if f.name == key)
+    return key != "source_file" and found.metadata.get("recipe_key", True)
 
 
 _NOTED: set[tuple[str, str]] = set()
@@ -214,7 +220,7 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
             )
         problems += _source_problems(recipe, stage, at, seen)
         problems += _quantization_problems(stage, modes, at)
-        problems += _method_problems(stage, modes, at)
+        problems += _method_problems(stage, at)
         for section, mapping in (
             ("lora.targets", stage.lora.targets),
             ("training.role_learning_rates", stage.training.role_learning_rates),
@@ -302,79 +308,14 @@ def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Proble
     return problems
 
 
-def _method_problems(stage, modes: dict[str, str], at: str) -> list[Problem]:
-    """A DPO stage that trains LoRA takes the model with its adapter off as the reference: a role trained
-    fully beside it would move the reference too (a GRPO stage with a KL term alike). Cutting the last layer
-    to the labelled positions is an SFT loss's speed-up. A GRPO batch holds whole prompt groups."""
-    problems = []
+def _method_problems(stage, at: str) -> list[Problem]:
+    """Cutting the last layer to the labelled positions is an SFT loss's speed-up. What a stage of another
+    method may not hold, its method's module checks (methods/<method>.py: `problems`; recipe.py asks it)."""
     if stage.method != "sft" and stage.training.loss_positions_only:
-        problems.append(
+        return [
             Problem(
                 f"{at}.training.loss_positions_only",
                 f"is for sft stages (a {stage.method} loss reads its own positions); remove it from this stage",
             )
-        )
-    lora = [role for role, mode in modes.items() if mode == "lora"]
-    full = [role for role, mode in modes.items() if mode == "full"]
-    if stage.has_reference and lora and full:
-        problems.append(
-            Problem(
-                f"{at}.train",
-                f"method {stage.method} trains {', '.join(lora)} with LoRA and {', '.join(full)} fully: the "
-                "reference (the model with its adapter off) would move with the fully trained roles. Train "
-                "every role with LoRA, or every trained role fully",
-            )
-        )
-    if stage.method in SAMPLING_METHODS:
-        problems += _sampling_problems(stage, f"{at}.{stage.method}", at)
-    return problems
-
-
-def _merged_sampling_problem(stage) -> str | None:
-    """Why a stage's LoRA adapter cannot be merged for sampling, as far as the recipe says (the model's own
-    layers are checked once it is built: speedups/merged_sampling.py)."""
-    if stage.sampling.use_vllm:
-        return f"{stage.method}.use_vllm samples with vLLM, which merges the adapter itself"
-    if "lora" not in (stage.train.vision, stage.train.projector, stage.train.llm):
-        return "no role trains with LoRA: there is no adapter to merge"
-    if stage.quantized:
-        return f"quantization.mode {stage.quantization.mode}: a quantized base cannot take the merged weights"
-    return None
-
-
-def _sampling_problems(stage, section: str, at: str) -> list[Problem]:
-    """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion
-    (`section`: the stage's grpo or rloo section, as the error names it)."""
-    problems = []
-    g, t = stage.sampling, stage.training
-    completions = t.per_device_batch_size * t.gradient_accumulation_steps
-    if completions % g.num_generations:
-        problems.append(
-            Problem(
-                f"{at}.training.per_device_batch_size",
-                f"{t.per_device_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} = "
-                f"{completions} completions a step, not a multiple of {stage.method}.num_generations "
-                f"{g.num_generations}: a step must hold whole prompt groups",
-            )
-        )
-    no_room = stage.data.max_length is not None and stage.data.max_length <= g.max_completion_length
-    if g.max_prompt_length is None and no_room:
-        problems.append(
-            Problem(
-                f"{section}.max_completion_length",
-                f"{g.max_completion_length} leaves no room for the prompt in data.max_length "
-                f"{stage.data.max_length}: raise data.max_length or set {stage.method}.max_prompt_length",
-            )
-        )
-    if g.sample_with_merged_lora and (why := _merged_sampling_problem(stage)):
-        problems.append(Problem(f"{section}.sample_with_merged_lora", f"{why}: remove it"))
-    if g.inverse_cdf_sampling and g.use_vllm:
-        problems.append(
-            Problem(
-                f"{section}.inverse_cdf_sampling",
-                f"{stage.method}.use_vllm samples with vLLM, which draws its tokens: remove it",
-            )
-        )
-    # the rewards themselves (names, keys, a user's module:function) are checked by cli/jobs.py, which may
-    # import the reward functions' floor (methods/)
-    return problems
+        ]
+    return []

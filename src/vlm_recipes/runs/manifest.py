@@ -14,7 +14,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import exit_code_of
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.recipes.load import recipe_to_dict
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, SAMPLING_METHODS, Recipe, Stage
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
 from vlm_recipes.versions import library_versions
@@ -136,11 +136,36 @@ BENCHMARK_HEADS = {
 }
 
 
+# The loss kinds of the methods of runs recorded before metrics.json named them (`method.loss`)
+RECORDED_BEFORE = {"dpo": "preference", "kto": "preference", "grpo": "policy", "rloo": "policy"}
+# Their measures, likewise: DPO's reward accuracy, GRPO's and RLOO's eval reward
+MEASURED_BEFORE = {
+    "dpo": {"eval_reward_accuracy": {"heading": "reward acc", "higher_is_better": True}},
+    "grpo": {"eval_reward": {"heading": "reward", "higher_is_better": True}},
+    "rloo": {"eval_reward": {"heading": "reward", "higher_is_better": True}},
+}
+
+
+def method_record(metrics: dict, method: str) -> dict:
+    """What a stage's metrics.json says of its method (TrainingMethod.record): its loss kind and its
+    measures; for a run recorded before it said, what its method's were then."""
+    return metrics.get("method") or {
+        "name": method,
+        "loss": RECORDED_BEFORE.get(method, "likelihood"),
+        "measures": MEASURED_BEFORE.get(method, {}),
+    }
+
+
 def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:
+    """A stage's line of run.json: where it is, its losses, exact match, the benchmarks' metrics, and its
+    method's measures (each with its heading, at the start too where the method measured its start)."""
+    at_start = metrics.get("eval_at_start") or {}
+    record = method_record(metrics, stage.method)
     return {
         "index": index,
         "name": stage.name,
         "method": stage.method,
+        "loss_kind": record["loss"],
         "dir": str(stage_dir),
         "source": source,
         "final_model": str(stage_dir / FINAL_DIR),
@@ -148,28 +173,26 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
             k: metrics.get(k) for k in ("train_loss", "final_train_loss", "eval_loss", "steps", "wall_time_s")
         },
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
-        "eval_reward_accuracy": metrics.get("eval_reward_accuracy"),  # method dpo only
-        "eval_reward": metrics.get("eval_reward"),  # methods grpo and rloo only
-        # the same, measured before the stage's first step (evaluation/metrics.evaluate_at_start)
-        "eval_reward_accuracy_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward_accuracy"),
-        "eval_reward_at_start": (metrics.get("eval_at_start") or {}).get("eval_reward"),
+        "measures": {
+            key: {**about, "value": metrics.get(key), "at_start": at_start.get(key)}
+            for key, about in record["measures"].items()
+        },
         # the benchmarks' metrics the stage's eval computed (data.eval_metrics), each the mean over its rows
         **{key: metrics[key] for key in BENCHMARK_KEYS if metrics.get(key) is not None},
     }
 
 
 def format_summary(run_dir: Path) -> str:
-    """The table printed at the end of a run (with DPO's eval reward accuracy and GRPO's eval reward when a
-    stage has one, each as start → end where the stage measured its start; a column per benchmark metric
-    some stage's eval computed)."""
+    """The table printed at the end of a run: per stage its losses, exact match, a column per benchmark
+    metric some stage's eval computed, and one per measure of its method (DPO's reward accuracy, GRPO's eval
+    reward, ...), as start → end where the stage measured its start."""
     manifest = read_json(run_dir / "run.json")
     stages = manifest["stages"]
-    accuracies = any(s.get("eval_reward_accuracy") is not None for s in stages)
-    rewards = any(s.get("eval_reward") is not None for s in stages)
     benchmarks = [key for key in BENCHMARK_KEYS if any(s.get(key) is not None for s in stages)]
+    measures = {k: m["heading"] for s in stages for k, m in (s.get("measures") or {}).items()}
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
     header += "".join(f" {BENCHMARK_HEADS[key]:>11}" for key in benchmarks)
-    header += f" {'reward acc':>15}" * accuracies + f" {'reward':>15}" * rewards + f" {'time':>7}"
+    header += "".join(f" {heading:>15}" for heading in measures.values()) + f" {'time':>7}"
     lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
     for s in stages:
         train_loss, eval_loss = _losses(s)
@@ -178,24 +201,24 @@ def format_summary(run_dir: Path) -> str:
             f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
         )
         line += "".join(f" {_num(s.get(key), 3):>11}" for key in benchmarks)
-        line += f" {_start_to_end(s, 'eval_reward_accuracy'):>15}" * accuracies
-        line += f" {_start_to_end(s, 'eval_reward'):>15}" * rewards
+        line += "".join(f" {_start_to_end((s.get('measures') or {}).get(key)):>15}" for key in measures)
         lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
     return "\n".join(lines)
 
 
-def _start_to_end(stage: dict, key: str) -> str:
-    """ "0.391 → 0.520" where the stage measured its start, else the end alone."""
-    start = stage.get(f"{key}_at_start")
-    end = _num(stage.get(key), 3)
+def _start_to_end(measure: dict | None) -> str:
+    """ "0.391 → 0.520" where the stage measured its start, else the end alone ("-": not measured)."""
+    if not measure:
+        return "-"
+    start, end = measure.get("at_start"), _num(measure.get("value"), 3)
     return end if start is None else f"{_num(start, 3)} → {end}"
 
 
 def _losses(stage: dict) -> tuple[float | None, float | None]:
-    """A stage's final train loss and eval loss, as the table shows them."""
-    if stage.get("method") in SAMPLING_METHODS:
-        # GRPO's and RLOO's loss is a policy loss: not a likelihood, so not shown as one
+    """A stage's final train loss and eval loss, as the table shows them: a policy loss (GRPO, RLOO) is not a
+    likelihood, so not shown as one."""
+    if stage.get("loss_kind", RECORDED_BEFORE.get(stage.get("method"))) == "policy":
         return None, None
     return stage["final_train_loss"], stage["eval_loss"]
 

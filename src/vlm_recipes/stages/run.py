@@ -100,6 +100,7 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
     in_training = feature_cache.stats() if feature_cache is not None else None
 
     metrics = measure(trainer, train_output, method, built, data, callbacks, ctx.env, started)
+    metrics["method"] = method.record(ctx.stage)
     if at_start is not None:
         metrics["eval_at_start"] = at_start
     if feature_cache is not None:  # the training loop's lookups apart (the benchmark's FLOPs actually run)

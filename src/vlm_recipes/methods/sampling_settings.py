@@ -1,82 +1,18 @@
-"""The settings of the stage methods beside SFT (the recipe's `dpo:`, `kto:`, `grpo:` and `rloo:` sections):
-part of the recipe schema (schema.py), kept apart only to keep each file short."""
+"""What the sampling methods share (method: grpo, rloo; methods/grpo.py and rloo.py): the settings of their
+sections that mean the same in both (rewards, group size, completion length, sampling switches) and the
+checks of a stage that samples, which no single key shows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, doc
+from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, doc, longest_in_tokens
+from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.recipes.validate import Problem
 
-GrpoLoss = Literal["grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo"]
-RewardScaling = Literal["group", "batch", "none"]
 VllmMode = Literal["colocate", "server"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
-KtoLoss = Literal["kto", "apo_zero_unpaired"]
 BoxFormat = Literal["same", "pixels", "relative_1000", "resized_pixels"]  # methods/grounding.py
-DpoLoss = Literal[
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-]
-
-
-def longest_in_tokens(what: str, longer: str, otherwise: str):
-    """A method's length limit, off (null) by default: what a row may hold at most, in tokens; a longer row
-    is refused or skipped, never cut (cutting would drop image tokens or the answer)."""
-    return doc(
-        f"longest {what} in tokens, image tokens included; a longer {longer} is a data error, never cut; "
-        f"null: {otherwise}",
-        None,
-        range=AT_LEAST_1,
-    )
-
-
-@dataclass
-class DpoSettings:
-    """Preference training (method: dpo): TRL's DPOTrainer on prompt / chosen / rejected rows."""
-
-    beta: float = doc(
-        "strength of the pull towards the reference model (the stage's start); lower: the policy may drift "
-        "further from it",
-        0.1,
-        range=ABOVE_0,
-    )
-    loss_type: DpoLoss = doc(
-        "TRL's DPO loss: sigmoid (the DPO paper), hinge, ipo, robust, apo_zero, ...", "sigmoid"
-    )
-    max_length: int | None = longest_in_tokens(
-        "prompt + answer (chosen or rejected)", "pair", "data.max_length"
-    )
-
-
-@dataclass
-class KtoSettings:
-    """Preference training from answers marked good or bad (method: kto): TRL's KTOTrainer on prompt /
-    completion / label rows, or on preference pairs (each pair unpaired: chosen good, rejected bad)."""
-
-    beta: float = doc(
-        "strength of the pull towards the reference model (the stage's start)", 0.1, range=ABOVE_0
-    )
-    loss_type: KtoLoss = doc("TRL's KTO loss: kto (the KTO paper) or apo_zero_unpaired", "kto")
-    desirable_weight: float = doc(
-        "weight of the good answers' loss (raise it where good answers are fewer than bad ones)",
-        1.0,
-        range=ABOVE_0,
-    )
-    undesirable_weight: float = doc("weight of the bad answers' loss", 1.0, range=ABOVE_0)
-    max_length: int | None = longest_in_tokens("prompt + answer", "row", "data.max_length")
 
 
 @dataclass
@@ -175,38 +111,51 @@ class SampledCompletionSettings:
     )
 
 
-@dataclass
-class GrpoSettings(SampledCompletionSettings):
-    """Reinforcement learning with verifiable rewards (method: grpo): TRL's GRPOTrainer on `prompt` rows; a
-    completion's advantage is its reward against its group's mean (and std)."""
-
-    loss_type: GrpoLoss = doc(
-        "TRL's loss: dapo (tokens normalized over the batch), grpo (per sequence), dr_grpo (by a constant), "
-        "bnpo, cispo, sapo",
-        "dapo",
-    )
-    importance_sampling_level: ImportanceSamplingLevel = doc(
-        "the policy ratio per token (GRPO, DAPO) or one per completion, the mean of its tokens' log-ratios "
-        "(sequence: GSPO, the method Qwen3's RL used)",
-        "token",
-    )
-    scale_rewards: RewardScaling = doc(
-        "divide advantages by the reward std of the group (GRPO), of the batch, or not at all (Dr. GRPO)",
-        "group",
-    )
+def merged_sampling_problem(stage: Stage) -> str | None:
+    """Why a stage's LoRA adapter cannot be merged for sampling, as far as the recipe says (the model's own
+    layers are checked once it is built: speedups/merged_sampling.py)."""
+    if stage.settings.use_vllm:
+        return f"{stage.method}.use_vllm samples with vLLM, which merges the adapter itself"
+    if "lora" not in (stage.train.vision, stage.train.projector, stage.train.llm):
+        return "no role trains with LoRA: there is no adapter to merge"
+    if stage.quantized:
+        return f"quantization.mode {stage.quantization.mode}: a quantized base cannot take the merged weights"
+    return None
 
 
-@dataclass
-class RlooSettings(SampledCompletionSettings):
-    """REINFORCE Leave-One-Out (method: rloo): TRL's RLOOTrainer on `prompt` rows; a completion's advantage
-    is its reward against the mean of the other completions of its group. TRL's default KL term (beta 0.05)."""
-
-    beta: float = doc(
-        "KL penalty towards the reference (the stage's start; with LoRA, the model with its adapter off), "
-        "as TRL's RLOOTrainer applies it; 0: no reference pass",
-        0.05,
-        range=AT_LEAST_0,
-    )
-    normalize_advantages: bool = doc(
-        "divide the advantages by their std over the generation batch (mean 0, std 1)", False
-    )
+def sampling_problems(stage: Stage, at: str) -> list[Problem]:
+    """A step's completions are whole groups of `num_generations`; the prompt leaves room for the completion
+    (`at`: the stage's key path, as errors name it)."""
+    problems = []
+    g, t, section = stage.settings, stage.training, f"{at}.{stage.method}"
+    completions = t.per_device_batch_size * t.gradient_accumulation_steps
+    if completions % g.num_generations:
+        problems.append(
+            Problem(
+                f"{at}.training.per_device_batch_size",
+                f"{t.per_device_batch_size} x gradient_accumulation_steps {t.gradient_accumulation_steps} = "
+                f"{completions} completions a step, not a multiple of {stage.method}.num_generations "
+                f"{g.num_generations}: a step must hold whole prompt groups",
+            )
+        )
+    no_room = stage.data.max_length is not None and stage.data.max_length <= g.max_completion_length
+    if g.max_prompt_length is None and no_room:
+        problems.append(
+            Problem(
+                f"{section}.max_completion_length",
+                f"{g.max_completion_length} leaves no room for the prompt in data.max_length "
+                f"{stage.data.max_length}: raise data.max_length or set {stage.method}.max_prompt_length",
+            )
+        )
+    if g.sample_with_merged_lora and (why := merged_sampling_problem(stage)):
+        problems.append(Problem(f"{section}.sample_with_merged_lora", f"{why}: remove it"))
+    if g.inverse_cdf_sampling and g.use_vllm:
+        problems.append(
+            Problem(
+                f"{section}.inverse_cdf_sampling",
+                f"{stage.method}.use_vllm samples with vLLM, which draws its tokens: remove it",
+            )
+        )
+    # the rewards themselves (names, keys, a user's module:function) are checked by cli/jobs.py, which may
+    # import the reward functions' floor (methods/)
+    return problems
