@@ -29,7 +29,12 @@ from vlm_recipes.runs.manifest import format_summary, stage_summary
 matplotlib.use("Agg")
 
 
-LOSS_KINDS = {"dpo": "preference", "kto": "preference", "grpo": "policy", "rloo": "policy"}  # TrainingMethod.loss_kind
+LOSS_KINDS = {
+    "dpo": "preference",
+    "kto": "preference",
+    "grpo": "policy",
+    "rloo": "policy",
+}  # TrainingMethod.loss_kind
 
 
 def run(recipe: str, seed: int, eval_loss: float, method: str = "sft", **metrics) -> RunSummary:
