@@ -14,6 +14,7 @@ the shared modules ask the method and change for none."""
 
 from __future__ import annotations
 
+from vlm_recipes.methods.distill import Distill
 from vlm_recipes.methods.dpo import DPO
 from vlm_recipes.methods.grpo import GRPO
 from vlm_recipes.methods.kto import KTO
@@ -22,7 +23,9 @@ from vlm_recipes.methods.sft import SFT
 from vlm_recipes.methods.trainer import TrainingMethod
 from vlm_recipes.recipes.schema import Stage
 
-METHODS: dict[str, TrainingMethod] = {method.name: method for method in (SFT(), DPO(), KTO(), GRPO(), RLOO())}
+METHODS: dict[str, TrainingMethod] = {
+    method.name: method for method in (SFT(), DPO(), KTO(), GRPO(), RLOO(), Distill())
+}
 
 
 def method_of(stage: Stage) -> TrainingMethod:
