@@ -37,15 +37,20 @@ LOSS_KINDS = {
 }  # TrainingMethod.loss_kind
 
 
-def run(recipe: str, seed: int, eval_loss: float, method: str = "sft", **metrics) -> RunSummary:
-    values = {
-        "exact_match": 0.0,
-        "json_f1": 0.0,
-        "reward_accuracy": None,
-        "reward_margin": None,
-        "reward": None,
-    }
-    values |= metrics
+# The methods' measures as their modules declare them (TrainingMethod.measures), as metrics.json records them
+ABOUT = {
+    "eval_reward_accuracy": {"heading": "reward acc", "higher_is_better": True},
+    "eval_reward": {"heading": "reward", "higher_is_better": True},
+}
+
+
+def run(
+    recipe: str, seed: int, eval_loss: float, method: str = "sft", measures=None, **metrics
+) -> RunSummary:
+    """A run's summary; `measures`: its last stage's method's measures, e.g. {"eval_reward_accuracy": 0.5}."""
+    values = {"exact_match": 0.0, "json_f1": 0.0} | metrics
+    measures = measures or {}
+    values |= {"measures": measures, "measure_about": {key: ABOUT[key] for key in measures}}
     return RunSummary(
         run_dir=Path(f"runs/{recipe}/s-seed{seed}"),
         recipe=recipe,
@@ -204,7 +209,9 @@ def test_the_rows_shown_first_are_those_training_changed(tmp_path):
 
 
 def test_an_eval_loss_panel_with_only_preference_losses_says_so():
-    runs = [run("dpo", s, 0.69, method="dpo", reward_accuracy=0.4 + s / 10) for s in (0, 1)]
+    runs = [
+        run("dpo", s, 0.69, method="dpo", measures={"eval_reward_accuracy": 0.4 + s / 10}) for s in (0, 1)
+    ]
     losses = comparison_figure(compare_runs(runs)).axes[1]
     assert "no SFT eval loss to show" in " ".join(t.get_text() for t in losses.texts)
 
@@ -255,7 +262,7 @@ def sft_then_grpo(root: Path) -> Path:
 
 def test_a_run_ending_in_grpo_has_its_reward_and_reward_curve_not_its_loss_beside_sft_losses(tmp_path):
     summary = load_run(sft_then_grpo(tmp_path / "r6" / "t"))
-    assert summary.last_method == "grpo" and summary.reward == 1.375
+    assert summary.last_method == "grpo" and summary.value("eval_reward") == 1.375
     assert summary.loss_curve == [(1, 2.0), (2, 1.5), (3, 1.2)]  # the SFT stage's only
     assert summary.reward_curve == [(4, 0.5), (5, 1.25)]  # steps counted after the SFT stage's 3
     assert summary.preference_curve == [] and summary.stage_boundaries == [3]
@@ -264,7 +271,7 @@ def test_a_run_ending_in_grpo_has_its_reward_and_reward_curve_not_its_loss_besid
     twin = figure.axes[3]  # the reward curve's own axis, beside the SFT losses
     assert [list(line.get_xdata()) for line in twin.lines] == [[4, 5]]
     assert "GRPO mean reward" in twin.get_ylabel()
-    assert "mean reward (GRPO)" in [t.get_text() for t in figure.axes[2].get_legend().get_texts()]
+    assert "reward (GRPO)" in [t.get_text() for t in figure.axes[2].get_legend().get_texts()]
     low, high = figure.axes[2].get_ylim()
     assert high > 1.375, (low, high)  # a reward above 1 is not cut off at a score's 1.05
 
@@ -279,8 +286,8 @@ def reward_cells(table: str) -> dict[str, str]:
 
 
 def test_the_table_shows_the_grpo_reward_and_marks_the_best_recipe_by_it():
-    runs = [run("better", s, 0.01, method="grpo", reward=1.30 + s / 100) for s in (0, 1)]
-    runs += [run("worse", s, -0.02, method="grpo", reward=0.80 + s / 100) for s in (0, 1)]
+    runs = [run("better", s, 0.01, method="grpo", measures={"eval_reward": 1.30 + s / 100}) for s in (0, 1)]
+    runs += [run("worse", s, -0.02, method="grpo", measures={"eval_reward": 0.80 + s / 100}) for s in (0, 1)]
     runs += [run("sft", 0, 6.85)]
     comparison = compare_runs(runs)
     text = format_comparison(comparison, answer_rows=0)
@@ -294,10 +301,18 @@ def test_grpo_recipes_are_ranked_by_reward_only_against_recipes_with_the_same_re
     """A reward summing other functions (or weights) is another scale: its recipe is not marked against the
     best of a different sum, and the note under the table says what each reward sums."""
     runs = [
-        run("better", s, 0.01, method="grpo", reward=1.30 + s / 100, rewards="exact_match") for s in (0, 1)
+        run("better", s, 0.01, method="grpo", measures={"eval_reward": 1.30 + s / 100}, rewards="exact_match")
+        for s in (0, 1)
     ]
     runs += [
-        run("worse", s, -0.02, method="grpo", reward=0.80 + s / 100, rewards="exact_match + 0.1 length[64]")
+        run(
+            "worse",
+            s,
+            -0.02,
+            method="grpo",
+            measures={"eval_reward": 0.80 + s / 100},
+            rewards="exact_match + 0.1 length[64]",
+        )
         for s in (0, 1)
     ]
     text = format_comparison(compare_runs(runs), answer_rows=0)

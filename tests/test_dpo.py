@@ -67,13 +67,13 @@ def test_r5_sft_then_dpo_runs_end_to_end(tmp_path, private_demo_cache, capsys):
 
     # The comparison shows DPO's reward accuracy and margin beside the generation metrics.
     summary = load_run(run)
-    assert summary.reward_accuracy == metrics["eval_reward_accuracy"]
-    assert summary.reward_margin == metrics["eval_reward_margin"]
+    assert summary.value("eval_reward_accuracy") == metrics["eval_reward_accuracy"]
+    assert summary.value("eval_reward_margin") == metrics["eval_reward_margin"]
     table = format_comparison(compare_runs([summary]))
     assert "reward acc" in table and f"{metrics['eval_reward_accuracy']:.3f}" in table
     assert "reward acc" in format_summary(run)  # the end-of-run table too, from its start
     assert f"0.000 → {metrics['eval_reward_accuracy']:.3f}" in format_summary(run)
-    assert summary.reward_accuracy_at_start == 0.0 and "reward acc at start" in table
+    assert summary.value("eval_reward_accuracy@start") == 0.0 and "reward acc at start" in table
 
     # The end-of-run summary puts each stage's answers beside the reference, from the predictions files: the
     # DPO stage's preference rows keep the demo rows' ids, so stages 1-2 answered them too.

@@ -587,7 +587,7 @@ def test_the_plan_states_the_reference_copy_where_trl_loads_one(
     printed = capsys.readouterr().out
     model = AutoModelForImageTextToText.from_pretrained(ensure_demo_model("demo:tiny-qwen2-vl"))
     whole_fp32 = sum(p.numel() for p in model.parameters()) * 4
-    assert (f"+ reference copy {human(whole_fp32)} (frozen)" in printed) == copy, printed
+    assert (f"+ frozen copies (reference, teacher) {human(whole_fp32)}" in printed) == copy, printed
 
 
 def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str, shift: torch.Tensor):

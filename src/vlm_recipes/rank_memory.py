@@ -1,7 +1,7 @@
 """What one process holds for a stage's training state, from the model's parameter counts (no weights read):
-the parameters, their gradients, AdamW's two moments and a DPO or GRPO stage's reference copy; under FSDP2
-sharded over the ranks, otherwise whole in every process. `--dry-run` prints it. Activations are not
-included (they grow with the batch's tokens and images)."""
+the parameters, their gradients, AdamW's two moments and the frozen copies its method holds (a DPO or GRPO
+stage's reference, a distillation's teacher); under FSDP2 sharded over the ranks, otherwise whole in every
+process. `--dry-run` prints it. Activations are not included (they grow with the batch's tokens and images)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class RankMemory:
     def __str__(self) -> str:
         """Two lines (as --dry-run prints them): the sizes, then how they are held."""
         total = self.parameters + self.gradients + self.optimizer + self.reference
-        reference = f" + reference copy {human(self.reference)} (frozen)" if self.reference else ""
+        reference = f" + frozen copies (reference, teacher) {human(self.reference)}" if self.reference else ""
         sizes = (
             f"parameters {human(self.parameters)} + gradients {human(self.gradients)} + optimizer state "
             f"{human(self.optimizer)} (AdamW's 2 moments){reference} = {human(total)}"

@@ -17,13 +17,31 @@ from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 TASK_METRICS = [
     ("exact_match", "exact match", "o"),
     ("json_f1", "JSON field F1", "s"),
-    ("reward_accuracy", "reward accuracy (DPO)", "^"),
-    ("reward", "mean reward (GRPO)", "v"),
     *((m, BENCHMARK_LABELS[m], marker) for m, marker in zip(BENCHMARK_METRICS, "DPXh*", strict=True)),
 ]
-# not named as "not measured" where absent: only a DPO / GRPO last stage has one, a benchmark's metric only
-# an eval whose rows it scores
-MEASURED_SOMETIMES = ("reward_accuracy", "reward", *BENCHMARK_METRICS)
+MEASURE_MARKERS = "^v<>pd"  # the methods' scores (DPO's reward accuracy, GRPO's mean reward, ...), in turn
+# not named as "not measured" where absent: a benchmark's metric only an eval whose rows it scores
+MEASURED_SOMETIMES = BENCHMARK_METRICS
+
+
+def task_metrics(rows: list[RecipeRow]) -> list[tuple[str, str, str]]:
+    """The panel's metrics: TASK_METRICS, then each measure of the runs' methods where higher is better (a
+    score: DPO's reward accuracy, GRPO's mean reward; a distance such as the KL to a teacher is the table's)."""
+    about = {key: a for row in rows for r in row.runs for key, a in r.measure_about.items()}
+    scores = [
+        (key, f"{a['heading']} ({row_method(rows, key)})")
+        for key, a in about.items()
+        if a["higher_is_better"]
+    ]
+    markers = (MEASURE_MARKERS * len(scores))[: len(scores)]
+    return TASK_METRICS + [(key, label, marker) for (key, label), marker in zip(scores, markers, strict=True)]
+
+
+def row_method(rows: list[RecipeRow], key: str) -> str:
+    """The methods whose runs measure `key`, upper-cased as the legend names them: "DPO", "GRPO, RLOO"."""
+    return ", ".join(
+        dict.fromkeys(r.last_method.upper() for row in rows for r in row.runs if key in r.measure_about)
+    )
 
 
 def plot_comparison(comparison: Comparison, path: Path) -> Path:
@@ -143,7 +161,7 @@ def _eval_losses(axis, comparison: Comparison, color_of: dict[int, str]) -> None
 def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
     """Each metric someone scored above 0 as mean ± std per recipe; the others named, not drawn as empty."""
     shown, zero, missing = [], [], []
-    for attr, label, marker in TASK_METRICS:
+    for attr, label, marker in task_metrics(rows):
         values = [v for row in rows for v in row.values(attr)]
         if any(values):
             shown.append((attr, label, marker))

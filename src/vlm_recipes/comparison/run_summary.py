@@ -7,7 +7,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
@@ -19,6 +19,7 @@ from vlm_recipes.runs.manifest import BENCHMARK_HEADS, method_record, run_state
 # eval row's prediction record may carry.
 BENCHMARK_LABELS = {m: BENCHMARK_HEADS[f"eval_{m}"] for m in BENCHMARK_METRICS}
 SCORE_LABELS = {"exact_match": "exact match"} | BENCHMARK_LABELS
+AT_START = "@start"  # a measure's column before the last stage's step 1: `eval_reward@start`
 
 
 @dataclass
@@ -32,9 +33,6 @@ class RunSummary:
     eval_loss: float | None  # last stage's eval loss
     exact_match: float | None
     json_f1: float | None
-    reward_accuracy: float | None  # a DPO last stage: chosen scored above rejected on the eval pairs
-    reward_margin: float | None
-    reward: float | None  # a GRPO last stage: mean total reward of sampled completions on the eval prompts
     time_s: float
     samples_per_s: float | None
     peak_memory_gb: float | None
@@ -47,8 +45,12 @@ class RunSummary:
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
     rewards: str | None = None  # a GRPO last stage: what its reward sums, e.g. "exact_match + 0.1 length[64]"
-    reward_accuracy_at_start: float | None = None  # reward_accuracy and reward before the last stage's step 1
-    reward_at_start: float | None = None
+    # the last stage's method's measures (TrainingMethod.measures, from its metrics.json: DPO's eval reward
+    # accuracy, GRPO's eval reward, a distillation's KL to its teacher): key → value at the end and before
+    # step 1, and key → {heading, higher_is_better}
+    measures: dict[str, float] = field(default_factory=dict)
+    measures_at_start: dict[str, float] = field(default_factory=dict)
+    measure_about: dict[str, dict] = field(default_factory=dict)
     eval_loss_curve: list[tuple[int, float]] = field(default_factory=list)  # the SFT stages' eval losses
     task_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # task → metric → its score
     source_scores: dict[str, dict[str, float]] = field(default_factory=dict)  # an eval mixture's, per source
@@ -59,8 +61,15 @@ class RunSummary:
     mixtures: dict[str, list[dict]] = field(default_factory=dict)
 
     def value(self, name: str) -> float | None:
-        """A column's value: the attribute, or a benchmark metric's mean (None where not computed)."""
-        return self.benchmark_scores.get(name) if name in BENCHMARK_METRICS else getattr(self, name)
+        """A column's value: a benchmark metric's mean, a measure of the last stage's method (`<key>@start`:
+        before its step 1), or the attribute (None where not computed)."""
+        if name in BENCHMARK_METRICS:
+            return self.benchmark_scores.get(name)
+        if name.endswith(AT_START):
+            return self.measures_at_start.get(name.removesuffix(AT_START))
+        if name in {f.name for f in fields(self)}:
+            return getattr(self, name)
+        return self.measures.get(name)  # a method's measure, which other runs' methods may not have
 
 
 def load_run(run_dir: Path) -> RunSummary:
@@ -74,6 +83,8 @@ def load_run(run_dir: Path) -> RunSummary:
     methods = [s.get("method", "sft") for s in manifest["stages"]]
     kinds = [method_record(m, method)["loss"] for m, method in zip(stage_metrics, methods, strict=True)]
     sampled = kinds[-1] == "policy"  # a GRPO or RLOO last stage: its reward is the measure
+    about = method_record(last, methods[-1])["measures"]
+    at_start = last.get("eval_at_start") or {}
     curves, boundaries = _curves(kinds, stage_metrics)
     overall = (last.get("eval") or {}).get("all", {})
     memory = [_peak_gb(m.get("peak_memory")) for m in stage_metrics]
@@ -90,11 +101,6 @@ def load_run(run_dir: Path) -> RunSummary:
         eval_loss=last.get("eval_loss"),
         exact_match=overall.get("exact_match"),
         json_f1=(overall.get("json_fields") or {}).get("f1"),
-        reward_accuracy=last.get("eval_reward_accuracy"),
-        reward_margin=last.get("eval_reward_margin"),
-        reward=last.get("eval_reward") if sampled else None,
-        reward_accuracy_at_start=(last.get("eval_at_start") or {}).get("eval_reward_accuracy"),
-        reward_at_start=(last.get("eval_at_start") or {}).get("eval_reward") if sampled else None,
         time_s=sum(m.get("wall_time_s") or 0.0 for m in stage_metrics),
         samples_per_s=statistics.mean(throughput) if throughput else None,
         peak_memory_gb=max((m for m in memory if m is not None), default=None),
@@ -113,6 +119,9 @@ def load_run(run_dir: Path) -> RunSummary:
             m: last[f"eval_{m}"] for m in BENCHMARK_METRICS if last.get(f"eval_{m}") is not None
         },
         mixtures=training_mixtures(manifest),
+        measures={key: last[key] for key in about if last.get(key) is not None},
+        measures_at_start={key: at_start[key] for key in about if at_start.get(key) is not None},
+        measure_about=about,
     )
 
 

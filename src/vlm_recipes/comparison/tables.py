@@ -22,7 +22,7 @@ from vlm_recipes.comparison.answers import (
     side_by_side,
 )
 from vlm_recipes.comparison.mixture_table import Draw, mixture_line
-from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, RunSummary
+from vlm_recipes.comparison.run_summary import AT_START, BENCHMARK_LABELS, RunSummary
 from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 
 # ---------------------------------------------------------------------------------------------
@@ -84,10 +84,7 @@ HIGHER_IS_BETTER = {
     "eval_loss": False,
     "exact_match": True,
     "json_f1": True,
-    "reward_accuracy": True,
-    "reward_margin": True,
-    "reward": True,
-} | dict.fromkeys(BENCHMARK_METRICS, True)
+} | dict.fromkeys(BENCHMARK_METRICS, True)  # and each method's measures, as its runs record them
 LOSSES = ("train_loss", "eval_loss")
 NOT_JUDGED_LOSSES = ("policy",)  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
@@ -110,12 +107,27 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
     comparable: dict[str | None, list[RecipeRow]] = defaultdict(list)
     for row in rows:
         loss = row.runs[0].loss_kind if attr in LOSSES else ""
-        kind = row.runs[0].rewards if attr == "reward" else loss
+        kind = row.runs[0].rewards if attr == "eval_reward" else loss
         if row.values(attr) and loss not in NOT_JUDGED_LOSSES:
             comparable[kind].append(row)
     for same in comparable.values():
-        marks |= marks_against_best({row.recipe: row.values(attr) for row in same}, HIGHER_IS_BETTER[attr])
+        marks |= marks_against_best(
+            {row.recipe: row.values(attr) for row in same}, higher_is_better(rows, attr)
+        )
     return marks
+
+
+def higher_is_better(rows: list[RecipeRow], attr: str) -> bool:
+    """Which way a judged column is better: the fixed columns', or a method's measure as its runs record it."""
+    if attr in HIGHER_IS_BETTER:
+        return HIGHER_IS_BETTER[attr]
+    return next(
+        r.measure_about[attr]["higher_is_better"] for row in rows for r in row.runs if attr in r.measure_about
+    )
+
+
+def judged(rows: list[RecipeRow], attr: str) -> bool:
+    return attr in HIGHER_IS_BETTER or any(attr in r.measure_about for row in rows for r in row.runs)
 
 
 def marks_against_best(values: dict[str, list[float]], higher_is_better: bool) -> dict[str, str]:
@@ -144,7 +156,9 @@ def marks_against_best(values: dict[str, list[float]], higher_is_better: bool) -
 
 def rewards_note(rows: list[RecipeRow]) -> str:
     """What each GRPO recipe's reward sums, under the table ("" without one); says when they differ."""
-    formulas = {row.recipe: row.runs[0].rewards for row in rows if row.runs[0].reward is not None}
+    formulas = {
+        row.recipe: row.runs[0].rewards for row in rows if row.runs[0].value("eval_reward") is not None
+    }
     if not formulas:
         return ""
     listed = "; ".join(f"{recipe}: {formula or 'not recorded'}" for recipe, formula in formulas.items())
@@ -185,11 +199,7 @@ COLUMNS = [
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
     *((BENCHMARK_LABELS[m], m, "{:.3f}") for m in BENCHMARK_METRICS),
-    ("reward acc at start", "reward_accuracy_at_start", "{:.3f}"),  # before the last stage's first step
-    ("reward acc", "reward_accuracy", "{:.3f}"),
-    ("reward margin", "reward_margin", "{:.4f}"),
-    ("reward at start", "reward_at_start", "{:.3f}"),
-    ("reward", "reward", "{:.3f}"),
+    # here: each measure of the last stages' methods (measure_columns)
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("peak mem GB", "peak_memory_gb", "{:.2f}"),
@@ -199,21 +209,34 @@ COLUMNS = [
 MARKS = {"best": " (best)", "beyond": " *", "": ""}
 
 
-AT_START = ("reward_accuracy_at_start", "reward_at_start")  # shown only where a run measured its start
-REWARDS = ("reward_accuracy", "reward_margin", "reward")  # a DPO, KTO, GRPO or RLOO last stage's
-# shown only where some run has one: a benchmark's metric where its rows carry what it reads, a reward where a
-# stage measures one (a table of SFT recipes has no reward column of dashes)
-WHERE_MEASURED = AT_START + BENCHMARK_METRICS + REWARDS
+# shown only where some run has one: a benchmark's metric where its rows carry what it reads (a table of SFT
+# recipes has no column of dashes)
+WHERE_MEASURED = BENCHMARK_METRICS
+
+
+def measure_columns(rows: list[RecipeRow]) -> list[tuple]:
+    """A column per measure of the runs' last stages' methods (their metrics.json's `method.measures`), with
+    its value before the stage's first step where a run measured it."""
+    about = {key: a for row in rows for r in row.runs for key, a in r.measure_about.items()}
+    columns = []
+    for key, a in about.items():
+        if any(row.values(key + AT_START) for row in rows):
+            columns.append((f"{a['heading']} at start", key + AT_START, "{:.3f}"))
+        if any(row.values(key) for row in rows):
+            columns.append((a["heading"], key, "{:.3f}"))
+    return columns
 
 
 def shown_columns(rows: list[RecipeRow]) -> list[tuple]:
-    return [c for c in COLUMNS if c[1] not in WHERE_MEASURED or any(row.values(c[1]) for row in rows)]
+    fixed = [c for c in COLUMNS if c[1] not in WHERE_MEASURED or any(row.values(c[1]) for row in rows)]
+    costs = next(i for i, c in enumerate(fixed) if c[1] == "time_s")
+    return fixed[:costs] + measure_columns(rows) + fixed[costs:]
 
 
 def table_rows(rows: list[RecipeRow]) -> tuple[list[str], list[list[str]]]:
     """The table's header and cells, a judged column's cells marked against its best (`spread_marks`)."""
     columns = shown_columns(rows)
-    marks = {attr: spread_marks(rows, attr) for _, attr, _ in columns[3:] if attr in HIGHER_IS_BETTER}
+    marks = {attr: spread_marks(rows, attr) for _, attr, _ in columns[3:] if judged(rows, attr)}
     out = []
     for row in rows:
         cells = [row.recipe, str(len(row.runs)), " → ".join(row.runs[0].stages)]
