@@ -103,6 +103,50 @@ def private_demo_cache(tmp_path_factory) -> Path:
         yield cache
 
 
+def torch_global_state() -> dict:
+    """What one test could leave behind for the next on the same worker and change its arithmetic: autocast
+    on the CPU, fp32 matmuls allowed a lower precision (oneDNN computes them in bf16 on an AVX512-BF16 CPU),
+    the thread count (the summation order), the default dtype, gradients off."""
+    import torch
+
+    return {
+        "cpu autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "fp32 precision": getattr(torch.backends, "fp32_precision", None),
+        "mkldnn fp32 precision": getattr(
+            getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None
+        ),
+        "threads": torch.get_num_threads(),
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def torch_state_left_as_found(request):
+    """A test that changes torch's global state fails here, naming what it changed, and the state is put back:
+    a later test on the same worker never inherits it (packed-video losses once differed by 5e-4 in the full
+    suite, not alone)."""
+    before = torch_global_state()
+    yield
+    after = torch_global_state()
+    changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if changed:
+        import torch
+
+        torch.set_autocast_enabled("cpu", before["cpu autocast"][0])
+        torch.set_autocast_dtype("cpu", before["cpu autocast"][1])
+        torch.set_float32_matmul_precision(before["float32 matmul precision"])
+        torch.set_num_threads(before["threads"])
+        torch.set_default_dtype(before["default dtype"])
+        torch.set_grad_enabled(before["grad enabled"])
+        if before["fp32 precision"] is not None:
+            torch.backends.fp32_precision = before["fp32 precision"]
+        if before["mkldnn fp32 precision"] is not None:
+            torch.backends.mkldnn.matmul.fp32_precision = before["mkldnn fp32 precision"]
+        pytest.fail(f"{request.node.nodeid} changed torch's global state (before, after): {changed}")
+
+
 def fix_the_cpus_bf16_answer() -> None:
     """Every test takes the same path on every CPU: this machine's answer to "native bf16?" is kept as "no"
     in the private cache (the answer the product keeps per machine after its probe), so `precision: auto`
