@@ -274,6 +274,14 @@ def test_schema_listing_shows_the_ranges(capsys):
     assert "RewardSettings(" not in out
     for key in ("name: 'exact_match'", "weight: 1.0", "pattern: None", "target_length: None"):
         assert f"\n        {key}  # " in out
+    # a value that is one source or a list of entries (a mixture) lists an entry's keys under it
+    train = out[out.index("\n    train: 'demo:train'") :]
+    assert train.splitlines()[2].startswith("        path: ''  # the source")
+    assert "\n        weight: None  # its share" in train and "\n        samples: None  # exactly" in train
+    # each method's own section, from its module, under the stage's keys
+    for section in ("dpo", "kto", "grpo", "rloo", "distill"):
+        assert f"\n  {section}:  # " in out and f"read when method is {section}\n" in out
+    assert "\n    teacher: ''  # the teacher: `stage:<name>`" in out
 
 
 def test_a_recipe_with_a_utf8_bom_loads(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 
 
@@ -22,6 +23,14 @@ def list_recipes() -> str:
     return "\n".join(lines)
 
 
+def listed_entries(hint) -> type | None:
+    """The entry dataclass of a hint that takes one value or a list of entries (`str | list[DataSource]`)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return None
+    lists = [typing.get_args(o)[0] for o in typing.get_args(hint) if typing.get_origin(o) is list]
+    return next((item for item in lists if dataclasses.is_dataclass(item)), None)
+
+
 def describe_schema() -> str:
     from vlm_recipes.recipes.schema import STAGE_DEFAULT_SECTIONS, Recipe, Stage
 
@@ -35,6 +44,11 @@ def describe_schema() -> str:
             if dataclasses.is_dataclass(hint):
                 out.append(f"{indent}{f.name}:  # {f.metadata.get('help', '')}")
                 out += walk(hint, indent + "  ")
+            elif entries := listed_entries(hint):  # one value or a list of entries (data.train: a mixture)
+                out.append(
+                    f"{indent}{f.name}: {default!r}  # {f.metadata.get('help', '')}; a list's entries:"
+                )
+                out += walk(entries, indent + "    ")
             elif typing.get_origin(hint) is list and dataclasses.is_dataclass(
                 item := typing.get_args(hint)[0]
             ):
