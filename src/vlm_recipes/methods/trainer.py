@@ -14,6 +14,7 @@ from pathlib import Path
 import datasets
 import torch
 from transformers import TrainingArguments
+from transformers.integrations.integration_utils import TensorBoardCallback, default_logdir
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.data.rows import RowFormat, StageData
@@ -232,6 +233,7 @@ class TrainingMethod(ABC):
         """Per-role learning rates, the trainable-dtype guard (the TRL trainer may have cast adapters), and
         the trained tower reached from batches without images."""
         built, stage = inputs.built, inputs.stage
+        keep_tensorboard_under_the_checkpoints(trainer)
         if stage.training.role_learning_rates:
             trainer.role_groups = lambda decay_names: role_parameter_groups(
                 trainer.model, built.family, stage, decay_names
@@ -243,6 +245,15 @@ class TrainingMethod(ABC):
         tower = every_batch_reaches_the_trained_tower(trainer.model, built.family)
         inputs.decisions += [*trainer.sharding_decisions, decision, *([tower] if tower else [])]
         return trainer
+
+
+def keep_tensorboard_under_the_checkpoints(trainer) -> None:
+    """TensorBoard's events under the stage's checkpoints/runs/, from the first log on. transformers names
+    that directory when training begins; an eval before step 1 (evaluate_at_start) opened its writer first,
+    on SummaryWriter's default, ./runs/ in whatever directory the user ran from."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(Path(trainer.args.output_dir) / default_logdir())
 
 
 def role_parameter_groups(
