@@ -67,12 +67,12 @@ def comparison_figure(comparison: Comparison):
 
     rows = [row for group in comparison.groups.values() for row in group]
     colors = [f"C{i % 10}" for i in range(len(rows))]
-    fig, (curves, losses, tasks) = plt.subplots(1, 3, figsize=(15, 4.5), dpi=100)
+    fig, (curves, losses, tasks) = plt.subplots(1, 3, figsize=(17, 5), dpi=100)
     draw_train_curves(curves, rows, colors)
     _eval_losses(losses, comparison, dict(zip(map(id, rows), colors, strict=True)))
     _task_metrics(tasks, rows, colors)
-    for axis in (losses, tasks):
-        axis.tick_params(axis="x", labelrotation=20)
+    for axis in (losses, tasks):  # recipe names slanted, each ending under its own tick
+        plt.setp(axis.get_xticklabels(), rotation=25, ha="right", rotation_mode="anchor")
     fig.tight_layout()
     return fig
 
@@ -109,7 +109,7 @@ def draw_train_curves(curves, rows: list[RecipeRow], colors: list[str]) -> None:
     title = "train loss" + " and reward" * any(a == "reward_curve" for a, _, _ in twins)
     evals = "; ◇: eval loss" * any(run.eval_loss_curve for run in runs)
     curves.set(
-        title=f"{title} (dashed: stage boundaries{evals})",
+        title=f"{title}\n(dashed: stage boundaries{evals})",
         xlabel="optimizer step, all stages",
         ylabel="SFT loss",
     )
@@ -188,7 +188,7 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
     if not_shown:
         axis.set_xlabel("not shown: " + "; ".join(not_shown), fontsize=8)
     axis.set_ylabel("score: mean ± std over seeds")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the panel: it hides no point
 
 
 def _score_limits(axis, values: list[float]) -> None:
