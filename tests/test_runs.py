@@ -7,8 +7,10 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +99,36 @@ def test_one_writer_per_run_dir_and_a_killed_run_resumes(tmp_path, private_demo_
     assert "resuming from" in logs[codes.index(0)]
     manifest = read_json(run_dir / "run.json")
     assert manifest["status"] == "finished" and manifest["stages"][0]["steps"] == 60
+
+
+def test_a_refused_writer_names_the_holder_that_has_not_written_its_record_yet(tmp_path):
+    """A holder writes who it is just after it takes the lock: a process refused in that moment read the last
+    holder's record (a dead process) and named it, under load (the one-writer test above failed so once). It
+    waits for the new record instead."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
+    (run_dir / ".lock").write_text(
+        json.dumps({"pid": dead, "host": socket.gethostname()})
+    )  # the killed run's
+    holder = os.open(run_dir / ".lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the new holder: locked, its record not yet written
+
+    def write_record():
+        time.sleep(0.3)
+        os.ftruncate(holder, 0)
+        os.pwrite(holder, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+
+    writer = threading.Thread(target=write_record)
+    writer.start()
+    with pytest.raises(RunBusyError, match=f"in use by process {os.getpid()} on host"):
+        lock_run_dir(run_dir)
+    writer.join()
+    os.close(holder)
 
 
 def test_the_lock_is_reentrant_refuses_others_and_is_shared_with_launched_children(tmp_path, monkeypatch):

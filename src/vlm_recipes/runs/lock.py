@@ -56,7 +56,7 @@ def lock_run_dir(run_dir: Path) -> None:
     except OSError:  # EWOULDBLOCK: a live process holds it
         os.close(fd)
         raise RunBusyError(
-            f"run directory {run_dir} is in use by {describe_writer(read_lock_holder(run_dir))}. A run "
+            f"run directory {run_dir} is in use by {describe_writer(current_holder(run_dir))}. A run "
             "directory has one writer: wait for that run to end (or stop it), or start a new run with "
             "another --run-name."
         ) from None
@@ -90,6 +90,18 @@ def read_lock_holder(run_dir: Path) -> dict:
         return json.loads((run_dir / LOCK_FILE).read_text() or "{}")
     except (OSError, ValueError):
         return {}
+
+
+def current_holder(run_dir: Path, wait_s: float = 2.0) -> dict:
+    """The lock's holder, as it recorded itself. A holder writes its record just after it takes the lock, so a
+    process refused in between reads the previous holder's record (a dead process) or none: it waits, up to
+    `wait_s`, for a record that names a process not known to be gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = read_lock_holder(run_dir)
+        if (holder.get("pid") and holder_alive(holder) is not False) or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.02)
 
 
 def describe_holder(holder: dict) -> str:
