@@ -9,6 +9,8 @@ so that data/ depends on nothing in caches/ (which builds its keys from data/).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,8 @@ from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError
 from vlm_recipes.families.base import Family
+
+log = logging.getLogger(__name__)
 
 # (rows, processor, count, settings) -> count(), or what an earlier count of the same rows gave
 Remember = Callable[..., list[tuple[int, int]]]
@@ -59,24 +63,62 @@ def _video_settings(processor, video: VideoSampling) -> str:
     return f"{video.key()} {type(processor).__name__} {processor.video_processor.to_json_string()}"
 
 
+# A process counts at least this many rows: below it, starting one costs more than it saves (~0.9 ms a row)
+MIN_ROWS_PER_PROCESS = 2000
+
+
+def counting_processes(rows: int) -> int:
+    """How many processes count `rows` rows' tokens: one per core this process may run on, each with at least
+    MIN_ROWS_PER_PROCESS rows (the demo's and the tests' datasets: one, in this process)."""
+    return max(1, min(len(os.sched_getaffinity(0)), rows // MIN_ROWS_PER_PROCESS))
+
+
 def _count_tokens(
     ds: datasets.Dataset, processor, family: Family, video: VideoSampling | None
 ) -> list[tuple[int, int]]:
-    texts = [processor.apply_chat_template(row, tokenize=False) for row in ds["messages"]]
-    images_column = ds["images"] if "images" in ds.column_names else [[]] * len(ds)
-    sizes = [[_image_size(image) for image in images or []] for images in images_column]
-    if refused := refused_image_sizes(processor, {size for row in sizes for size in row}):
-        raise RefusedImages({i: refused[s] for i, row in enumerate(sizes) for s in row if s in refused})
+    """Each row's (text tokens, image and video tokens). Over many rows, contiguous shards are counted in
+    parallel by datasets' map (num_proc): the same counts, in the same order, as one process gives."""
+    processes = counting_processes(len(ds))
+    if processes == 1:
+        counted = _count_batch(ds.to_dict(), processor, family, video)
+    else:
+        log.info("  counting the tokens of %d rows in %d processes", len(ds), processes)
+        counted = ds.map(
+            _count_batch,
+            fn_kwargs={"processor": processor, "family": family, "video": video},
+            batched=True,
+            batch_size=MIN_ROWS_PER_PROCESS // 4,
+            num_proc=processes,
+            remove_columns=ds.column_names,
+            desc="counting tokens",
+        ).to_dict()
+    if refused := {i: why for i, why in enumerate(counted["refused"]) if why}:
+        raise RefusedImages(refused)
+    return list(zip(counted["text_tokens"], counted["vision_tokens"], strict=True))
+
+
+def _count_batch(batch: dict, processor, family: Family, video: VideoSampling | None) -> dict[str, list]:
+    """Token counts of a batch of rows (columns as lists), and what the processor said of a row's image it
+    refuses ("" for the others)."""
+    rows = len(batch["messages"])
+    texts = [processor.apply_chat_template(messages, tokenize=False) for messages in batch["messages"]]
+    sizes = [[_image_size(image) for image in images or []] for images in batch.get("images") or [[]] * rows]
+    refused = refused_image_sizes(processor, {size for row in sizes for size in row})
+    why = ["; ".join(refused[s] for s in row if s in refused) for row in sizes]
+    if any(why):
+        return {"text_tokens": [0] * rows, "vision_tokens": [0] * rows, "refused": why}
     counts = family.count_tokens(processor, texts, sizes)
-    if video is None:
-        return counts
-    factor = family.video_frame_factor(processor)
-    for i, paths in enumerate(ds["videos"]):
-        if paths:
-            plans = [plan_frames(read_header(path, video), video, factor) for path in paths]
-            text, frames = family.count_video_tokens(processor, plans)
-            counts[i] = (counts[i][0] + text, counts[i][1] + frames)
-    return counts
+    if video is not None:
+        factor = family.video_frame_factor(processor)
+        for i, paths in enumerate(batch["videos"]):
+            if paths:
+                plans = [plan_frames(read_header(path, video), video, factor) for path in paths]
+                text, frames = family.count_video_tokens(processor, plans)
+                counts[i] = (counts[i][0] + text, counts[i][1] + frames)
+    text_tokens, vision_tokens = (
+        (list(column) for column in zip(*counts, strict=True)) if counts else ([], [])
+    )
+    return {"text_tokens": text_tokens, "vision_tokens": vision_tokens, "refused": [""] * rows}
 
 
 class RefusedImages(DataError):
