@@ -1,6 +1,6 @@
-"""The length check's token counts over many rows, in parallel (data/lengths.py: datasets' map over contiguous
-shards, one process per core): the same counts, in the same order, as one process; a refused image named at
-its row in either; a small dataset counted in the process itself."""
+"""A dataset read in parallel (data/parallel.py: datasets' map over contiguous shards, one process per core):
+the row checks and the length check's token counts the same, in the same order, as one process gives; a bad
+row and a refused image named at their row in either; a small dataset read in the process itself."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import pytest
 from conftest import single_image_demo_file
 from PIL import Image
 
-from vlm_recipes.data import lengths
-from vlm_recipes.data.lengths import RefusedImages, counting_processes, sample_token_counts
+from vlm_recipes.data import parallel
+from vlm_recipes.data.lengths import RefusedImages, sample_token_counts
+from vlm_recipes.data.parallel import parallel_processes
 from vlm_recipes.data.rows import load_split, undecoded
+from vlm_recipes.errors import DataError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
@@ -29,11 +31,14 @@ def rows_and_processor(demo_model_dir, tmp_path_factory):
         {**row, "id": f"{i}", "messages": said_again(row["messages"], i // len(one_image))}
         for i, row in enumerate(one_image * 4)
     ]
+    rows[-5]["images"] = ["no-such-image.png"]  # a bad row, in the second process's shard
     path = directory / "many.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    ds, _ = load_split(str(path), "train", None)
+    ds, skipped = load_split(str(path), "train", None, on_bad_sample="skip")
+    bad_id = str(len(rows) - 5)
+    assert skipped == {"image not found": 1} and bad_id not in ds["id"]
     processor = load_processor(str(demo_model_dir), DataSettings(), QWEN2_VL)
-    return undecoded(ds), processor
+    return undecoded(ds), processor, path, bad_id
 
 
 def said_again(messages: list[dict], times: int) -> list[dict]:
@@ -48,14 +53,14 @@ def said_again(messages: list[dict], times: int) -> list[dict]:
 
 def counts_in(ds: datasets.Dataset, processor, processes: int, monkeypatch) -> list[tuple[int, int]]:
     """The counts with the rows split over `processes` processes (a process's share lowered to force it)."""
-    monkeypatch.setattr(lengths, "MIN_ROWS_PER_PROCESS", max(1, len(ds) // processes))
-    monkeypatch.setattr(lengths.os, "sched_getaffinity", lambda pid: set(range(processes)))
-    assert counting_processes(len(ds)) == processes
+    monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", max(1, len(ds) // processes))
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(processes)))
+    assert parallel_processes(len(ds)) == processes
     return sample_token_counts(ds, processor, QWEN2_VL)
 
 
 def test_counting_in_two_processes_gives_one_process_counts_in_order(rows_and_processor, monkeypatch):
-    ds, processor = rows_and_processor
+    ds, processor, _, _ = rows_and_processor
     one = counts_in(ds, processor, 1, monkeypatch)
     two = counts_in(ds, processor, 2, monkeypatch)
     assert len(one) == len(ds) > 100
@@ -65,7 +70,7 @@ def test_counting_in_two_processes_gives_one_process_counts_in_order(rows_and_pr
 
 
 def test_a_refused_image_is_named_at_its_row_in_either(rows_and_processor, tmp_path, monkeypatch):
-    ds, processor = rows_and_processor
+    ds, processor, _, _ = rows_and_processor
     strip = tmp_path / "strip.png"
     Image.new("RGB", (2400, 4)).save(strip)  # Qwen: "absolute aspect ratio must be smaller than 200"
     late = len(ds) - 3  # in the second process's shard
@@ -79,6 +84,22 @@ def test_a_refused_image_is_named_at_its_row_in_either(rows_and_processor, tmp_p
         assert list(refused.value.rows) == [late] and "4x2400 px" in refused.value.rows[late]
 
 
+def test_checking_rows_in_two_processes_finds_what_one_process_finds(rows_and_processor, monkeypatch):
+    """The file's rows checked (each image opened and read through) in one and in two processes: the same bad
+    rows, named by their ids, and the same rows kept, in order."""
+    _, _, path, bad_id = rows_and_processor
+    read = {}
+    for processes in (1, 2):
+        monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", 60)
+        monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid, n=processes: set(range(n)))
+        with pytest.raises(DataError) as refused:
+            load_split(str(path), "train", None)
+        ds, skipped = load_split(str(path), "train", None, on_bad_sample="skip")
+        read[processes] = (str(refused.value), skipped, ds["id"])
+    assert read[2] == read[1]
+    assert f"many.jsonl:line {int(bad_id) + 1}" in read[1][0] and "image not found" in read[1][0]
+
+
 def test_a_small_dataset_is_counted_in_this_process():
-    assert counting_processes(50) == 1
-    assert counting_processes(lengths.MIN_ROWS_PER_PROCESS * 64) == len(lengths.os.sched_getaffinity(0))
+    assert parallel_processes(50) == 1
+    assert parallel_processes(parallel.MIN_ROWS_PER_PROCESS * 64) == len(parallel.os.sched_getaffinity(0))

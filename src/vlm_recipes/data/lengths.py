@@ -10,7 +10,6 @@ so that data/ depends on nothing in caches/ (which builds its keys from data/).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import datasets
 from PIL import Image
 
 from vlm_recipes.data.images import upright_size
+from vlm_recipes.data.parallel import parallel_processes
 from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError
@@ -63,14 +63,8 @@ def _video_settings(processor, video: VideoSampling) -> str:
     return f"{video.key()} {type(processor).__name__} {processor.video_processor.to_json_string()}"
 
 
-# A process counts at least this many rows: below it, starting one costs more than it saves (~0.9 ms a row)
-MIN_ROWS_PER_PROCESS = 2000
-
-
-def counting_processes(rows: int) -> int:
-    """How many processes count `rows` rows' tokens: one per core this process may run on, each with at least
-    MIN_ROWS_PER_PROCESS rows (the demo's and the tests' datasets: one, in this process)."""
-    return max(1, min(len(os.sched_getaffinity(0)), rows // MIN_ROWS_PER_PROCESS))
+BATCH_ROWS = 500  # rows counted at a time
+COUNTED = ("text_tokens", "vision_tokens", "refused")
 
 
 def _count_tokens(
@@ -78,16 +72,17 @@ def _count_tokens(
 ) -> list[tuple[int, int]]:
     """Each row's (text tokens, image and video tokens). Over many rows, contiguous shards are counted in
     parallel by datasets' map (num_proc): the same counts, in the same order, as one process gives."""
-    processes = counting_processes(len(ds))
-    if processes == 1:
-        counted = _count_batch(ds.to_dict(), processor, family, video)
+    processes = parallel_processes(len(ds))
+    if processes == 1:  # batch by batch: the rows are never all in memory as Python objects
+        batches = [_count_batch(batch, processor, family, video) for batch in ds.iter(BATCH_ROWS)]
+        counted = {key: [v for batch in batches for v in batch[key]] for key in COUNTED}
     else:
         log.info("  counting the tokens of %d rows in %d processes", len(ds), processes)
         counted = ds.map(
             _count_batch,
             fn_kwargs={"processor": processor, "family": family, "video": video},
             batched=True,
-            batch_size=MIN_ROWS_PER_PROCESS // 4,
+            batch_size=BATCH_ROWS,
             num_proc=processes,
             remove_columns=ds.column_names,
             desc="counting tokens",

@@ -34,6 +34,7 @@ from PIL import Image
 
 from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.data.mixture import Mixture, load_mixture
+from vlm_recipes.data.parallel import per_row
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
@@ -202,6 +203,17 @@ ALL_COLUMNS: tuple[str, ...] = ("*",)
 MESSAGES: RowFormat = (row_problem, ("messages", "images"))
 
 
+def row_problems(ds: datasets.Dataset, check, image_root, allow_remote_images: bool, video) -> list:
+    """Each row's (reason, detail), or None where it is fine: its format's check (each image opened and read
+    through), then its videos'. Over many rows, in parallel (parallel.py)."""
+
+    def problem_of(row: dict) -> tuple[str, str] | None:
+        return check(row, image_root, allow_remote_images) or video_row_problem(row, image_root, video)
+
+    found = per_row(ds, lambda row: list(problem_of(row) or ("", "")), "checking rows")
+    return [tuple(problem) if problem[0] else None for problem in found]
+
+
 def load_split(*args, **kwargs) -> tuple[datasets.Dataset, dict[str, int]]:
     """read_split's rows and skipped counts, without the source's format."""
     rows, skipped, _ = read_split(*args, **kwargs)
@@ -232,10 +244,8 @@ def read_split(
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
-    for index, row in enumerate(ds):
-        if problem := check(row, image_root, allow_remote_images) or video_row_problem(
-            row, image_root, video
-        ):
+    for index, problem in enumerate(row_problems(ds, check, image_root, allow_remote_images, video)):
+        if problem is not None:
             bad.append(BadRow(where[index], *problem))
     skipped = fail_or_skip(bad, on_bad_sample, source)
     if skipped:

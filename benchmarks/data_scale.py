@@ -1,0 +1,129 @@
+"""How the start of a stage scales with its dataset's rows: `vlm-recipes data check` (rows read and checked,
+each image's header read, every row's tokens counted) and a one-step r1 run on N synthetic rows, each with an
+image of its own (a JPEG 64-448 px a side), with the tokens counted in one process and in parallel (one per
+core). Prints a table and writes it as JSON, naming the machine and the git sha.
+
+    python benchmarks/data_scale.py --rows 20000 200000 --out benchmarks/results/data-scale.json
+
+The rows are generated once per N under --work (reused on a second call). Each measurement runs in a process
+of its own, with a token-count cache of its own (nothing remembered from an earlier one), on the demo model
+(tiny-qwen2-vl, its directory passed as `model=`: nothing is built)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
+ONE_PROCESS = "import vlm_recipes.data.parallel as parallel; parallel.MIN_ROWS_PER_PROCESS = 10**12; "
+
+
+def make_row(i: int, root: Path) -> dict:
+    rng = random.Random(i)
+    width, height = rng.randint(64, 448), rng.randint(64, 448)
+    colour = rng.choice(COLOURS)
+    image = Image.new("RGB", (width, height), "white")
+    ImageDraw.Draw(image).rectangle([width // 4, height // 4, width * 3 // 4, height * 3 // 4], fill=colour)
+    path = root / "images" / f"{i // 1000:04d}" / f"{i:07d}.jpg"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, quality=85)
+    question = {"type": "text", "text": "What colour is the shape?"}
+    return {
+        "id": str(i),
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, question]},
+            {"role": "assistant", "content": [{"type": "text", "text": colour}]},
+        ],
+        "images": [str(path.relative_to(root))],
+    }
+
+
+def dataset(rows: int, work: Path) -> Path:
+    """N rows with their images under work/rows-N/, made once (in parallel, one process per core)."""
+    root = work / f"rows-{rows}"
+    path = root / "train.jsonl"
+    if path.is_file():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with Pool(len(os.sched_getaffinity(0))) as pool:
+        made = pool.starmap(make_row, ((i, root) for i in range(rows)), chunksize=500)
+    path.with_suffix(".tmp").write_text("".join(json.dumps(row) + "\n" for row in made))
+    path.with_suffix(".tmp").rename(path)
+    return path
+
+
+def timed(command: list[str], cache: Path) -> tuple[float, float, str]:
+    """(seconds, peak resident GB, output) of a command in a process of its own, on a cache of its own."""
+    env = {**os.environ, "VLM_RECIPES_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    started = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(command)}\n{done.stderr[-3000:]}")
+    peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    return seconds, peak_kb / 2**20, done.stdout + done.stderr
+
+
+def machine() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", info).group(1)
+    native = "AMX" if "amx_bf16" in info else "AVX512-BF16" if "avx512_bf16" in info else "no native bf16"
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {native}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[20000])
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "vlm-recipes-data-scale")
+    parser.add_argument(
+        "--model", default=str(Path.home() / ".cache/vlm-recipes/demo-v5/tiny-qwen2-vl-pretrained")
+    )
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    results = []
+    for rows in args.rows:
+        made = time.perf_counter()
+        path = dataset(rows, args.work)
+        print(f"{rows} rows at {path} ({time.perf_counter() - made:.0f} s to make or find)", flush=True)
+        check = ["data", "check", str(path), f"model={args.model}", "data.eval=null", "data.max_length=4096"]
+        train = [
+            "train",
+            "--recipe",
+            "r1-llm-only",
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(args.work / "runs"),
+        ]
+        train += [f"model={args.model}", f"data.train={path}", "data.eval=null", "quantization.mode=none"]
+        for processes, prefix in (("one", ONE_PROCESS), ("parallel", "")):
+            for what, cli in (("data check", check), ("1-step r1 run", train)):
+                entry = f"{prefix}from vlm_recipes.cli import main; import sys; sys.exit(main(sys.argv[1:]))"
+                with tempfile.TemporaryDirectory() as cache:
+                    seconds, peak, _ = timed([sys.executable, "-c", entry, *cli], Path(cache))
+                results.append(
+                    {"rows": rows, "what": what, "counting": processes, "s": seconds, "peak_gb": peak}
+                )
+                print(f"  {what:<14} counting in {processes:<8} {seconds:7.1f} s  {peak:5.2f} GB", flush=True)
+    table = {"machine": machine(), "git": sha, "results": results}
+    print(json.dumps(table, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
