@@ -188,7 +188,8 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
     if not_shown:
         axis.set_xlabel("not shown: " + "; ".join(not_shown), fontsize=8)
     axis.set_ylabel("score: mean ± std over seeds")
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the panel: it hides no point
+    # the legend beside the panel: over it, it hid points
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _score_limits(axis, values: list[float]) -> None:
