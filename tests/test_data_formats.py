@@ -287,6 +287,21 @@ def test_rows_that_cannot_be_read_name_the_file_line_and_fix(tmp_path, llama_fac
         load_split(str(unknown), "train", None)
 
 
+def test_a_bad_row_of_a_one_line_json_array_is_skipped_not_the_first_row(tmp_path):
+    """Every row of a JSON array written on one line is at `line 1`: the bad row was found by its place, so
+    `skip` dropped the first row and kept the bad one (a missing image, a crash at the length check)."""
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), "red").save(image)
+    rows = [{"messages": [user(f"<image>q{i}"), assistant("red")], "images": [str(image)]} for i in range(4)]
+    rows[2]["images"] = [str(tmp_path / "gone.png")]
+    rows[3]["messages"][1]["role"] = "observation"  # refused as the file is read (not a row of the table)
+    path = tmp_path / "one-line.json"
+    path.write_text(json.dumps(rows))
+    kept, skipped = load_split(str(path), "train", None, on_bad_sample="skip")
+    assert skipped == {"unknown role": 1, "image not found": 1}
+    assert [m[0]["content"][-1]["text"] for m in kept["messages"]] == ["q0", "q1"]
+
+
 def test_a_windows_written_jsonl_with_bom_and_crlf_is_read(tmp_path, llama_factory_dir):
     row = {
         "messages": [user("<image>What?"), assistant("red")],

@@ -20,6 +20,7 @@ from PIL import Image
 from test_resume import r2_command
 from transformers import AutoModelForImageTextToText
 
+from vlm_recipes.cli.data_check import main as data_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN, draw_mixture, row_counts
 from vlm_recipes.data.rows import load_stage_data
@@ -443,3 +444,63 @@ def test_eval_scores_are_grouped_per_source_and_recombine_to_the_overall_ones():
     )
     assert scores["all"]["exact_match"] == pytest.approx((2 * 0.5 + 3 * 1.0) / 5)
     assert scores["task:colour"]["rows"] == 2  # tasks are still grouped beside the sources
+
+
+def mixture_recipe(tmp_path: Path, sources: dict[str, str]) -> list[str]:
+    """`--recipe` of a recipe training on the three sources (20 rows an epoch), evaluated on two of them."""
+    names = [
+        f'{{path: "{sources[name]}", {key}: {share[key]}}}'
+        for name, share in WEIGHTS.items()
+        for key in share
+    ]
+    extra = f'  max_train_samples: 20\n  eval: ["{sources["trl"]}", "{sources["llava"]}"]\n'
+    return bad_mixture(tmp_path, sources, f"[{', '.join(names)}]", extra)
+
+
+def test_data_check_reads_each_source_of_a_mixture_and_prints_the_draw(
+    tmp_path, sources, demo_model_dir, capsys
+):
+    assert data_main(["check", *mixture_recipe(tmp_path, sources)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    formats = {"trl": "TRL conversational", "lf": "sharegpt (dataset_info.json#mine)", "llava": "sharegpt"}
+    lines = [line for line in out if line.startswith("data.train[")]
+    assert len(lines) == 3
+    for i, (name, line) in enumerate(zip(formats, lines, strict=True)):
+        # each source's line, as one source's: its format, its lengths over every row, its problems
+        assert line.startswith(f"data.train[{i}] ({sources[name]}): {formats[name]}"), line
+        assert "tokens per sample: p50 " in line and line.endswith(f"({SIZES[name]} samples); no problems")
+    table = out[out.index("data.train draw: 20 rows an epoch (seed 42):") + 1 :][:4]
+    assert table[0].split() == ["source", "format", "share", "has", "drawn", "of", "all", "tokens"]
+    assert [(row.split()[-4], row.split()[-3]) for row in table[1:]] == [("5", "10"), ("3", "6"), ("7", "4")]
+    assert out[-1] == "no problems"
+    assert [line.split(":")[0] for line in out if line.startswith("data.eval[")] == [
+        f"data.eval[0] ({sources['trl']})",
+        f"data.eval[1] ({sources['llava']})",
+    ]
+    assert "data.eval draw: 12 rows (seed 42):" in out
+
+
+def test_a_bad_row_in_one_source_of_a_mixture_is_named_as_for_one_source(
+    tmp_path, sources, demo_model_dir, capsys, caplog
+):
+    llava = json.loads(Path(sources["llava"]).read_text())
+    llava[4]["image"] = "gone.png"
+    Path(sources["llava"]).write_text(json.dumps(llava, indent=1))  # a row a line or more: named by line
+    caplog.set_level(logging.WARNING)
+    recipe = mixture_recipe(tmp_path, sources)
+    said = {}
+    for how, argv, found in (("alone", [sources["llava"], *recipe], 1), ("mixture", recipe, 2)):
+        caplog.clear()
+        assert data_main(["check", *argv]) == 2
+        captured = capsys.readouterr()  # the mixture: the file is data.train[2] and data.eval[1]
+        assert f"problems: {found} image not found (each listed above)" in captured.err
+        said[how] = [line.strip() for line in caplog.text.splitlines() if "gone.png" in line]
+    line = next(
+        i for i, text in enumerate(Path(sources["llava"]).read_text().splitlines(), 1) if "llava-4" in text
+    )
+    assert said["alone"] == [
+        f"{sources['llava']}:line {line - 1}: image not found: {Path(sources['llava']).parent / 'gone.png'}"
+    ]
+    assert said["mixture"] == said["alone"] * 2
+    assert f"data.train[2] ({sources['llava']}): sharegpt" in captured.out
+    assert "(6 samples); 1 image not found" in captured.out

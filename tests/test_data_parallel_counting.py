@@ -5,6 +5,7 @@ row and a refused image named at their row in either; a small dataset read in th
 from __future__ import annotations
 
 import json
+import logging
 
 import datasets
 import pytest
@@ -102,4 +103,19 @@ def test_checking_rows_in_two_processes_finds_what_one_process_finds(rows_and_pr
 
 def test_a_small_dataset_is_counted_in_this_process():
     assert parallel_processes(50) == 1
-    assert parallel_processes(parallel.MIN_ROWS_PER_PROCESS * 64) == len(parallel.os.sched_getaffinity(0))
+    many = parallel.MIN_ROWS_PER_PROCESS * 64
+    assert parallel_processes(many) == min(len(parallel.os.sched_getaffinity(0)), parallel.MAX_PROCESSES)
+
+
+def test_the_processes_are_said_in_the_log_with_why(monkeypatch, caplog):
+    """The choice and its reason in the log; past MAX_PROCESSES, not one process per core."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", 10)
+    monkeypatch.setattr(parallel, "MAX_PROCESSES", 2)
+    ds = datasets.Dataset.from_dict({"n": list(range(100))})
+    assert parallel.per_row(ds, lambda row: [row["n"]], "checking rows") == [[n] for n in range(100)]
+    assert "checking rows: 100 rows in 2 processes (64 cores, 10+ rows each, at most 2)" in caplog.text
+    assert parallel.processes_decision(15, 1) == (
+        "15 rows in 1 process (under 20 rows: a second process costs more than it saves)"
+    )

@@ -1,17 +1,35 @@
-"""`vlm-recipes data check PATH`: a dataset read as a stage would read it, without loading a model.
+"""`vlm-recipes data check [PATH]`: a dataset read as a stage would read it, without loading a model.
 
 It prints the file's format, its rows, images and videos, the token lengths (image and video tokens
 counted by the stage's family, from file headers), and every problem: rows the stage would refuse, images
-the processor cannot take, samples over the stage's max length. Exit 2 when there is a problem.
+the processor cannot take, samples over the stage's max length. Without PATH it reads the stage's own
+`data.train` and `data.eval`; a split that lists several sources (a mixture) is checked source by source,
+then drawn as the stage draws it (rows per source). Exit 2 when there is a problem.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
 from vlm_recipes.logs import setup_logging
+
+if TYPE_CHECKING:
+    import datasets
+
+    from vlm_recipes.data.rows import VideoRules
+    from vlm_recipes.families.base import Family
+    from vlm_recipes.methods.trainer import TrainingMethod
+    from vlm_recipes.recipes.data_sources import DataSource
+    from vlm_recipes.recipes.schema import Recipe, Stage
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w.\[\]]*=")  # `data.max_length=512`, read where PATH stands
 
 
 def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
@@ -21,12 +39,15 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
         "check",
         help="read a dataset with a stage's family and limits; list every problem",
         description="Read a dataset with a recipe stage's model family, processor and limits, without "
-        "loading the model: format, rows, images, videos, token lengths and every problem. Exit 2 on a "
-        "problem.",
+        "loading the model: format, rows, images, videos, token lengths and every problem. Without a "
+        "path, the stage's own data.train and data.eval, each source of a mixture and its draw. Exit 2 "
+        "on a problem.",
     )
     check.add_argument(
         "path",
-        help="a .jsonl / .json / .parquet / .csv file, a folder, path/dataset_info.json#name, or demo:train",
+        nargs="?",
+        help="a .jsonl / .json / .parquet / .csv file, a folder, path/dataset_info.json#name, or demo:train "
+        "(default: the stage's data.train and data.eval, a mixture's every source)",
     )
     check.add_argument(
         "--recipe", default="r1-llm-only", help="whose stage reads the data (default: r1-llm-only)"
@@ -38,13 +59,15 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
         help="key=value overrides, as for train (model=demo:tiny-smolvlm data.max_length=512)",
     )
     args = parser.parse_args(argv)
+    if args.path and OVERRIDE.match(args.path) and not Path(args.path).exists():
+        args.path, args.overrides = None, [args.path, *args.overrides]  # `data check key=value`: no path
     setup_logging()
     try:
-        problems, lengths = check_dataset(args.path, args.recipe, args.stage, args.overrides)
+        reader = stage_reader(args.recipe, args.stage, args.overrides)
+        problems = check_dataset(reader, args.path) if args.path else check_stage_data(reader)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(length_line(lengths))
     if problems:
         listed = ", ".join(f"{n} {reason}" for reason, n in problems.items())
         print(f"problems: {listed} (each listed above); fix or remove these rows", file=sys.stderr)
@@ -53,12 +76,73 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
     return 0
 
 
-def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: list[str]):
-    """(problems counted per reason, token length of each usable row) for `path` read by the stage."""
-    from vlm_recipes.caches.token_counts import remembered_token_counts
-    from vlm_recipes.data.lengths import refuse_too_long
-    from vlm_recipes.data.rows import load_split, video_rules
-    from vlm_recipes.demo.dataset import resolve_data_source
+@dataclass
+class StageReader:
+    """How a recipe stage reads data: its family's processor, its method's rows and length check, its video
+    rules; a problem is reported (logged, counted) rather than raised, so that every one is listed."""
+
+    recipe: Recipe
+    stage: Stage
+    family: Family
+    processor: Any
+    method: TrainingMethod
+    video: VideoRules
+
+    def read(
+        self, source: str, split: str, limit: int | None = None
+    ) -> tuple[datasets.Dataset, dict[str, int], str]:
+        """(rows, problems per reason, format) of one source of the stage's `split`."""
+        from vlm_recipes.data.formats import EVAL_COLUMNS
+        from vlm_recipes.data.rows import read_split
+        from vlm_recipes.demo.dataset import resolve_data_source
+
+        data = self.stage.data
+        return read_split(
+            source,
+            data.train_split if split == "train" else data.eval_split,
+            limit,
+            "report",
+            data.allow_remote_images,
+            self.method.row_format,
+            self.video,
+            resolve_data_source(source, self.video.factor is not None),
+            EVAL_COLUMNS if split == "eval" else (),
+        )
+
+    def measure(self, rows: datasets.Dataset, source: str) -> Measured:
+        """Every usable row's length, the images the processor refuses and the samples over the stage's
+        limit reported, and the rows within it."""
+        from vlm_recipes.caches.token_counts import remembered_token_counts
+        from vlm_recipes.data.lengths import refuse_too_long
+
+        rows, lengths, refused = self.method.check_lengths(
+            rows,
+            self.processor,
+            self.family,
+            None,
+            source,
+            "report",
+            self.video.sampling,
+            remembered_token_counts,
+        )
+        limit = self.method.max_length(self.stage)
+        kept, kept_lengths, too_long = refuse_too_long(
+            rows, lengths, limit, source, "report", f"sample(s) longer than {limit} tokens"
+        )
+        return Measured(lengths, kept, kept_lengths, refused | too_long)
+
+
+@dataclass
+class Measured:
+    lengths: list[int]  # every usable row's (the rows over the limit included)
+    kept: datasets.Dataset  # the rows within the limit
+    kept_lengths: list[int]
+    problems: dict[str, int]
+
+
+def stage_reader(recipe_name: str, stage_number: int, overrides: list[str]) -> StageReader:
+    """The reader of stage `stage_number` of the recipe (its processor loaded, not its model); says which."""
+    from vlm_recipes.data.rows import video_rules
     from vlm_recipes.demo.models import resolve_model_source
     from vlm_recipes.methods import method_of
     from vlm_recipes.model.build import detect_family, load_processor
@@ -70,35 +154,68 @@ def check_dataset(path: str, recipe_name: str, stage_number: int, overrides: lis
     stage = recipe.stages[stage_number - 1]
     init = stage.init_from
     chained = init in ("base", "previous") or init.startswith("stage:")
-    source = resolve_model_source(
-        recipe.model if chained else init
-    )  # a chained stage's processor is the base's
+    # a chained stage's processor is the base's
+    source = resolve_model_source(recipe.model if chained else init)
     family, _ = detect_family(source, recipe.trust_remote_code)
     processor = load_processor(source, stage.data, family, recipe.trust_remote_code)
-    method, video = method_of(stage), video_rules(stage, family, processor)
     print(f"read as {recipe.name} stage {stage_number} ({stage.name}, method {stage.method}): {family.name}")
-    with_videos = video.factor is not None
-    rows, problems = load_split(
-        path,
-        stage.data.train_split,
-        None,
-        "report",
-        stage.data.allow_remote_images,
-        method.row_format,
-        video,
-        resolve_data_source(path, with_videos),
+    return StageReader(
+        recipe, stage, family, processor, method_of(stage), video_rules(stage, family, processor)
     )
-    # every usable row's length (images the processor refuses reported), then the rows over the limit
-    rows, lengths, refused = method.check_lengths(
-        rows, processor, family, None, path, "report", video.sampling, remembered_token_counts
+
+
+def check_dataset(reader: StageReader, path: str, split: str = "train", label: str = "") -> dict[str, int]:
+    """Problems counted per reason in `path` read by the stage; every usable row's length printed."""
+    rows, problems, _ = reader.read(path, split)
+    measured = reader.measure(rows, path)
+    print(f"{label}{length_line(measured.lengths)}")
+    return dict(Counter(problems) + Counter(measured.problems))
+
+
+def check_stage_data(reader: StageReader) -> dict[str, int]:
+    """Problems counted per reason in the stage's data.train and data.eval, each a single source (checked
+    as a PATH is) or a mixture (check_mixture)."""
+    problems = Counter()
+    for split in ("train", "eval"):
+        sources = getattr(reader.stage.data, split)
+        if isinstance(sources, str):
+            problems.update(check_dataset(reader, sources, split, f"data.{split} ({sources}): "))
+        elif sources is not None:
+            problems.update(check_mixture(reader, sources, split))
+    return dict(problems)
+
+
+def check_mixture(reader: StageReader, sources: list[DataSource], split: str) -> dict[str, int]:
+    """A mixture's sources read, checked and measured one by one as the stage reads them (data/mixture.py),
+    a line each (its format, lengths and problems), then drawn with the stage's seed: the draw printed, rows
+    per source. Returns the problems of every source, counted per reason."""
+    from vlm_recipes.data.mixture import draw_mixture, load_mixture, mixture_table
+
+    data, seed = reader.stage.data, reader.stage.training.seed
+    found: list[Counter] = []  # each source's problems, in the list's order
+
+    def read(source: str, rows: int | None) -> tuple[datasets.Dataset, dict[str, int], str]:
+        ds, problems, fmt = reader.read(source, split, rows)
+        found.append(Counter(problems))
+        return ds, problems, fmt
+
+    mixture = load_mixture(
+        sources, split, data.max_train_samples if split == "train" else data.max_eval_samples, read
     )
-    limit = method.max_length(stage)
-    _, _, too_long = refuse_too_long(
-        rows, lengths, limit, path, "report", f"sample(s) longer than {limit} tokens"
-    )
-    for reason, n in (refused | too_long).items():
-        problems[reason] = problems.get(reason, 0) + n
-    return problems, lengths
+    parts = iter(zip(mixture.parts, found, strict=True))
+
+    def measure(rows: datasets.Dataset, source: str) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
+        part, problems = next(parts)
+        measured = reader.measure(rows, source)
+        problems.update(measured.problems)
+        listed = ", ".join(f"{n} {reason}" for reason, n in problems.items()) or "no problems"
+        print(f"{part.label} ({part.entry.path}): {part.format}, {length_line(measured.lengths)}; {listed}")
+        return measured.kept, measured.kept_lengths, {}
+
+    rows, _, _ = draw_mixture(mixture, measure, seed)
+    epoch = " an epoch" if split == "train" else ""
+    print(f"data.{split} draw: {len(rows):,} rows{epoch} (seed {seed}):\n{mixture_table(mixture.report)}")
+    return dict(sum(found, Counter()))
 
 
 def length_line(lengths: list[int]) -> str:

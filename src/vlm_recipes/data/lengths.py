@@ -18,7 +18,7 @@ import datasets
 from PIL import Image
 
 from vlm_recipes.data.images import upright_size
-from vlm_recipes.data.parallel import parallel_processes
+from vlm_recipes.data.parallel import log_processes, parallel_processes
 from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError
@@ -73,11 +73,11 @@ def _count_tokens(
     """Each row's (text tokens, image and video tokens). Over many rows, contiguous shards are counted in
     parallel by datasets' map (num_proc): the same counts, in the same order, as one process gives."""
     processes = parallel_processes(len(ds))
+    log_processes("counting tokens", len(ds), processes)
     if processes == 1:  # batch by batch: the rows are never all in memory as Python objects
         batches = [_count_batch(batch, processor, family, video) for batch in ds.iter(BATCH_ROWS)]
         counted = {key: [v for batch in batches for v in batch[key]] for key in COUNTED}
     else:
-        log.info("  counting the tokens of %d rows in %d processes", len(ds), processes)
         counted = ds.map(
             _count_batch,
             fn_kwargs={"processor": processor, "family": family, "video": video},

@@ -14,21 +14,43 @@ log = logging.getLogger(__name__)
 
 # A process reads at least this many rows: below it, starting one costs more than it saves (a row ~1 ms)
 MIN_ROWS_PER_PROCESS = 2000
+# Each process is a fork of this one (~0.55 GB resident on the demo model, most of it shared) sent the
+# processor; past 16, the reads of the image files gain little and the memory adds up
+MAX_PROCESSES = 16
 
 
 def parallel_processes(rows: int) -> int:
     """How many processes read `rows` rows: one per core this process may run on, each with at least
-    MIN_ROWS_PER_PROCESS rows (the demo's and the tests' datasets: one, this process)."""
-    return max(1, min(len(os.sched_getaffinity(0)), rows // MIN_ROWS_PER_PROCESS))
+    MIN_ROWS_PER_PROCESS rows (the demo's and the tests' datasets: one, this process), at most MAX_PROCESSES."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_PROCESSES, rows // MIN_ROWS_PER_PROCESS))
+
+
+def processes_decision(rows: int, processes: int) -> str:
+    """The log's words for parallel_processes' choice: `20,000 rows in 2 processes (2 cores, 2,000+ rows
+    each, at most 16)`."""
+    cores = len(os.sched_getaffinity(0))
+    if processes > 1:
+        why = f"{cores} cores, {MIN_ROWS_PER_PROCESS:,}+ rows each, at most {MAX_PROCESSES}"
+    elif cores == 1:
+        why = "1 core"
+    else:
+        why = f"under {2 * MIN_ROWS_PER_PROCESS:,} rows: a second process costs more than it saves"
+    return f"{rows:,} rows in {processes} process{'es' if processes > 1 else ''} ({why})"
+
+
+def log_processes(what: str, rows: int, processes: int) -> None:
+    """The choice logged where it is one to see: rows enough for a second process, or several processes."""
+    if processes > 1 or rows >= MIN_ROWS_PER_PROCESS:
+        log.info("  %s: %s", what, processes_decision(rows, processes))
 
 
 def per_row(ds: datasets.Dataset, function: Callable[[dict], list], what: str) -> list[list]:
     """`function(row)` (a list of plain values) for every row, in the rows' order: in this process, or over
     contiguous shards in several where the rows are many (`what`: the log's and the progress bar's words)."""
     processes = parallel_processes(len(ds))
+    log_processes(what, len(ds), processes)
     if processes == 1:
         return [function(row) for row in ds]
-    log.info("  %s: %d rows in %d processes", what, len(ds), processes)
     done = ds.map(
         lambda row: {"value": function(row)}, num_proc=processes, remove_columns=ds.column_names, desc=what
     )

@@ -244,12 +244,13 @@ def read_split(
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
-    for index, problem in enumerate(row_problems(ds, check, image_root, allow_remote_images, video)):
-        if problem is not None:
-            bad.append(BadRow(where[index], *problem))
+    problems = row_problems(ds, check, image_root, allow_remote_images, video)
+    # by index, not by place: a JSON array's rows may share a line (the rows refused as the file was read
+    # are not in `ds`)
+    bad_index = {index for index, problem in enumerate(problems) if problem is not None}
+    bad += [BadRow(where[index], *problems[index]) for index in sorted(bad_index)]
     skipped = fail_or_skip(bad, on_bad_sample, source)
-    if skipped:
-        bad_index = {where.index(b.where) for b in bad if b.where in where}
+    if skipped and bad_index:
         ds = ds.select([i for i in range(len(ds)) if i not in bad_index])
     if len(ds) == 0:
         after = f" after skipping {sum(skipped.values())} bad rows" if skipped else ""
