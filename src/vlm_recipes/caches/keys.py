@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -62,6 +63,11 @@ def speedup_cache_budget(max_gb: float | None) -> CacheBudget | None:
 def content_digest(*parts: str | bytes | torch.Tensor) -> str:
     """The digest every cache key is: blake2b (128 bits) over the parts in order. A tensor contributes its
     dtype, shape and bytes (without a copy when it is contiguous and on the CPU)."""
+    return digest_of(parts)
+
+
+def digest_of(parts: Iterable[str | bytes | torch.Tensor]) -> str:
+    """content_digest over parts as they come (a generator over a million rows: none of them kept)."""
     digest = hashlib.blake2b(digest_size=16)
     for part in parts:
         if isinstance(part, torch.Tensor):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from vlm_recipes.caches.keys import (
     TOKEN_COUNT_LIBRARIES,
-    content_digest,
+    digest_of,
     processor_digest,
     row_parts,
     versions_key,
@@ -27,13 +27,18 @@ def remembered_token_counts(
     """`count()`, remembered on disk under a key of the rows (messages, images, videos), the processor
     and the `settings` the count also depends on (video sampling): the next stage on the same data, the
     next run or another seed skips the recount."""
-    parts = [processor_digest(processor), *([settings] if settings else [])]
     n_rows = 0
-    for row in rows:
-        parts += row_parts(row)
-        n_rows += 1
-    parts.append(versions_key(*TOKEN_COUNT_LIBRARIES))
-    path = cache_dir() / "token-counts" / f"{content_digest(*parts)}.json"
+
+    def parts():  # the rows' parts hashed as they are read: none kept (a million rows)
+        nonlocal n_rows
+        yield processor_digest(processor)
+        yield from [settings] if settings else []
+        for row in rows:
+            yield from row_parts(row)
+            n_rows += 1
+        yield versions_key(*TOKEN_COUNT_LIBRARIES)
+
+    path = cache_dir() / "token-counts" / f"{digest_of(parts())}.json"
     if path.exists() and (remembered := _read_counts(path, n_rows)) is not None:
         return remembered
     counts = count()
