@@ -67,7 +67,7 @@ def test_sweep_with_seeds_ends_with_a_comparison(sweep):
     with Image.open(sweep / "comparisons" / "s" / "comparison.png") as png:
         png.verify()
     with Image.open(sweep / "comparisons" / "s" / "comparison.png") as png:
-        assert png.size == (1500, 450)
+        assert png.size == (1700, 500)
 
 
 def test_stage_metrics_and_predictions_are_written(sweep):

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from vlm_recipes.families.base import Family
-from vlm_recipes.methods import method_of
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.roles import ROLES
 
@@ -107,7 +106,7 @@ def rank_memory(
     trainable = (sum(p.numel() for n, p in model.named_parameters() if trains(n)) + adapter_params) * trained
     parameters += adapter_params * trained
     # the frozen copies a method holds beside the model (a reference; a teacher), each the model's size
-    reference = sum(p.numel() for p in model.parameters()) * compute * method_of(stage).frozen_copies(stage)
+    reference = sum(p.numel() for p in model.parameters()) * compute * frozen_copies(stage)
     if mode != "fsdp":
         return RankMemory(mode, ranks, parameters, trainable, 2 * trainable, reference=reference)
     # FSDP2's units (methods.sharding.wrap_language_layers_only): each decoder layer, the rest in the root
@@ -132,6 +131,16 @@ def rank_memory(
         gathered=root + layer,
         reference=reference / ranks,  # TRL prepares it with the same FSDP plugin: sharded too
     )
+
+
+def frozen_copies(stage: Stage) -> int:
+    """The frozen copies of the model the stage's method holds beside it (TrainingMethod.frozen_copies). An SFT
+    stage holds none, asked without importing the methods: a launcher's plan loads no training library."""
+    if stage.method == "sft":
+        return 0
+    from vlm_recipes.methods import method_of
+
+    return method_of(stage).frozen_copies(stage)
 
 
 def human(size: float) -> str:

@@ -142,13 +142,21 @@ class Llama4Backbone:
 
     def __call__(self, *args, **kwargs) -> MoeModelOutputWithPast:
         seen = []
-        hook = self.model.language_model.model.register_forward_hook(
-            lambda module, a, output: seen.append(output)
-        )
+        model = self.model
+        hook = model.language_model.model.register_forward_hook(lambda module, a, output: seen.append(output))
+        # Under mixed precision accelerate wraps the model's forward in one autocast object, and this runs
+        # inside that forward (TRL's fused head): entering the same object again overwrote the state its outer
+        # exit restores, and CPU autocast stayed on for the rest of the process (a later fp32 stage ran in
+        # bf16). The nested call takes the forward accelerate wrapped; the outer autocast is still on.
+        wrapped = model.__dict__.get("forward")
+        if wrapped is not None and hasattr(model, "_original_forward"):
+            model.forward = model._original_forward
         try:
-            self.model(*args, **{**kwargs, "logits_to_keep": 1})
+            model(*args, **{**kwargs, "logits_to_keep": 1})
         finally:
             hook.remove()
+            if wrapped is not None:
+                model.forward = wrapped
         return seen[0]
 
 

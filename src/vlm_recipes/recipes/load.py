@@ -295,7 +295,7 @@ def build_stage(raw: dict, where: str, problems: list[Problem], sections: Method
         settings = convert(sections.types[name], raw[name], f"{where}.{name}", problems)
         if name == stage.method:
             stage.settings = settings
-    if stage.settings is None and stage.method in sections.types:
+    if stage.settings is None and stage.method != "sft" and stage.method in sections.types:
         stage.settings = sections.types[stage.method]()
     return stage
 
