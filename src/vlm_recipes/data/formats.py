@@ -93,31 +93,48 @@ class RowError(DataError):
 def detect(rows: list[dict], where: list[str], source: str, tags: ChatTags | None = None) -> FileFormat:
     """The file's format from its rows (a dataset_info.json entry's tags win). Rows in two shapes are a
     DataError naming the first that differs."""
-    if tags is not None:
-        return FileFormat(tags)
-    seen: FileFormat | None = None
-    first_at = ""
+    shapes = ShapeWatch(source, tags)
     for row, at in zip(rows, where, strict=True):
-        found = _row_shape(row)
-        if found is None:
-            continue  # text-only string turns read alike in every shape
-        if seen is None:
-            seen, first_at = found, at
-        elif found.name != seen.name:
+        shapes.see(row, at)
+    return shapes.format(rows[0] if rows else None)
+
+
+class ShapeWatch:
+    """A file's format, found from its rows as they are read one by one: the first row that shows a shape
+    sets it, and a later row in another shape is a DataError naming both (a dataset_info.json entry's tags
+    set it before any row)."""
+
+    def __init__(self, source: str, tags: ChatTags | None = None):
+        self.source, self.tags = source, tags
+        self.seen: FileFormat | None = FileFormat(tags) if tags is not None else None
+        self.first_at = ""
+
+    def see(self, row: dict, at: str) -> None:
+        if self.tags is not None or (found := _row_shape(row)) is None:
+            return  # text-only string turns read alike in every shape
+        if self.seen is None:
+            self.seen, self.first_at = found, at
+        elif found.name != self.seen.name:
             raise DataError(
-                f"{at}: a row in {found.name} form, but {first_at} is in {seen.name} form: "
+                f"{at}: a row in {found.name} form, but {self.first_at} is in {self.seen.name} form: "
                 "give every row of a file the same shape"
             )
-    if seen is not None:
-        return seen
-    if rows and not any(key in rows[0] for key in ("messages", "conversations", "prompt")):
-        raise DataError(
-            f"{source}: rows with keys {sorted(rows[0])} are in no format the runner reads. "
-            "Accepted: TRL conversational (`messages` with content parts), OpenAI-style `messages` with "
-            "`<image>` placeholders and an `images` list (LLaMA-Factory, ms-swift), or sharegpt "
-            "`conversations` with `from`/`value` (LLaVA); see README, 'Your data'"
-        )
-    return FileFormat(None)  # text-only turns as strings: TRL reads them as they are
+
+    def format(self, first_row: dict | None) -> FileFormat:
+        """The shape seen, or, where no row showed one, TRL's (text-only turns as strings, read as they are)
+        if `first_row` has turns at all."""
+        if self.seen is not None:
+            return self.seen
+        if first_row is not None and not any(
+            key in first_row for key in ("messages", "conversations", "prompt")
+        ):
+            raise DataError(
+                f"{self.source}: rows with keys {sorted(first_row)} are in no format the runner reads. "
+                "Accepted: TRL conversational (`messages` with content parts), OpenAI-style `messages` with "
+                "`<image>` placeholders and an `images` list (LLaMA-Factory, ms-swift), or sharegpt "
+                "`conversations` with `from`/`value` (LLaVA); see README, 'Your data'"
+            )
+        return FileFormat(None)
 
 
 def _row_shape(row: dict) -> FileFormat | None:
