@@ -1,7 +1,8 @@
 """How the start of a stage scales with its dataset's rows: `vlm-recipes data check` (rows read and checked,
 each image's header read, every row's tokens counted) and a one-step r1 run on N synthetic rows, each with an
 image of its own (a JPEG 64-448 px a side), with the tokens counted in one process and in parallel (one per
-core). Prints a table and writes it as JSON, naming the machine and the git sha.
+core), and the run again with `data.streaming: true` (nothing counted up front). Prints a table and writes it
+as JSON, naming the machine and the git sha; each measurement's peak resident memory beside its time.
 
     python benchmarks/data_scale.py --rows 20000 200000 --out benchmarks/results/data-scale.json
 
@@ -110,15 +111,20 @@ def main() -> None:
             str(args.work / "runs"),
         ]
         train += [f"model={args.model}", f"data.train={path}", "data.eval=null", "quantization.mode=none"]
-        for processes, prefix in (("one", ONE_PROCESS), ("parallel", "")):
-            for what, cli in (("data check", check), ("1-step r1 run", train)):
+        streamed = [*train, "data.streaming=true"]  # nothing counted up front: rows checked as trained on
+        for processes, prefix, runs in (
+            ("one", ONE_PROCESS, (("data check", check), ("1-step r1 run", train))),
+            ("parallel", "", (("data check", check), ("1-step r1 run", train))),
+            ("streamed", "", (("1-step r1 run", streamed),)),
+        ):
+            for what, cli in runs:
                 entry = f"{prefix}from vlm_recipes.cli import main; import sys; sys.exit(main(sys.argv[1:]))"
                 with tempfile.TemporaryDirectory() as cache:
                     seconds, peak, _ = timed([sys.executable, "-c", entry, *cli], Path(cache))
                 results.append(
                     {"rows": rows, "what": what, "counting": processes, "s": seconds, "peak_gb": peak}
                 )
-                print(f"  {what:<14} counting in {processes:<8} {seconds:7.1f} s  {peak:5.2f} GB", flush=True)
+                print(f"  {what:<14} counting {processes:<9} {seconds:7.1f} s  {peak:5.2f} GB", flush=True)
     table = {"machine": machine(), "git": sha, "results": results}
     print(json.dumps(table, indent=1))
     if args.out:

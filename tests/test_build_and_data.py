@@ -171,7 +171,7 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 
 def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir, tmp_path):
     """The sampler groups by text + image tokens (Trainer cannot infer lengths of image samples)."""
-    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.data.stage_data import load_stage_data
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.sft import SFT
 
@@ -201,7 +201,7 @@ def test_group_by_length_batches_samples_of_similar_total_length(demo_model_dir,
 def test_role_learning_rates_keep_trainers_no_decay_split(demo_model_dir, tmp_path):
     """Per-role learning rates used to drop Trainer's no-weight-decay group for biases and norms: with
     weight_decay > 0 that decayed them. The optimizer keeps both splits: role × (decay, no decay)."""
-    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.data.stage_data import load_stage_data
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.sft import SFT
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForImageTextToText
 from vlm_recipes.cli.data_check import main as data_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN, draw_mixture, row_counts
-from vlm_recipes.data.rows import load_stage_data
+from vlm_recipes.data.stage_data import load_stage_data
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import read_json
 from vlm_recipes.recipe import load_recipe

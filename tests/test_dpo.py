@@ -21,7 +21,8 @@ from vlm_recipes.comparison.answers import side_by_side
 from vlm_recipes.comparison.run_summary import load_run
 from vlm_recipes.comparison.tables import compare_runs, format_comparison
 from vlm_recipes.data.preference import PREFERENCE
-from vlm_recipes.data.rows import load_split, load_stage_data
+from vlm_recipes.data.rows import load_split
+from vlm_recipes.data.stage_data import load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import DataError
 from vlm_recipes.files import read_json

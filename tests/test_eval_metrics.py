@@ -18,7 +18,8 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.formats import EVAL_COLUMNS
-from vlm_recipes.data.rows import load_split, load_stage_data
+from vlm_recipes.data.rows import load_split
+from vlm_recipes.data.stage_data import load_stage_data
 from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.benchmarks import answer_scores
 from vlm_recipes.evaluation.generation import answer_box_in_pixels, generate_answers, prompts_from_rows

@@ -594,7 +594,7 @@ def _grpo_loss_on_a_fixed_batch(tmp_path: Path, demo_model_dir: Path, level: str
     """TRL's GRPO loss (loss_type grpo, clipping out of reach) of a fixed text batch for our stage's trainer,
     its old log-probabilities the current ones minus `shift` per token; and those current log-probabilities."""
     from vlm_recipes.data.prompts import PROMPTS
-    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.data.stage_data import load_stage_data
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs

@@ -19,7 +19,7 @@ from transformers import (
 )
 from trl import SFTTrainer
 
-from vlm_recipes.data.rows import load_stage_data
+from vlm_recipes.data.stage_data import load_stage_data
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL

@@ -263,7 +263,7 @@ def test_a_grpo_trainers_log_probabilities_are_the_same_with_cpu_log_probs(
     (TRL's, every position), agree within 1e-5 (fp32 rounding of values up to ~10 in a different order); a
     position read one place off differs by over 1000x that."""
     from vlm_recipes.data.prompts import PROMPTS
-    from vlm_recipes.data.rows import load_stage_data
+    from vlm_recipes.data.stage_data import load_stage_data
     from vlm_recipes.decisions import Environment
     from vlm_recipes.methods.grpo import GRPO
     from vlm_recipes.methods.trainer import ConfigInputs

@@ -145,23 +145,27 @@ def batch_decision(
     plan: ParallelPlan,
     per_device: int,
     accumulation: int,
-    rows: int,
+    rows: int | None,
     epochs: float,
     max_steps: int,
     lr: float,
     scheduler: str,
     warmup: float,
 ) -> Decision:
-    """What a user comparing 1 GPU and N GPUs must know: the global batch and the steps it gives."""
+    """What a user comparing 1 GPU and N GPUs must know: the global batch and the steps it gives (`rows`
+    None: a stream's, not counted)."""
     global_batch = per_device * accumulation * plan.world_size
-    steps_per_epoch = max(1, -(-rows // (per_device * plan.world_size)) // accumulation)
-    steps = max_steps if max_steps > 0 else int(steps_per_epoch * epochs)
+    if rows is None:  # data.streaming: no row count; validation requires max_steps
+        length = f"rows streamed → {max_steps} steps (training.max_steps)"
+    else:
+        steps_per_epoch = max(1, -(-rows // (per_device * plan.world_size)) // accumulation)
+        steps = max_steps if max_steps > 0 else int(steps_per_epoch * epochs)
+        length = f"{rows} rows → {steps_per_epoch} steps/epoch, {steps} steps"
     return Decision(
         "batch",
         f"global batch {global_batch} = {per_device} per device × {accumulation} accumulation × "
         f"{plan.world_size} process(es)",
-        f"{rows} rows → {steps_per_epoch} steps/epoch, {steps} steps; {scheduler} schedule, peak lr {lr:g}, "
-        f"warm-up {warmup:g} of the steps",
+        f"{length}; {scheduler} schedule, peak lr {lr:g}, warm-up {warmup:g} of the steps",
     )
 
 

@@ -75,11 +75,11 @@ def _count_tokens(
     processes = parallel_processes(len(ds))
     log_processes("counting tokens", len(ds), processes)
     if processes == 1:  # batch by batch: the rows are never all in memory as Python objects
-        batches = [_count_batch(batch, processor, family, video) for batch in ds.iter(BATCH_ROWS)]
+        batches = [count_batch(batch, processor, family, video) for batch in ds.iter(BATCH_ROWS)]
         counted = {key: [v for batch in batches for v in batch[key]] for key in COUNTED}
     else:
         counted = ds.map(
-            _count_batch,
+            count_batch,
             fn_kwargs={"processor": processor, "family": family, "video": video},
             batched=True,
             batch_size=BATCH_ROWS,
@@ -92,7 +92,7 @@ def _count_tokens(
     return list(zip(counted["text_tokens"], counted["vision_tokens"], strict=True))
 
 
-def _count_batch(batch: dict, processor, family: Family, video: VideoSampling | None) -> dict[str, list]:
+def count_batch(batch: dict, processor, family: Family, video: VideoSampling | None) -> dict[str, list]:
     """Token counts of a batch of rows (columns as lists), and what the processor said of a row's image it
     refuses ("" for the others)."""
     rows = len(batch["messages"])

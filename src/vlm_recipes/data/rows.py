@@ -23,43 +23,25 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 import datasets
 from PIL import Image
 
 from vlm_recipes.data.formats import EVAL_COLUMNS
-from vlm_recipes.data.mixture import Mixture, load_mixture
 from vlm_recipes.data.parallel import per_row
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.families.base import Family
-from vlm_recipes.recipes.data_sources import describe_sources
-from vlm_recipes.recipes.schema import DataSettings, Stage
+from vlm_recipes.recipes.schema import Stage
 
 log = logging.getLogger(__name__)
 
 MAX_LISTED_PROBLEMS = 10
-
-
-@dataclass
-class StageData:
-    train: datasets.Dataset
-    eval: datasets.Dataset | None
-    train_source: str  # as the recipe named it (a mixture: each source with its share, data/mixture.py)
-    eval_source: str | None
-    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # split → reason → rows skipped
-    lengths: dict[str, list[int]] = field(default_factory=dict)  # split → tokens per row (length check)
-    eval_metrics: list[str] = field(default_factory=list)  # what the eval's answers are scored by
-    # split → its sources, where the recipe lists several: the split holds their rows once each until the
-    # length check, then the epoch's draw (mixture.draw_mixture)
-    mixtures: dict[str, Mixture] = field(default_factory=dict)
 
 
 def fail_or_skip(bad: list[BadRow], policy: str, source: str, what: str = "bad row(s)") -> dict[str, int]:
@@ -301,50 +283,6 @@ def _holds_paths(ds: datasets.Dataset) -> bool:
     return isinstance(inner, datasets.Value) and inner.dtype in ("string", "large_string")
 
 
-def load_stage_data(
-    settings: DataSettings,
-    row_format: RowFormat | None = None,
-    video: VideoRules | None = None,
-    paths: Mapping[str, str] = MappingProxyType({}),
-) -> StageData:
-    """Both splits, checked; all of it before any model loads. `paths`: where the run's plan found a
-    source that names no file (a demo id); reports keep the name the recipe gave. A split that lists several
-    sources (a mixture) holds each source's rows once, with the sources in `mixtures`: the stage draws the
-    epoch's rows from them once their lengths are counted (mixture.draw_mixture)."""
-    eval_source = describe_sources(settings.eval) if settings.eval else None
-    data = StageData(None, None, describe_sources(settings.train), eval_source)
-    for split in ("train", "eval"):
-        if not (source := getattr(settings, split)):
-            continue
-        read = partial(_read_source, settings, split, row_format, video, paths)
-        limit = settings.max_train_samples if split == "train" else settings.max_eval_samples
-        if isinstance(source, str):
-            rows, skipped, _ = read(source, limit)
-        else:
-            data.mixtures[split] = mixture = load_mixture(source, split, limit, read)
-            rows, skipped = mixture.rows(), mixture.skipped
-        setattr(data, split, rows)
-        if skipped:
-            data.skipped[split] = skipped
-    return data
-
-
-def _read_source(
-    settings: DataSettings,
-    split: str,
-    row_format: RowFormat | None,
-    video: VideoRules | None,
-    paths: Mapping[str, str],
-    source: str,
-    limit: int | None,
-) -> tuple[datasets.Dataset, dict[str, int], str]:
-    """One source of a stage's `split` (train or eval), read as the stage's data settings say."""
-    hub_split = settings.train_split if split == "train" else settings.eval_split
-    policy, remote = settings.on_bad_sample, settings.allow_remote_images
-    extra = EVAL_COLUMNS if split == "eval" else ()
-    return read_split(source, hub_split, limit, policy, remote, row_format, video, paths.get(source), extra)
-
-
 def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
     """Identifies an eval set, so runs measured on different data are never compared as equals: its rows'
     turns and what the metrics read beside them (references, options, boxes: formats.EVAL_COLUMNS), so two
@@ -354,34 +292,6 @@ def dataset_signature(source: str | None, ds: datasets.Dataset) -> str:
     for row in ds.select_columns([c for c in read if c in ds.column_names]):
         digest.update(json.dumps(row, sort_keys=True, default=str).encode())
     return f"{source}|{len(ds)} rows|{digest.hexdigest()[:12]}"
-
-
-def has_text_only_rows(ds: datasets.Dataset) -> bool:
-    """Whether some row has neither an image nor a video (read without decoding any image)."""
-    columns = [c for c in ("images", "videos") if c in ds.column_names]
-    if not columns:
-        return True
-    rows = undecoded(ds.select_columns(columns))
-    return any(not any(row[c] for c in columns) for row in rows)
-
-
-def refuse_nothing_to_see(stage: Stage, data: StageData) -> None:
-    """A stage that trains only what looks at images, on rows without images or videos, would train
-    nothing: no gradient reaches the tower or projector from a text-only row."""
-    if stage.train.llm != "frozen" or not stage.vision_trains or any_media_rows(data.train):
-        return
-    raise DataError(
-        f"stage {stage.name!r} trains only the vision tower / projector, but no row of {data.train_source} "
-        "has an image or a video: nothing would learn. Add image rows, or train the language model too "
-        "(train.llm: lora)"
-    )
-
-
-def any_media_rows(ds: datasets.Dataset) -> bool:
-    """Whether some row has an image or a video (read without decoding any image)."""
-    columns = [c for c in ("images", "videos") if c in ds.column_names]
-    rows = undecoded(ds.select_columns(columns)) if columns else []
-    return any(any(row[c] for c in columns) for row in rows)
 
 
 def undecoded(ds: datasets.Dataset) -> datasets.Dataset:

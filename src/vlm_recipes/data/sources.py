@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
 from vlm_recipes.data.arrow_rows import LinePlaces, NumberedPlaces, RowsTable
-from vlm_recipes.data.formats import ChatTags, RowError, ShapeWatch, detect, to_trl
+from vlm_recipes.data.formats import ChatTags, FileFormat, RowError, ShapeWatch, detect, to_trl
 from vlm_recipes.data.json_files import json_rows
 from vlm_recipes.errors import DataError
 
@@ -97,8 +97,23 @@ def _read_json_file(
     path: Path, tags: ChatTags | None, table: RowsTable, places: LinePlaces, bad: list[BadRow]
 ) -> str:
     """A `.json` / `.jsonl` file's rows in TRL's form added to `table` (their places to `places`), the rows
-    that cannot be read to `bad`; its format's name. The format is the first row's that shows one (read
-    ahead of the rest: usually the first row), and a row in another is a DataError."""
+    that cannot be read to `bad`; its format's name."""
+    fmt, rows = json_file_rows(path, tags)
+    for number, row in rows:
+        if isinstance(row, BadRow):
+            bad.append(row)
+        else:
+            table.add(row, f"{path}:line {number}")
+            places.add(str(path), number)
+    return fmt.name
+
+
+def json_file_rows(
+    path: Path, tags: ChatTags | None
+) -> tuple[FileFormat, Iterator[tuple[int, dict | BadRow]]]:
+    """A `.json` / `.jsonl` file's format and its rows one at a time in TRL's form with their line numbers,
+    a BadRow for each that cannot be read. The format is the first row's that shows one (read ahead of the
+    rest: usually the first row); a row in another is a DataError."""
     if not path.is_file():
         raise DataError(f"data file not found: {path} (check data.train / data.eval)")
     shapes, first = ShapeWatch(str(path), tags), None
@@ -109,19 +124,69 @@ def _read_json_file(
             if shapes.seen is not None:
                 break
     fmt = shapes.format(first)
-    for number, row in json_rows(path):
-        at = f"{path}:line {number}"
-        if isinstance(row, str):
-            bad.append(BadRow(at, "unreadable JSON", row))
-            continue
-        shapes.see(row, at)
-        try:
-            table.add(to_trl(row, fmt), at)
-        except RowError as exc:
-            bad.append(BadRow(at, exc.reason, exc.detail))
-            continue
-        places.add(str(path), number)
-    return fmt.name
+
+    def rows() -> Iterator[tuple[int, dict | BadRow]]:
+        for number, row in json_rows(path):
+            at = f"{path}:line {number}"
+            if isinstance(row, str):
+                yield number, BadRow(at, "unreadable JSON", row)
+                continue
+            shapes.see(row, at)
+            try:
+                yield number, to_trl(row, fmt)
+            except RowError as exc:
+                yield number, BadRow(at, exc.reason, exc.detail)
+
+    return fmt, rows()
+
+
+def stream_source(source: str, split: str) -> tuple[Iterator[tuple[dict | BadRow, str]], Path | None]:
+    """`data.streaming`'s rows: those of read_source, one at a time as they are read, each with its place (a
+    BadRow where one cannot be read), and the folder media paths are relative to. .json / .jsonl files and
+    dataset_info.json entries are read here; parquet, csv, folders and hub ids by datasets' streaming mode."""
+    path = Path(source).expanduser()
+    if "#" in source and source.partition("#")[0].endswith(".json"):
+        info, _, names = source.partition("#")
+        files = [dataset_info_entry(f"{info}#{name.strip()}") for name in names.split(",")]
+        return _stream_json_files(files), Path(info).expanduser().parent
+    if path.suffix in (".json", ".jsonl"):
+        return _stream_json_files([(path, None)]), path.parent
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise DataError(f"data file not found: {path} (check data.train / data.eval)")
+        ds = datasets.load_dataset(
+            LOCAL_FORMATS[path.suffix], data_files=str(path), split="train", streaming=True
+        )
+        root, prefix = path.parent, str(path)
+    elif path.is_dir():
+        ds, root, prefix = datasets.load_dataset(str(path), split=split, streaming=True), path, str(path)
+    else:  # a hub dataset id: a network fetch the recipe asked for
+        log.info("streaming dataset %s (split %s) from the hub", source, split)
+        ds, root, prefix = (
+            datasets.load_dataset(source, split=split, streaming=True),
+            None,
+            f"{source}[{split}]",
+        )
+    media = ("images", "image", "videos", "video")
+    head = [{k: v for k, v in row.items() if k not in media} for row in ds.take(100)]
+    fmt = detect(head, [f"{prefix} row {i}" for i in range(len(head))], source)
+
+    def rows() -> Iterator[tuple[dict | BadRow, str]]:
+        for index, row in enumerate(ds):
+            at = f"{prefix} row {index}"
+            try:
+                yield to_trl(row, fmt), at
+            except RowError as exc:
+                yield BadRow(at, exc.reason, exc.detail), at
+
+    return rows(), root
+
+
+def _stream_json_files(files: list[tuple[Path, ChatTags | None]]) -> Iterator[tuple[dict | BadRow, str]]:
+    for path, tags in files:
+        _, rows = json_file_rows(path, tags)
+        for number, row in rows:
+            yield row, f"{path}:line {number}"
 
 
 def _as_trl(ds: datasets.Dataset, where: Sequence[str], source: str) -> tuple[datasets.Dataset, str]:

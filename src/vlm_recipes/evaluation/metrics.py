@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from vlm_recipes.data.rows import StageData, dataset_signature
+from vlm_recipes.data.rows import dataset_signature
+from vlm_recipes.data.stage_data import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.evaluation.benchmarks import choose_eval_metrics

@@ -11,7 +11,7 @@ from typing import Literal
 from trl import KTOConfig, KTOTrainer
 
 from vlm_recipes.data.preference import UNPAIRED, check_unpaired_lengths
-from vlm_recipes.data.rows import StageData
+from vlm_recipes.data.stage_data import StageData
 from vlm_recipes.methods.dpo import AdapterOffReferenceMixin, PreferenceMethod
 from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs
 from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens

@@ -17,7 +17,8 @@ from transformers import TrainingArguments
 from transformers.integrations.integration_utils import TensorBoardCallback, default_logdir
 
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
-from vlm_recipes.data.rows import RowFormat, StageData
+from vlm_recipes.data.rows import RowFormat
+from vlm_recipes.data.stage_data import StageData
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role

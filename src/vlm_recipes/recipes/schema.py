@@ -129,6 +129,18 @@ class DataSettings:
     max_length: int | None = doc(
         "longest tokenized sample, image tokens included; null: no limit", 2048, range=AT_LEAST_1
     )
+    streaming: bool = doc(
+        "read the training rows as they are trained on (a datasets IterableDataset), never all at once: for a "
+        "dataset larger than memory. Each row is checked and length-checked as it comes; the first 100 before "
+        "the model loads. Needs training.max_steps (a stream has no row count); sft stages, one source, no "
+        "group_by_length (docs/data.md#streaming)",
+        False,
+    )
+    shuffle_buffer: int = doc(
+        "streaming: the rows are shuffled within a window of this many (with training.seed)",
+        10000,
+        range=AT_LEAST_1,
+    )
 
 
 @dataclass

@@ -221,6 +221,7 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
         problems += _source_problems(recipe, stage, at, seen)
         problems += _quantization_problems(stage, modes, at)
         problems += _method_problems(stage, at)
+        problems += _streaming_problems(stage, at)
         for section, mapping in (
             ("lora.targets", stage.lora.targets),
             ("training.role_learning_rates", stage.training.role_learning_rates),
@@ -319,3 +320,38 @@ def _method_problems(stage, at: str) -> list[Problem]:
             )
         ]
     return []
+
+
+def _streaming_problems(stage, at: str) -> list[Problem]:
+    """What a stream cannot give: a row count (the stage's length), every row's length before training (a
+    mixture's draw, group_by_length), and rows in the shapes of methods other than SFT (data/streaming.py)."""
+    if not stage.data.streaming:
+        return []
+    cannot = [
+        (
+            stage.training.max_steps < 1,
+            "training.max_steps",
+            "set it: a stream has no row count to count epochs by",
+        ),
+        (
+            stage.method != "sft",
+            "method",
+            f"streaming is for sft stages; a {stage.method} stage reads its rows whole",
+        ),
+        (
+            isinstance(stage.data.train, list),
+            "data.train",
+            "a mixture is drawn from its sources' counted rows: list one source, or set data.streaming: false",
+        ),
+        (
+            stage.training.group_by_length,
+            "training.group_by_length",
+            "needs every row's length before training; set it to false",
+        ),
+        (
+            stage.training.preprocessed_cache,
+            "training.preprocessed_cache",
+            "re-types a read split's image column, and a stream's rows carry paths: set it to false",
+        ),
+    ]
+    return [Problem(f"{at}.{key}", f"with data.streaming: {why}") for refused, key, why in cannot if refused]

@@ -12,7 +12,8 @@ from transformers import Trainer
 from vlm_recipes.caches.keys import speedup_cache, speedup_cache_budget
 from vlm_recipes.caches.preprocessed import PreprocessedSampleCollator
 from vlm_recipes.caches.storage import unwritable
-from vlm_recipes.data.rows import StageData, undecoded
+from vlm_recipes.data.rows import undecoded
+from vlm_recipes.data.stage_data import StageData
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.base import Family
@@ -44,7 +45,9 @@ def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> No
     if stage.training.padding_free and (why := family.padding_free_refusal()):
         raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
     if stage.training.vision_feature_cache:
-        splits = [ds for ds in (data.train, data.eval) if ds is not None and "images" in ds.column_names]
+        splits = [
+            ds for ds in (data.train_sample, data.eval) if ds is not None and "images" in ds.column_names
+        ]
         most = max(
             (len(i or []) for ds in splits for i in undecoded(ds.select_columns(["images"]))["images"]),
             default=0,

@@ -14,13 +14,9 @@ import transformers
 
 from vlm_recipes.caches.token_counts import remembered_token_counts
 from vlm_recipes.data.mixture import draw_mixture
-from vlm_recipes.data.rows import (
-    StageData,
-    has_text_only_rows,
-    load_stage_data,
-    refuse_nothing_to_see,
-    video_rules,
-)
+from vlm_recipes.data.rows import video_rules
+from vlm_recipes.data.stage_data import StageData, has_text_only_rows, load_stage_data, refuse_nothing_to_see
+from vlm_recipes.data.streaming import Stream, StreamCounts, streamed_split
 from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.evaluation.metrics import (
     decide_eval_metrics,
@@ -101,6 +97,8 @@ def run_stage(ctx: StageContext, resume_from: Path | None = None) -> dict:
 
     metrics = measure(trainer, train_output, method, built, data, callbacks, ctx.env, started)
     metrics["method"] = method.record(ctx.stage)
+    if data.streamed is not None:  # what the stream read, kept and skipped in this process
+        metrics["data_streamed"] = data.streamed.record()
     if at_start is not None:
         metrics["eval_at_start"] = at_start
     if feature_cache is not None:  # the training loop's lookups apart (the benchmark's FLOPs actually run)
@@ -141,10 +139,20 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     video = video_rules(stage, family, processor)
     data = load_stage_data(stage.data, method.row_format, video, ctx.data_paths)
-    refuse_nothing_to_see(stage, data)
-    refuse_inexact_speedups(family, stage, data)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
+    if stage.data.streaming:  # checked as it is trained on (data/streaming.py)
+        source = stage.data.train
+        path = ctx.data_paths.get(source, source)
+        stream = Stream(
+            source, path, stage.data.train_split, stage.data, processor, family, max_length, video
+        )
+        data.streamed = StreamCounts()
+        data.train, data.train_head = streamed_split(stream, stage.training.seed, data.streamed)
+        data.lengths["train"] = []
+        del splits["train"]
+    refuse_nothing_to_see(stage, data)
+    refuse_inexact_speedups(family, stage, data)
     if data.eval is not None:
         splits["eval"] = (data.eval, data.eval_source or "")
 
@@ -227,7 +235,7 @@ def speed_up(
         ctx.parallel,
         t.per_device_batch_size,
         t.gradient_accumulation_steps,
-        len(data.train),
+        len(data.train) if data.streamed is None else None,
         t.epochs,
         t.max_steps,
         t.learning_rate,
@@ -254,10 +262,11 @@ def stage_report(ctx: StageContext, built: BuiltModel, data: StageData, resume_f
         "lora_targets": built.lora_targets,
         "data": {
             "train": data.train_source,
-            "train_rows": len(data.train),
+            "train_rows": len(data.train) if data.streamed is None else None,  # a stream: not counted
+            "streaming": data.streamed is not None,
             "eval": data.eval_source,
             "eval_rows": len(data.eval) if data.eval is not None else 0,
-            "max_sample_tokens": max(data.lengths["train"]),
+            "max_sample_tokens": max(data.lengths["train"], default=None),
             "skipped_rows": data.skipped,
             # per source of a mixture, its share and the rows and tokens drawn (data/mixture.py); null: one source
             "mixture": data.mixtures["train"].report if "train" in data.mixtures else None,
@@ -281,7 +290,7 @@ def make_trainer(
             ctx.env,
             data.eval is not None,
             ctx.distributed,
-            unused_possible=(ctx.stage.vision_trains and has_text_only_rows(data.train))
+            unused_possible=(ctx.stage.vision_trains and has_text_only_rows(data.train_sample))
             or not built.family.reads_every_parameter,
         )
     )
