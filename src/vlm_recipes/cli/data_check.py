@@ -212,7 +212,7 @@ def check_mixture(reader: StageReader, sources: list[DataSource], split: str) ->
         print(f"{part.label} ({part.entry.path}): {part.format}, {length_line(measured.lengths)}; {listed}")
         return measured.kept, measured.kept_lengths, {}
 
-    rows, _, _ = draw_mixture(mixture, measure, seed)
+    rows, _, _ = draw_mixture(mixture, measure, seed, logged=False)  # the table is printed below
     epoch = " an epoch" if split == "train" else ""
     print(f"data.{split} draw: {len(rows):,} rows{epoch} (seed {seed}):\n{mixture_table(mixture.report)}")
     return dict(sum(found, Counter()))

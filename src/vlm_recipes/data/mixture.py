@@ -88,11 +88,11 @@ def load_mixture(
 
 
 def draw_mixture(
-    mixture: Mixture, measure: Measure, seed: int
+    mixture: Mixture, measure: Measure, seed: int, logged: bool = True
 ) -> tuple[datasets.Dataset, list[int], dict[str, int]]:
     """The split's rows for an epoch, drawn from its sources with `seed` after `measure` (the stage's length
     check) counted each source's rows once; their lengths; the rows the length check skipped. The report of
-    the draw is left in `mixture.report` and logged as a table."""
+    the draw is left in `mixture.report` and, where `logged`, logged as a table (`data check` prints it)."""
     kept, lengths, skipped = [], [], Counter()
     for part in mixture.parts:
         rows, part_lengths, part_skipped = measure(part.rows, f"{part.label} ({part.entry.path})")
@@ -121,7 +121,7 @@ def draw_mixture(
         for i, (part, size, count) in enumerate(zip(mixture.parts, sizes, counts, strict=True))
     ]
     drawn = "an epoch" if mixture.split == "train" else "the eval split"
-    log.info(
+    (log.info if logged else log.debug)(
         "data: %s mixture, %d rows %s (seed %d):\n%s",
         mixture.split,
         len(rows),
