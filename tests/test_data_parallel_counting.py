@@ -114,7 +114,8 @@ def test_the_processes_are_said_in_the_log_with_why(monkeypatch, caplog):
     monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", 10)
     monkeypatch.setattr(parallel, "MAX_PROCESSES", 2)
     ds = datasets.Dataset.from_dict({"n": list(range(100))})
-    assert parallel.per_row(ds, lambda row: [row["n"]], "checking rows") == [[n] for n in range(100)]
+    odd = {n: ("odd", str(n)) for n in range(1, 100, 2)}
+    assert parallel.problems_per_row(ds, lambda row: odd.get(row["n"]), "checking rows") == odd
     assert "checking rows: 100 rows in 2 processes (64 cores, 10+ rows each, at most 2)" in caplog.text
     assert parallel.processes_decision(15, 1) == (
         "15 rows in 1 process (under 20 rows: a second process costs more than it saves)"

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import tracemalloc
+from pathlib import Path
 
 import pytest
-from conftest import write_recipe
+import torch
+from conftest import run_train, write_recipe
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoProcessor
+from test_resume import r2_command
+from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data import streaming
@@ -224,3 +228,41 @@ def test_a_mixture_is_refused_with_streaming(tmp_path, capsys):
     code = main(["--recipe", str(recipe), "--dry-run", "training.max_steps=3"])
     err = capsys.readouterr().err
     assert code == 2 and "stages[0].data.train: with data.streaming: a mixture" in err
+
+
+def test_a_streamed_stage_killed_after_a_pass_resumes_to_the_same_weights(tmp_path, caplog):
+    """40 rows at 4 a step: a pass is 10 steps. Killed after step 11, resumed from checkpoint 10 (the skipped
+    batches are read again from the stream, then the second pass's order): the weights of a run never
+    killed."""
+    path = write_rows(tmp_path, colour_rows(tmp_path, 40))
+    extra = (
+        f"data.train={path}",
+        "data.streaming=true",
+        "data.shuffle_buffer=16",
+        "data.eval=null",
+        "precision=fp32",
+        "training.per_device_batch_size=4",
+        "training.save_steps=5",
+        "training.learning_rate=1e-3",  # moves the weights far past fp32's rounding in 12 steps
+        "--max-steps",
+        "12",
+    )
+    reference = tmp_path / "reference"
+    assert main(r2_command(reference, *extra)) == 0
+    killed = run_train(*r2_command(tmp_path, *extra), fault="stage1:step11", timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = tmp_path / "r2-vision-only" / "run"
+    caplog.set_level(logging.INFO)
+    assert main(["--resume", str(run_dir)]) == 0
+    assert f"resuming from {run_dir / 'stage-1-vision-full/checkpoints/checkpoint-10'}" in caplog.text
+
+    def weights(run: Path) -> dict[str, torch.Tensor]:
+        model = AutoModelForImageTextToText.from_pretrained(run / "stage-1-vision-full" / "final")
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    resumed, uninterrupted = weights(run_dir), weights(reference / "r2-vision-only" / "run")
+    start = AutoModelForImageTextToText.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
+    moved = {n: (resumed[n] - p.detach()).abs().max().item() for n, p in start.named_parameters()}
+    assert max(moved.values()) > 1e-3 and sum(m > 0 for m in moved.values()) > len(moved) // 2, moved
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name

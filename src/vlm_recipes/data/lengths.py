@@ -254,11 +254,13 @@ def refuse_too_long(
     (`skip`). Returns the dataset, the lengths kept and the skip count."""
     if max_length is None:
         return ds, lengths, {}
-    ids = ds["id"] if "id" in ds.column_names else list(range(len(ds)))
+    over = [i for i, n in enumerate(lengths) if n > max_length]
+    ids = (
+        ds.select(over)["id"] if "id" in ds.column_names else over
+    )  # the long rows' ids only (a million rows)
     bad = [
-        BadRow(f"{source} row {ids[i]}", "longer than max_length", f"{n} tokens > {max_length}")
-        for i, n in enumerate(lengths)
-        if n > max_length
+        BadRow(f"{source} row {row_id}", "longer than max_length", f"{lengths[i]} tokens > {max_length}")
+        for i, row_id in zip(over, ids, strict=True)
     ]
     skipped = fail_or_skip(bad, on_bad_sample, source, what)
     if not skipped:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 
 import datasets
+import pyarrow.compute as pc
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +45,24 @@ def log_processes(what: str, rows: int, processes: int) -> None:
         log.info("  %s: %s", what, processes_decision(rows, processes))
 
 
-def per_row(ds: datasets.Dataset, function: Callable[[dict], list], what: str) -> list[list]:
-    """`function(row)` (a list of plain values) for every row, in the rows' order: in this process, or over
-    contiguous shards in several where the rows are many (`what`: the log's and the progress bar's words)."""
+def problems_per_row(
+    ds: datasets.Dataset, problem_of: Callable[[dict], tuple[str, str] | None], what: str
+) -> dict[int, tuple[str, str]]:
+    """`problem_of(row)`, (reason, detail) or None, for every row: the rows with a problem by index (nothing
+    kept for the others: a million rows). In this process, or over contiguous shards in several where the
+    rows are many (`what`: the log's and the progress bar's words)."""
     processes = parallel_processes(len(ds))
     log_processes(what, len(ds), processes)
     if processes == 1:
-        return [function(row) for row in ds]
+        return {index: found for index, row in enumerate(ds) if (found := problem_of(row)) is not None}
     done = ds.map(
-        lambda row: {"value": function(row)}, num_proc=processes, remove_columns=ds.column_names, desc=what
+        lambda row: {"problem": list(problem_of(row) or ())},
+        num_proc=processes,
+        remove_columns=ds.column_names,
+        features=datasets.Features({"problem": datasets.List(datasets.Value("string"))}),
+        desc=what,
     )
-    return done["value"]
+    column = done.with_format("arrow")["problem"]  # read in Arrow: only the problems reach Python
+    found = pc.indices_nonzero(pc.list_value_length(column))
+    problems = column.take(found).to_pylist()
+    return {index: tuple(problem) for index, problem in zip(found.to_pylist(), problems, strict=True)}

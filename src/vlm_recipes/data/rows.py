@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import pyarrow.compute as pc
 from PIL import Image
 
 from vlm_recipes.data.formats import EVAL_COLUMNS
-from vlm_recipes.data.parallel import per_row
+from vlm_recipes.data.parallel import problems_per_row
 from vlm_recipes.data.sources import BadRow, read_source
 from vlm_recipes.data.video import VideoSampling, plan_frames, read_header
 from vlm_recipes.errors import DataError, VideoError
@@ -185,15 +186,16 @@ ALL_COLUMNS: tuple[str, ...] = ("*",)
 MESSAGES: RowFormat = (row_problem, ("messages", "images"))
 
 
-def row_problems(ds: datasets.Dataset, check, image_root, allow_remote_images: bool, video) -> list:
-    """Each row's (reason, detail), or None where it is fine: its format's check (each image opened and read
-    through), then its videos'. Over many rows, in parallel (parallel.py)."""
+def row_problems(
+    ds: datasets.Dataset, check, image_root, allow_remote_images: bool, video
+) -> dict[int, tuple[str, str]]:
+    """The rows that cannot be trained on, by index, with (reason, detail): their format's check (each image
+    opened and read through), then their videos'. Over many rows, in parallel (parallel.py)."""
 
     def problem_of(row: dict) -> tuple[str, str] | None:
         return check(row, image_root, allow_remote_images) or video_row_problem(row, image_root, video)
 
-    found = per_row(ds, lambda row: list(problem_of(row) or ("", "")), "checking rows")
-    return [tuple(problem) if problem[0] else None for problem in found]
+    return problems_per_row(ds, problem_of, "checking rows")
 
 
 def load_split(*args, **kwargs) -> tuple[datasets.Dataset, dict[str, int]]:
@@ -226,14 +228,13 @@ def read_split(
     ds, image_root, where, bad = loaded.ds, loaded.root, loaded.where, loaded.bad
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
-    problems = row_problems(ds, check, image_root, allow_remote_images, video)
     # by index, not by place: a JSON array's rows may share a line (the rows refused as the file was read
     # are not in `ds`)
-    bad_index = {index for index, problem in enumerate(problems) if problem is not None}
-    bad += [BadRow(where[index], *problems[index]) for index in sorted(bad_index)]
+    problems = row_problems(ds, check, image_root, allow_remote_images, video)
+    bad += [BadRow(where[index], *problem) for index, problem in sorted(problems.items())]
     skipped = fail_or_skip(bad, on_bad_sample, source)
-    if skipped and bad_index:
-        ds = ds.select([i for i in range(len(ds)) if i not in bad_index])
+    if skipped and problems:
+        ds = ds.select([i for i in range(len(ds)) if i not in problems])
     if len(ds) == 0:
         after = f" after skipping {sum(skipped.values())} bad rows" if skipped else ""
         raise DataError(f"{source}: the dataset is empty{after}")
@@ -263,11 +264,11 @@ def read_split(
 
 def _summary(ds: datasets.Dataset, fmt: str) -> str:
     """`sharegpt conversations (LLaMA-Factory, LLaVA) format, 6 rows, 8 images, 2 videos`."""
-    plain = ds if _holds_paths(ds) or _holds_nothing(ds) else undecoded(ds)
     counts = [f"{fmt} format", f"{len(ds)} rows"]
+    table = ds.with_format("arrow")  # counted in Arrow: no row read into Python (a million rows)
     for column in ("images", "videos"):
-        if column in plain.column_names:
-            counts.append(f"{sum(len(v or []) for v in plain[column])} {column}")
+        if column in ds.column_names:
+            counts.append(f"{pc.sum(pc.list_value_length(table[column])).as_py() or 0} {column}")
     return ", ".join(counts)
 
 
