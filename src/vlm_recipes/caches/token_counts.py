@@ -16,7 +16,7 @@ from vlm_recipes.caches.keys import (
     row_parts,
     versions_key,
 )
-from vlm_recipes.files import cache_dir, write_json
+from vlm_recipes.files import cache_dir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def remembered_token_counts(
     if path.exists() and (remembered := _read_counts(path, n_rows)) is not None:
         return remembered
     counts = count()
-    try:
-        write_json(path, counts)
+    try:  # one line, by json's C encoder: indented, a million pairs pass through millions of Python strings
+        write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(counts, separators=(",", ":"))))
     except OSError as error:  # a cache is only a copy: a full or read-only disk costs a recount next time
         log.warning("token counts cache: cannot write %s (%s): counted again next time", path, error.strerror)
     return counts

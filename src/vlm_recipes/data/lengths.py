@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
+import pyarrow.compute as pc
 from PIL import Image
 
 from vlm_recipes.data.images import upright_size
@@ -64,7 +65,6 @@ def _video_settings(processor, video: VideoSampling) -> str:
 
 
 BATCH_ROWS = 500  # rows counted at a time
-COUNTED = ("text_tokens", "vision_tokens", "refused")
 
 
 def _count_tokens(
@@ -74,11 +74,14 @@ def _count_tokens(
     parallel by datasets' map (num_proc): the same counts, in the same order, as one process gives."""
     processes = parallel_processes(len(ds))
     log_processes("counting tokens", len(ds), processes)
+    counts, refused = [], {}
     if processes == 1:  # batch by batch: the rows are never all in memory as Python objects
-        batches = [count_batch(batch, processor, family, video) for batch in ds.iter(BATCH_ROWS)]
-        counted = {key: [v for batch in batches for v in batch[key]] for key in COUNTED}
+        for batch in ds.iter(BATCH_ROWS):
+            counted = count_batch(batch, processor, family, video)
+            refused.update((len(counts) + i, why) for i, why in enumerate(counted["refused"]) if why)
+            counts += zip(counted["text_tokens"], counted["vision_tokens"], strict=True)
     else:
-        counted = ds.map(
+        done = ds.map(
             count_batch,
             fn_kwargs={"processor": processor, "family": family, "video": video},
             batched=True,
@@ -86,10 +89,13 @@ def _count_tokens(
             num_proc=processes,
             remove_columns=ds.column_names,
             desc="counting tokens",
-        ).to_dict()
-    if refused := {i: why for i, why in enumerate(counted["refused"]) if why}:
+        ).with_format("arrow")  # read a column at a time: one list of pairs is what is kept
+        counts = list(zip(done["text_tokens"].to_pylist(), done["vision_tokens"].to_pylist(), strict=True))
+        found = pc.indices_nonzero(pc.binary_length(done["refused"]))
+        refused = dict(zip(found.to_pylist(), done["refused"].take(found).to_pylist(), strict=True))
+    if refused:
         raise RefusedImages(refused)
-    return list(zip(counted["text_tokens"], counted["vision_tokens"], strict=True))
+    return counts
 
 
 def count_batch(batch: dict, processor, family: Family, video: VideoSampling | None) -> dict[str, list]:
