@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import OPENAI_TAGS, run_train, write_recipe
+from conftest import OPENAI_TAGS, write_recipe
 from PIL import Image
-from test_resume import r2_command
-from transformers import AutoModelForImageTextToText
+from test_resume import killed_and_resumed_r2
 
 from vlm_recipes.cli.data_check import main as data_main
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN, draw_mixture, row_counts
 from vlm_recipes.data.stage_data import load_stage_data
-from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import read_json
 from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.data_sources import DataSource
@@ -301,26 +297,7 @@ def test_a_stage_on_a_mixture_killed_mid_epoch_resumes_to_the_same_weights(tmp_p
         "--max-steps",
         "6",
     )
-    reference = tmp_path / "reference"
-    assert main(r2_command(reference, *extra)) == 0
-    killed = run_train(*r2_command(tmp_path, *extra), fault="stage1:step5", timeout=300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    run_dir = tmp_path / "r2-vision-only" / "run"
-    caplog.set_level(logging.INFO)
-    assert main(["--resume", str(run_dir)]) == 0
-    assert f"resuming from {run_dir / 'stage-1-vision-full/checkpoints/checkpoint-4'}" in caplog.text
-
-    def weights(run: Path) -> dict[str, torch.Tensor]:
-        model = AutoModelForImageTextToText.from_pretrained(run / "stage-1-vision-full" / "final")
-        return {n: p.detach() for n, p in model.named_parameters()}
-
-    resumed, uninterrupted = weights(run_dir), weights(reference / "r2-vision-only" / "run")
-    start = AutoModelForImageTextToText.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
-    moved = {n: (resumed[n] - p.detach()).abs().max().item() for n, p in start.named_parameters()}
-    # the tower and projector trained (31 of 58 tensors): the equality below is of trained weights
-    assert max(moved.values()) > 1e-3 and sum(m > 0 for m in moved.values()) > len(moved) // 2, moved
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
+    run_dir = killed_and_resumed_r2(tmp_path, extra, "stage1:step5", "checkpoint-4", caplog)
     report = read_json(run_dir / "stage-1-vision-full" / "report.json")["data"]["mixture"]
     assert [r["rows"] for r in report] == [20, 12, 8]
 

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import tracemalloc
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import run_train, write_recipe
+from conftest import write_recipe
 from PIL import Image
 from safetensors.torch import load_file
-from test_resume import r2_command
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from test_resume import killed_and_resumed_r2
+from transformers import AutoProcessor
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.data import streaming
@@ -247,22 +244,4 @@ def test_a_streamed_stage_killed_after_a_pass_resumes_to_the_same_weights(tmp_pa
         "--max-steps",
         "12",
     )
-    reference = tmp_path / "reference"
-    assert main(r2_command(reference, *extra)) == 0
-    killed = run_train(*r2_command(tmp_path, *extra), fault="stage1:step11", timeout=300)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    run_dir = tmp_path / "r2-vision-only" / "run"
-    caplog.set_level(logging.INFO)
-    assert main(["--resume", str(run_dir)]) == 0
-    assert f"resuming from {run_dir / 'stage-1-vision-full/checkpoints/checkpoint-10'}" in caplog.text
-
-    def weights(run: Path) -> dict[str, torch.Tensor]:
-        model = AutoModelForImageTextToText.from_pretrained(run / "stage-1-vision-full" / "final")
-        return {n: p.detach() for n, p in model.named_parameters()}
-
-    resumed, uninterrupted = weights(run_dir), weights(reference / "r2-vision-only" / "run")
-    start = AutoModelForImageTextToText.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
-    moved = {n: (resumed[n] - p.detach()).abs().max().item() for n, p in start.named_parameters()}
-    assert max(moved.values()) > 1e-3 and sum(m > 0 for m in moved.values()) > len(moved) // 2, moved
-    for name, value in uninterrupted.items():
-        assert torch.equal(resumed[name], value), name
+    killed_and_resumed_r2(tmp_path, extra, "stage1:step11", "checkpoint-10", caplog)

@@ -168,6 +168,35 @@ def r2_command(out: Path, *extra: str) -> list[str]:
     ]
 
 
+def killed_and_resumed_r2(
+    tmp_path: Path, extra: tuple[str, ...], fault: str, checkpoint: str, caplog
+) -> Path:
+    """r2's stage with `extra` run whole (into tmp_path/reference), then again killed at `fault` and resumed
+    from `checkpoint`: asserts the resumed run ends with the weights of the whole one, and that the tower and
+    projector trained (over half the tensors moved, one by more than 1e-3), so the equality is of trained
+    weights. Returns the resumed run's directory."""
+    reference = tmp_path / "reference"
+    assert main(r2_command(reference, *extra)) == 0
+    killed = run_train(*r2_command(tmp_path, *extra), fault=fault, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    run_dir = tmp_path / "r2-vision-only" / "run"
+    caplog.set_level(logging.INFO)
+    assert main(["--resume", str(run_dir)]) == 0
+    assert f"resuming from {run_dir / 'stage-1-vision-full' / 'checkpoints' / checkpoint}" in caplog.text
+
+    def weights(run: Path) -> dict[str, torch.Tensor]:
+        model = AutoModelForImageTextToText.from_pretrained(run / "stage-1-vision-full" / "final")
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    resumed, uninterrupted = weights(run_dir), weights(reference / "r2-vision-only" / "run")
+    start = AutoModelForImageTextToText.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
+    moved = {n: (resumed[n] - p.detach()).abs().max().item() for n, p in start.named_parameters()}
+    assert max(moved.values()) > 1e-3 and sum(m > 0 for m in moved.values()) > len(moved) // 2, moved
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+    return run_dir
+
+
 def test_the_last_steps_checkpoint_is_never_resumed_from(tmp_path):
     """Resuming at global_step == max_steps trains one step too many in transformers 5.23: the final
     step's checkpoint is left incomplete, so a stage killed after it redoes the last steps instead."""
