@@ -164,17 +164,29 @@ RUN = [
 ]
 
 
-def test_a_streamed_stage_trains_and_records_what_the_stream_read_and_skipped(tmp_path, caplog):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_streamed_stage_trains_and_records_what_the_stream_read_and_skipped(precision, tmp_path, caplog):
     rows = colour_rows(tmp_path, 40)
     rows[7]["images"] = ["missing.png"]
     path = write_rows(tmp_path, rows)
     recipe = write_recipe(tmp_path, "stream", STREAMING.format(train=path, policy="skip", extra=""))
     out = tmp_path / "runs"
     caplog.set_level(logging.INFO)
-    args = ["--recipe", str(recipe), "--output-dir", str(out), "--run-name", "run", *RUN]
+    args = [
+        "--recipe",
+        str(recipe),
+        "--output-dir",
+        str(out),
+        "--run-name",
+        "run",
+        *RUN,
+        f"precision={precision}",
+    ]
     assert main(args) == 0
     stage = out / "stream" / "run" / "stage-1-stream"
     assert (stage / "DONE").exists()
+    decisions = read_json(stage / "report.json")["decisions"]
+    assert next(d for d in decisions if d["guard"] == "precision")["choice"] == precision
     report = read_json(stage / "report.json")["data"]
     assert report["streaming"] and report["train_rows"] is None
     streamed = read_json(stage / "metrics.json")["data_streamed"]

@@ -75,10 +75,7 @@ class RowsTable:
     def _flush(self) -> None:
         rows, places = self.rows, self.places
         self.rows, self.places = [], []
-        keys = dict.fromkeys(
-            key for row in rows for key in row
-        )  # from_pylist reads the first row's keys only
-        whole = [{key: row.get(key) for key in keys} for row in rows]
+        whole = with_every_key(rows)
         try:
             table = pa.Table.from_pylist(whole)
             merged = (
@@ -139,6 +136,14 @@ class RowsTable:
             f"{first_at.rsplit(':line', 1)[0]}: rows cannot be read as one table ({exc}): check that every "
             "row has the same keys with the same kinds of values"
         )
+
+
+def with_every_key(rows: list[dict]) -> list[dict]:
+    """Each row with every key any row has, null where it has none: Arrow's from_pylist and datasets'
+    from_list take the first row's keys only (a file whose video rows come after its image rows would lose
+    `videos`)."""
+    keys = dict.fromkeys(key for row in rows for key in row)
+    return [{key: row.get(key) for key in keys} for row in rows]
 
 
 def _line_of(first: str, at: str) -> str:

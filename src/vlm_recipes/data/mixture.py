@@ -27,6 +27,7 @@ from fractions import Fraction
 import datasets
 import numpy as np
 
+from vlm_recipes.data.arrow_rows import with_every_key
 from vlm_recipes.errors import DataError
 from vlm_recipes.recipes.data_sources import DataSource, entry_share
 
@@ -196,9 +197,12 @@ def concatenate(parts: list[datasets.Dataset]) -> datasets.Dataset:
     images = datasets.List(datasets.Image(decode=False))
     plain = [part.cast_column("images", images) if "images" in part.column_names else part for part in parts]
     rows = [row for part in plain for row in part.to_list()]
-    keys = list(dict.fromkeys(key for row in rows for key in row))
-    table = datasets.Dataset.from_list([{key: row.get(key) for key in keys} for row in rows])
-    return table.cast_column("images", datasets.List(datasets.Image())) if "images" in keys else table
+    table = datasets.Dataset.from_list(with_every_key(rows))
+    return (
+        table.cast_column("images", datasets.List(datasets.Image()))
+        if "images" in table.column_names
+        else table
+    )
 
 
 def mixture_table(report: list[dict]) -> str:

@@ -73,12 +73,20 @@ def read_source(source: str, split: str) -> Loaded:
 def _read_entries(source: str) -> Loaded:
     """One or more entries of a LLaMA-Factory dataset_info.json, as LLaMA-Factory reads `dataset: a,b`: their
     rows together, media paths relative to the dataset_info.json's folder (its `media_dir` default)."""
-    info, _, names = source.partition("#")
-    files = [dataset_info_entry(f"{info}#{name.strip()}") for name in names.split(",")]
-    loaded = _read_json_files(files, Path(info).expanduser().parent)
+    files, root = entry_files(source)
+    loaded = _read_json_files(files, root)
     if len(files) > 1:
+        info, _, names = source.partition("#")
         loaded.format = f"sharegpt ({Path(info).name}#{names})"
     return loaded
+
+
+def entry_files(source: str) -> tuple[list[tuple[Path, ChatTags | None]], Path]:
+    """`info.json#a,b`: each entry's data file and tags, and the folder media paths are relative to (the
+    dataset_info.json's, LLaMA-Factory's `media_dir` default)."""
+    info, _, names = source.partition("#")
+    files = [dataset_info_entry(f"{info}#{name.strip()}") for name in names.split(",")]
+    return files, Path(info).expanduser().parent
 
 
 def _read_json_files(files: list[tuple[Path, ChatTags | None]], root: Path) -> Loaded:
@@ -146,9 +154,8 @@ def stream_source(source: str, split: str) -> tuple[Iterator[tuple[dict | BadRow
     dataset_info.json entries are read here; parquet, csv, folders and hub ids by datasets' streaming mode."""
     path = Path(source).expanduser()
     if "#" in source and source.partition("#")[0].endswith(".json"):
-        info, _, names = source.partition("#")
-        files = [dataset_info_entry(f"{info}#{name.strip()}") for name in names.split(",")]
-        return _stream_json_files(files), Path(info).expanduser().parent
+        files, root = entry_files(source)
+        return _stream_json_files(files), root
     if path.suffix in (".json", ".jsonl"):
         return _stream_json_files([(path, None)]), path.parent
     if path.suffix in LOCAL_FORMATS:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import datasets
 
+from vlm_recipes.data.arrow_rows import with_every_key
 from vlm_recipes.data.lengths import check_lengths, count_batch
 from vlm_recipes.data.rows import (
     MESSAGES,
@@ -164,11 +165,8 @@ def streamed_split(
         stream.settings.shuffle_buffer,
     )
     rows = datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"stream": stream, "counts": counts})
-    keys = dict.fromkeys(key for row in checked for key in row)  # from_list reads the first row's keys only
     shuffled = rows.shuffle(seed=seed, buffer_size=stream.settings.shuffle_buffer)
-    return shuffled.map(_decoded_images), datasets.Dataset.from_list(
-        [{key: row.get(key) for key in keys} for row in checked]
-    )
+    return shuffled.map(_decoded_images), datasets.Dataset.from_list(with_every_key(checked))
 
 
 def _rows_of(stream: Stream, counts: StreamCounts) -> Iterator[dict]:
