@@ -21,7 +21,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import count, islice
 from pathlib import Path
 
 import datasets
@@ -165,12 +165,31 @@ def streamed_split(
         stream.settings.shuffle_buffer,
     )
     rows = datasets.IterableDataset.from_generator(_rows_of, gen_kwargs={"stream": stream, "counts": counts})
-    shuffled = rows.shuffle(seed=seed, buffer_size=stream.settings.shuffle_buffer)
-    return shuffled.map(_decoded_images), datasets.Dataset.from_list(with_every_key(checked))
+    a_pass = rows.shuffle(seed=seed, buffer_size=stream.settings.shuffle_buffer)
+    endless = datasets.IterableDataset.from_generator(_every_pass, gen_kwargs={"a_pass": a_pass})
+    return endless.map(_decoded_images), datasets.Dataset.from_list(with_every_key(checked))
 
 
 def _rows_of(stream: Stream, counts: StreamCounts) -> Iterator[dict]:
     yield from stream.rows(counts)
+
+
+def _every_pass(a_pass: datasets.IterableDataset) -> Iterator[dict]:
+    """Pass 0, 1, 2, ... one after another, pass k in its own order (datasets' set_epoch(k)); ends only if a
+    pass gives no row.
+
+    Trainer counts a stream's every step in its epoch 0: resumed at step n, it skips n batches of epoch 0 and
+    then starts epoch 1. A stream that ended each pass there would resume inside its second pass at that
+    pass's first row. One endless epoch makes its count right: the n batches skipped are the n trained.
+    (datasets' repeat() gives every pass the first pass's order; shuffling after it mixes passes.)"""
+    for number in count():
+        a_pass.set_epoch(number)
+        given = False
+        for row in a_pass:
+            given = True
+            yield row
+        if not given:
+            return
 
 
 IMAGE = datasets.Image()
