@@ -152,13 +152,17 @@ def fix_the_cpus_bf16_answer() -> None:
     in the private cache (the answer the product keeps per machine after its probe), so `precision: auto`
     trains in fp32, at full speed on any CPU, in this process and every run a test starts. A test that needs
     bf16 sets `precision: bf16`; tests/test_machine.py injects the instruction set and the probe's timings
-    to test the decision itself."""
-    from vlm_recipes.machine import CpuBf16, cpu_bf16, cpu_instruction_set, remember_cpu_bf16
+    to test the decision itself. The answer is kept per thread count: it is kept for every count a run
+    here can take (1 in an xdist worker and in each rank of a CPU group, the cores outside them)."""
+    import torch
+
+    from vlm_recipes.machine import CpuBf16, cpu_bf16_on, cpu_instruction_set, remember_cpu_bf16
 
     instruction_set = cpu_instruction_set()
     fixed = "tests/conftest.py: the suite takes the fp32 path of precision: auto on every CPU"
-    remember_cpu_bf16(CpuBf16(instruction_set, native=False, reason=fixed))
-    cpu_bf16.cache_clear()
+    for threads in range(1, max(os.cpu_count() or 1, torch.get_num_threads()) + 1):
+        remember_cpu_bf16(CpuBf16(instruction_set, native=False, reason=fixed), threads)
+    cpu_bf16_on.cache_clear()
 
 
 @pytest.fixture(scope="session")

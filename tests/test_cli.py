@@ -42,6 +42,7 @@ def test_help_lists_the_commands(capsys):
         "bench",
         "bench-grpo",
         "demo-learns",
+        "machine",
     }
     assert "benchmark against a plain TRL script" in capsys.readouterr().out  # the package ships it
 

@@ -18,6 +18,7 @@ from vlm_recipes.data.parallel import parallel_processes
 from vlm_recipes.data.rows import load_split, undecoded
 from vlm_recipes.errors import DataError
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
+from vlm_recipes.machine import Cores, usable_cores
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings
 
@@ -55,7 +56,7 @@ def said_again(messages: list[dict], times: int) -> list[dict]:
 def counts_in(ds: datasets.Dataset, processor, processes: int, monkeypatch) -> list[tuple[int, int]]:
     """The counts with the rows split over `processes` processes (a process's share lowered to force it)."""
     monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", max(1, len(ds) // processes))
-    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(processes)))
+    monkeypatch.setattr(parallel, "usable_cores", lambda: Cores(processes))  # cores mocked: 2 or more
     assert parallel_processes(len(ds)) == processes
     return sample_token_counts(ds, processor, QWEN2_VL)
 
@@ -92,7 +93,7 @@ def test_checking_rows_in_two_processes_finds_what_one_process_finds(rows_and_pr
     read = {}
     for processes in (1, 2):
         monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", 60)
-        monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid, n=processes: set(range(n)))
+        monkeypatch.setattr(parallel, "usable_cores", lambda n=processes: Cores(n))
         with pytest.raises(DataError) as refused:
             load_split(str(path), "train", None)
         ds, skipped = load_split(str(path), "train", None, on_bad_sample="skip")
@@ -104,13 +105,13 @@ def test_checking_rows_in_two_processes_finds_what_one_process_finds(rows_and_pr
 def test_a_small_dataset_is_counted_in_this_process():
     assert parallel_processes(50) == 1
     many = parallel.MIN_ROWS_PER_PROCESS * 64
-    assert parallel_processes(many) == min(len(parallel.os.sched_getaffinity(0)), parallel.MAX_PROCESSES)
+    assert parallel_processes(many) == min(usable_cores().count, parallel.MAX_PROCESSES)
 
 
 def test_the_processes_are_said_in_the_log_with_why(monkeypatch, caplog):
     """The choice and its reason in the log; past MAX_PROCESSES, not one process per core."""
     caplog.set_level(logging.INFO)
-    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(parallel, "usable_cores", lambda: Cores(64))  # 64 cores mocked
     monkeypatch.setattr(parallel, "MIN_ROWS_PER_PROCESS", 10)
     monkeypatch.setattr(parallel, "MAX_PROCESSES", 2)
     ds = datasets.Dataset.from_dict({"n": list(range(100))})

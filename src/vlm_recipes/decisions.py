@@ -20,6 +20,7 @@ class Environment:
     bf16_reason: str = (
         ""  # what was found, e.g. "AVX512 without BF16: bf16 matmul measured 5.4x slower than fp32"
     )
+    left_unused: str = ""  # an accelerator found and not computed on, and why (a Mac's MPS)
 
     def describe(self) -> str:
         """The machine as a run or a figure records it: the GPU, or the CPU's instruction set and its bf16."""

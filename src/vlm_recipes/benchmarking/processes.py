@@ -27,7 +27,9 @@ def run_process(command: list[str], env: dict) -> tuple[float, float]:
             output.seek(0)
             tail = output.read()[-3000:].decode(errors="replace")
             sys.exit(f"benchmark run failed ({process.returncode}): {' '.join(command)}\n{tail}")
-    return wall, usage.ru_maxrss / 2**20  # Linux: kilobytes
+    from vlm_recipes.machine import peak_rss_gb  # torch with it: not on the way to `bench --help`
+
+    return wall, peak_rss_gb(usage.ru_maxrss)
 
 
 def threads_env(threads: int) -> dict:

@@ -8,6 +8,7 @@ vlm-recipes eval --lmms-eval TASK RUN   an lmms-eval task on a stage's final/ (t
 vlm-recipes data check PATH   a dataset read as a stage reads it: format, lengths, every problem
 vlm-recipes bench ...     benchmark against plain TRL (= python scripts/benchmark.py ...)
 vlm-recipes demo-learns   does the demo teach? each demo model at its start and trained (= python scripts/demo_learns.py)
+vlm-recipes machine [--reprobe]   the device, cores and CPU bf16 a run finds here; the bf16 probe asked again
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ COMMANDS = {
     "demo-learns": (
         "vlm_recipes.cli.demo_learns",
         "does the demo teach? each demo model's eval at a recipe's start and after it, per seed",
+    ),
+    "machine": (
+        "vlm_recipes.cli.machine_report",
+        "the device, cores and CPU bf16 a run finds here; `machine --reprobe` times the bf16 probe again",
     ),
 }
 

@@ -5,11 +5,12 @@ The results are the ones one process gives, in the rows' order."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import datasets
 import pyarrow.compute as pc
+
+from vlm_recipes.machine import Cores, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -20,20 +21,23 @@ MIN_ROWS_PER_PROCESS = 2000
 MAX_PROCESSES = 16
 
 
-def parallel_processes(rows: int) -> int:
-    """How many processes read `rows` rows: one per core this process may run on, each with at least
-    MIN_ROWS_PER_PROCESS rows (the demo's and the tests' datasets: one, this process), at most MAX_PROCESSES."""
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_PROCESSES, rows // MIN_ROWS_PER_PROCESS))
+def parallel_processes(rows: int, cores: Cores | None = None) -> int:
+    """How many processes read `rows` rows: one per core this process may use (`usable_cores`: its CPU
+    affinity or count, within its cgroup's CPU quota), each with at least MIN_ROWS_PER_PROCESS rows (the
+    demo's and the tests' datasets: one, this process), at most MAX_PROCESSES."""
+    cores = usable_cores() if cores is None else cores
+    return max(1, min(cores.count, MAX_PROCESSES, rows // MIN_ROWS_PER_PROCESS))
 
 
-def processes_decision(rows: int, processes: int) -> str:
+def processes_decision(rows: int, processes: int, cores: Cores | None = None) -> str:
     """The log's words for parallel_processes' choice: `20,000 rows in 2 processes (2 cores, 2,000+ rows
-    each, at most 16)`."""
-    cores = len(os.sched_getaffinity(0))
+    each, at most 16)`, the cores' limit named where there is one (`2 cores: cgroup quota 200000/100000 of
+    16 on the machine; ...`)."""
+    cores = usable_cores() if cores is None else cores
     if processes > 1:
-        why = f"{cores} cores, {MIN_ROWS_PER_PROCESS:,}+ rows each, at most {MAX_PROCESSES}"
-    elif cores == 1:
-        why = "1 core"
+        why = f"{cores}{';' if cores.limit else ','} {MIN_ROWS_PER_PROCESS:,}+ rows each, at most {MAX_PROCESSES}"
+    elif cores.count == 1:
+        why = str(cores)
     else:
         why = f"under {2 * MIN_ROWS_PER_PROCESS:,} rows: a second process costs more than it saves"
     return f"{rows:,} rows in {processes} process{'es' if processes > 1 else ''} ({why})"

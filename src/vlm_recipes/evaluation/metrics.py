@@ -21,6 +21,7 @@ from vlm_recipes.evaluation.benchmarks import choose_eval_metrics
 from vlm_recipes.evaluation.generation import eval_targets, evaluate_generation, row_media
 from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import read_json, write_json, write_jsonl
+from vlm_recipes.machine import peak_rss_gb
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.recipes.schema import BENCHMARK_METRICS, Stage
 
@@ -182,4 +183,4 @@ def peak_memory(env: Environment) -> dict:
             "allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
             "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
         }
-    return {"device": "cpu", "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"device": "cpu", "rss_gb": peak_rss_gb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)}

@@ -110,7 +110,8 @@ def decide_parallelism(env: Environment, world_size: int = 1, mode: str = "ddp")
             f"{env.gpu_count} GPUs visible to one process: Trainer would wrap the model in DataParallel",
         )
     where = "one GPU" if env.device == "cuda" else "CPU"
-    return Decision("parallelism", "single device", f"{where}, one process")
+    unused = f"; {env.left_unused}" if env.left_unused else ""  # a Mac: why not its MPS
+    return Decision("parallelism", "single device", f"{where}, one process{unused}")
 
 
 def apply_parallelism(args) -> None:
