@@ -145,12 +145,19 @@ def precision_recall_f1(tp: int, fp: int, fn: int) -> dict[str, float]:
     return {"precision": precision, "recall": recall, "f1": f1}
 
 
+def row_exact_match(record: dict) -> float:
+    """A prediction record's exact match: its own (the eval's, the best over the row's accepted answers), else
+    its output against its reference."""
+    scored = record.get("exact_match")
+    return float(scored) if scored is not None else exact_match(record["output"], record["reference"])
+
+
 def score_predictions(records: Iterable[dict], tolerance: float = 0.01, metrics: Iterable[str] = ()) -> dict:
     """Aggregate scores over prediction records (`reference`, `output`, optional `task` and `source`).
 
-    Exact match for every row; JSON field precision/recall/F1 for rows whose reference is a JSON object;
-    the mean of each of `metrics` a record carries a score for (the benchmarks' metrics, scored per row by
-    evaluation/benchmarks.py), over the rows that carry one (`rows_scored`). Also broken down per task
+    Exact match for every row (row_exact_match); JSON field precision/recall/F1 for rows whose reference is
+    a JSON object; the mean of each of `metrics` a record carries a score for (the benchmarks' metrics,
+    scored per row by evaluation/benchmarks.py), over the rows that carry one (`rows_scored`). Also broken down per task
     (`task:<name>`) and per source of an eval mixture (`source:<path as the recipe names it>`) when rows
     carry one."""
     metrics = tuple(metrics)
@@ -164,7 +171,7 @@ def score_predictions(records: Iterable[dict], tolerance: float = 0.01, metrics:
     for name, rows in groups.items():
         entry: dict = {
             "rows": len(rows),
-            "exact_match": sum(exact_match(r["output"], r["reference"]) for r in rows) / len(rows),
+            "exact_match": sum(row_exact_match(r) for r in rows) / len(rows),
         }
         total = FieldCounts()
         json_rows = 0

@@ -4,8 +4,9 @@ what the rows carry) and each answer's score by each (`answer_scores`).
 
 A row carries, beside its answer (the assistant turn SFT trains on, the reference exact match reads), the
 columns data/formats.EVAL_COLUMNS keeps, as the common datasets ship them:
-- several references: `answers`, a list of strings or VQAv2's `{"answer": ...}` dicts (vqa_accuracy; anls
-  and relaxed_accuracy take them too, else the row's answer);
+- several references: `answers`, a list of strings or VQAv2's `{"answer": ...}` dicts. Ten or more, VQAv2's
+  annotators: vqa_accuracy. Fewer, a few accepted answers (DocVQA's): exact match takes the best over them
+  and the row's answer. anls and relaxed_accuracy take the best over them too, else over the row's answer;
 - a multiple-choice question's options: `options` or `choices` (a list, MMMU's text of one, or a mapping
   letter -> text) or one column per letter (MMBench's A, B, C, D); its right option is `answer` (a letter,
   an option's text or, ScienceQA's, the option's index), else the row's answer (a letter or an option's
@@ -26,13 +27,18 @@ from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation import paper_metrics
 from vlm_recipes.recipes.schema import BENCHMARK_METRICS
-from vlm_recipes.scoring import first_box, normalize_text, parse_json_object
+from vlm_recipes.scoring import exact_match, first_box, normalize_text, parse_json_object
 
 Box = tuple[float, float, float, float]
 LETTERS = tuple(c for c in EVAL_COLUMNS if len(c) == 1)  # A-Z
+# A row whose `answers` are this many or more is VQAv2's shape, ten annotators' answers, the one VQA accuracy
+# is made for (a match needs 3 of the other 9): VQAv2, TextVQA, VizWiz, OK-VQA (5 answers, each twice) and
+# A-OKVQA ship exactly 10. Fewer are accepted answers (DocVQA, InfographicVQA: 1-3), where VQA accuracy gives
+# a perfect answer 0 (1 answer) or 2/3 at most (3 the same), so exact match takes the best over them.
+VQA_ANSWERS = 10
 # What a row needs for a metric, as the decision and the errors say it.
 NEEDS = {
-    "vqa_accuracy": "several reference answers (`answers`)",
+    "vqa_accuracy": "ten annotators' answers (`answers`, VQAv2's shape)",
     "option_accuracy": "options (`options`, `choices`, or A, B, ... columns)",
     "box_acc50": "a reference box (a `solution` box, or an answer that is a box)",
 }
@@ -146,10 +152,11 @@ def _box(row: Mapping, reference: str) -> tuple[Box | None, bool]:
 
 
 def scored_by(metric: str, targets: Targets) -> bool:
-    """Whether a row is scored by a metric: vqa_accuracy on rows with `answers`, option_accuracy on rows
-    with options, box_acc50 on rows with a box; anls and relaxed_accuracy on every row."""
+    """Whether a row is scored by a metric: vqa_accuracy on rows with ten or more `answers` (VQA_ANSWERS),
+    option_accuracy on rows with options, box_acc50 on rows with a box; anls and relaxed_accuracy on every
+    row."""
     if metric == "vqa_accuracy":
-        return bool(targets.references)
+        return len(targets.references) >= VQA_ANSWERS
     if metric == "option_accuracy":
         return targets.options is not None
     if metric == "box_acc50":
@@ -157,38 +164,64 @@ def scored_by(metric: str, targets: Targets) -> bool:
     return True
 
 
+def accepted_answers(targets: Targets) -> tuple[str, ...]:
+    """The answers exact match accepts: the row's answer, and each of a few accepted `answers` (fewer than
+    VQA_ANSWERS, DocVQA's). Ten annotators' answers are not each accepted: VQA accuracy gives one annotator's
+    answer 1/3, so exact match stays against the row's answer there."""
+    few = 0 < len(targets.references) < VQA_ANSWERS
+    return (targets.reference, *targets.references) if few else (targets.reference,)
+
+
+def exact_match_score(answer: str, targets: Targets | None, reference: str) -> float:
+    """Exact match (scoring.exact_match) of `answer`: the best over the row's accepted answers, or against
+    `reference` for a row without targets."""
+    candidates = accepted_answers(targets) if targets is not None else (reference,)
+    return max(exact_match(answer, candidate) for candidate in candidates)
+
+
 def choose_eval_metrics(
     requested: Sequence[str] | None, targets: Sequence[Targets], source: str
 ) -> tuple[list[str], str]:
     """(the metrics the eval computes, why): `requested` (data.eval_metrics), or, unset, those the rows carry
-    what they need for (several `answers`: vqa_accuracy; options: option_accuracy; a box: box_acc50); exact
-    match always, and JSON field F1 where references are JSON objects. A requested metric no row can be
-    scored by is a DataError."""
+    what they need for (ten annotators' `answers`: vqa_accuracy; options: option_accuracy; a box: box_acc50);
+    exact match always (the best over a row's few accepted `answers`), and JSON field F1 where references are
+    JSON objects. A requested metric no row can be scored by is a DataError."""
     rows = len(targets)
     counts = {m: sum(scored_by(m, t) for t in targets) for m in BENCHMARK_METRICS}
     if requested is None:
-        several = sum(len(t.references) >= 2 for t in targets)
-        carried = {"vqa_accuracy": several, "option_accuracy": counts["option_accuracy"]}
-        carried["box_acc50"] = counts["box_acc50"]
-        chosen = [m for m in BENCHMARK_METRICS if carried.get(m)]
-        said = [f"{carried[m]} of {rows} rows carry {NEEDS[m]}: {m}" for m in chosen]
+        chosen = [m for m in ("vqa_accuracy", "option_accuracy", "box_acc50") if counts[m]]
+        said = [f"{counts[m]} of {rows} rows carry {NEEDS[m]}: {m}" for m in chosen]
         why = "data.eval_metrics unset, from what the eval rows carry: " + (
-            "; ".join(said) or "no row carries several `answers`, options or a box"
+            "; ".join(said) or "no row carries ten annotators' `answers`, options or a box"
         )
     else:
         chosen = [m for m in BENCHMARK_METRICS if m in requested]
         for metric in chosen:
             if not counts[metric]:
+                few = metric == "vqa_accuracy" and any(t.references for t in targets)
                 raise DataError(
                     f"data.eval_metrics asks for {metric}, but no row of {source} carries {NEEDS[metric]} "
-                    "(docs/evaluation.md, 'The benchmarks' own metrics')"
+                    + (
+                        "(its rows' few accepted answers: exact match scores the best over them; add anls "
+                        "for partial credit) "
+                        if few
+                        else ""
+                    )
+                    + "(docs/evaluation.md, 'The benchmarks' own metrics')"
                 )
         partly = [f"{m} on {counts[m]} of {rows} rows" for m in chosen if counts[m] < rows]
         why = "data.eval_metrics" + (
             f" ({', '.join(partly)}: the others lack what it reads)" if partly else ""
         )
     json_f1 = ["json_f1"] if any(t.is_json for t in targets) else []
-    return [*chosen, "exact_match", *json_f1], why + "; exact match always"
+    few = sum(0 < len(t.references) < VQA_ANSWERS for t in targets)
+    exact = "; exact match always" + (
+        f", on the {few} of {rows} rows with 1-{VQA_ANSWERS - 1} accepted `answers` (DocVQA's shape) the best "
+        "over them: VQA accuracy would need 3 of 10 annotators to agree, and score a perfect answer 0 there"
+        if few
+        else ""
+    )
+    return [*chosen, "exact_match", *json_f1], why + exact
 
 
 def answer_scores(

@@ -21,10 +21,17 @@ from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.benchmarks import Box, Targets, answer_scores, choose_eval_metrics, row_targets
+from vlm_recipes.evaluation.benchmarks import (
+    Box,
+    Targets,
+    answer_scores,
+    choose_eval_metrics,
+    exact_match_score,
+    row_targets,
+)
 from vlm_recipes.methods.grounding import in_image_pixels, resized_size
 from vlm_recipes.recipes.schema import BENCHMARK_METRICS
-from vlm_recipes.scoring import THINK_END, exact_match, final_answer, first_box, score_predictions, text_of
+from vlm_recipes.scoring import THINK_END, final_answer, first_box, score_predictions, text_of
 
 # ---------------------------------------------------------------------------------------------
 # Generation
@@ -230,7 +237,8 @@ def evaluate_generation(
             record["source"] = p.source  # scored per source too (scoring.score_predictions)
         if answer != generated:
             record["thinking"] = generated.rsplit(THINK_END, 1)[0]
-        record["exact_match"] = exact_match(answer, p.reference or "")
+        # the best over the row's accepted answers (a DocVQA row's few `answers`), read by score_predictions
+        record["exact_match"] = exact_match_score(answer, p.targets, p.reference or "")
         box = answer_box_in_pixels(answer, p, processor, box_format)
         records.append(record | answer_scores(answer, p.targets, metrics, box))
     return score_predictions(records, tolerance, [m for m in metrics if m in BENCHMARK_METRICS]), records

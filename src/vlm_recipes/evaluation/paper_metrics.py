@@ -1,7 +1,7 @@
 """The metrics papers report, each as its benchmark's official scorer computes it: pure functions, standard
 library only (the box reader is scoring.py's, itself standard library only).
 
-- `vqa_accuracy`: VQAv2 / TextVQA soft accuracy, GT-Vision-Lab/VQA's vqaEval.py.
+- `vqa_accuracy`: VQAv2 soft accuracy, the VQA challenge server's vqaEval.py (Cloud-CV/VQA-Challenge).
 - `anls`: DocVQA / InfographicVQA ANLS, the RRC scorer (as lmms-eval and VLMEvalKit also compute it).
 - `relaxed_accuracy`: ChartQA, pix2struct's `relaxed_correctness`.
 - `option_letter`, `option_accuracy`: MMBench / MMMU / ScienceQA multiple choice, VLMEvalKit's `can_infer`.
@@ -20,9 +20,11 @@ from collections.abc import Mapping, Sequence
 from vlm_recipes.scoring import box_iou, first_box
 
 # ---------------------------------------------------------------------------------------------------------
-# VQA accuracy: GT-Vision-Lab/VQA, PythonEvaluationTools/vqaEvaluation/vqaEval.py at
-# a013f0043c1e2cdc995922dfe257f7149aa9af06 (class VQAEval: contractions, manualMap, articles, periodStrip,
-# commaStrip, punct, evaluate, processPunctuation, processDigitArticle). The tables are copied as they are.
+# VQA accuracy: the VQA challenge server's scorer, Cloud-CV/VQA-Challenge (EvalAI's VQA Real Image Challenge)
+# PythonEvaluationTools/vqaEvaluation/vqaEval.py at 35c770312739aa8037c004e2f710bd005e173e48 (the file last
+# changed in 50c6b1e48366ee1d9002442d0b2ea3dda15fb6ed): contractions, manualMap, articles, its regular
+# expressions, VQAEval.evaluate, processPunctuation, processDigitArticle. The tables are GT-Vision-Lab/VQA's
+# (a013f00) as they are; the punctuation step is the server's own, a set of regular expressions.
 
 _CONTRACTIONS = {
     "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
@@ -61,33 +63,37 @@ _MANUAL_MAP = {
     "seven": "7", "eight": "8", "nine": "9", "ten": "10",
 }  # fmt: skip
 _ARTICLES = ("a", "an", "the")
+# The server's punctuation marks (; / [ ] " { } ( ) = + \ _ - > < @ ` , ? !), in its character classes.
+_MARKS = r"\\;/\"`\[\](){}<>@=+_\-,?!"
+_PUNCT_BEGIN = re.compile(rf"\A([ {_MARKS}]+)(?=[a-zA-Z0-9 ])")  # marks (and spaces) opening the answer
+_PUNCT_END = re.compile(rf"(?<=[a-zA-Z0-9 ])([ {_MARKS}]+)\Z")  # and closing it
+_PUNCT_BESIDE = re.compile(rf"(?<=[ {_MARKS}])([{_MARKS}])|([{_MARKS}])(?=[ {_MARKS}])")  # by a space or mark
+_PUNCT_IN_WORD = re.compile(rf"(?<=[a-zA-Z])([{_MARKS}])(?=[a-zA-Z])")  # between two letters
+_SPACES = re.compile(r"([ ]+)")
+# re.ASCII: the server is Python 2, where these patterns' \d is 0-9 only (under Python 3 it is any script's
+# digit: "1.\u0663" keeps its period there, loses it here and on the server).
+_COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)", re.ASCII)  # "1,000" -> "1000"
 # As written officially: "(?!<=\d)" is a lookahead for the text "<=" and a digit, not the lookbehind it looks
 # like, so this removes every "." not followed by a digit ("3." loses its period, "3.5" keeps it).
-# re.ASCII: the official code is Python 2, where these patterns' \d is 0-9 only (under Python 3 it is any
-# script's digit: "1.\u0663" keeps its period there, loses it here and under Python 2).
 _PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)", re.ASCII)
-_COMMA_STRIP = re.compile(r"(\d)(\,)(\d)", re.ASCII)
-_PUNCT = tuple(';/[]"{}()=+\\_-><@`,?!')  # the official list, in its order
 # The official call is `periodStrip.sub("", outText, re.UNICODE)`: re.UNICODE lands in `count`, so at most
 # 32 (re.UNICODE's value) periods are removed. Kept.
 _PERIOD_COUNT = int(re.UNICODE)
 
 
 def _process_punctuation(text: str) -> str:
-    """vqaEval.py's processPunctuation: a punctuation mark next to a space (anywhere in the answer), or any
-    mark in an answer with a digit-comma-digit, is deleted; otherwise it becomes a space. Then periods go."""
-    out = text
-    for p in _PUNCT:
-        if (p + " " in text or " " + p in text) or _COMMA_STRIP.search(text) is not None:
-            out = out.replace(p, "")
-        else:
-            out = out.replace(p, " ")
+    """The server's processPunctuation: marks opening and closing the answer go, commas between digits go, a
+    mark beside a space or another mark becomes a space, spaces are single, a mark between two letters
+    becomes a space ("t-shirt" -> "t shirt"; the second pass, deleting, finds none left), periods go."""
+    out = _PUNCT_END.sub("", _PUNCT_BEGIN.sub("", text))
+    out = _SPACES.sub(" ", _PUNCT_BESIDE.sub(" ", _COMMA_STRIP.sub("", out)))
+    out = _PUNCT_IN_WORD.sub("", _PUNCT_IN_WORD.sub(" ", out))
     return _PERIOD_STRIP.sub("", out, count=_PERIOD_COUNT)
 
 
 def _process_digit_article(text: str) -> str:
-    """vqaEval.py's processDigitArticle: lower case, number words zero-ten to digits ("none" to 0), articles
-    dropped, contractions restored ("dont" to "don't"), single spaces."""
+    """processDigitArticle: lower case, number words zero-ten to digits ("none" to 0), articles dropped,
+    contractions restored ("dont" to "don't"), single spaces."""
     # The official `manualMap.setdefault(word, word)` also adds each word to the map; a lookup is the same.
     words = [_MANUAL_MAP.get(word, word) for word in text.lower().split()]
     words = [word for word in words if word not in _ARTICLES]
@@ -95,38 +101,40 @@ def _process_digit_article(text: str) -> str:
 
 
 def vqa_normalize(answer: str) -> str:
-    """The official normalization of one answer (what vqaEval.py does to each answer when it normalizes):
-    newlines and tabs to spaces, stripped, processPunctuation, then processDigitArticle."""
-    return _process_digit_article(_process_punctuation(_clean(answer)))
-
-
-def _clean(answer: str) -> str:
-    return answer.replace("\n", " ").replace("\t", " ").strip()
+    """What the server does to a model's answer, always: newlines and tabs to spaces, stripped,
+    processPunctuation, then processDigitArticle ("Yes." -> "yes", "The Two dogs" -> "2 dogs")."""
+    cleaned = answer.replace("\n", " ").replace("\t", " ").strip()
+    return _process_digit_article(_process_punctuation(cleaned))
 
 
 def vqa_accuracy(prediction: str, references: Sequence[str] | Sequence[Mapping]) -> float:
-    """VQAv2 / TextVQA accuracy of one answer, in [0, 1], as VQAEval.evaluate computes it for one question
-    (GT-Vision-Lab/VQA, PythonEvaluationTools/vqaEvaluation/vqaEval.py, a013f00; the VQA server's scorer):
+    """VQAv2 accuracy of one answer, in [0, 1], as the VQA challenge server computes it for one question
+    (Cloud-CV/VQA-Challenge, PythonEvaluationTools/vqaEvaluation/vqaEval.py at 35c7703, VQAEval.evaluate):
     the mean over the references of min(1, (matches among the *other* references) / 3).
 
-    As the official code, and unlike most reimplementations:
-    - the answers are normalized only when the references are not all the same (`len(set(gtAnswers)) > 1`;
-      GT-Vision-Lab/VQA#14: kept unprocessed for text-reading questions). Against ten "yes", "Yes." scores 0.
+    As the server:
+    - the answer is always normalized (vqa_normalize): "Yes." against ten "yes" scores 1. GT-Vision-Lab/VQA's
+      vqaEval.py (a013f00) normalizes it only where the references disagree, and scores that 0.
+    - the references are compared as given where they all agree, and only punctuation-processed where they
+      disagree (no lower case, no number words, no articles): VQAv2's answers are already in that form.
+      So ten "t-shirt" match no answer ("t-shirt" becomes "t shirt"), and "none" (read as "0") matches no
+      reference "none". lmms-eval (lmms_eval/tasks/vqav2/utils.py at 75571cf) normalizes the references
+      too, with GT-Vision-Lab's punctuation step, and takes statistics.mean: it gives 1 on those two, and
+      0.6 where this gives 0.5999999999999999 (tests/test_paper_metrics.py has both on 30 VQAv2 cases).
     - with fewer than 10 references the same formula runs on what there is: one reference always scores 0
-      (no other reference is left to match), three identical ones give at most 2/3, 4 give 1.
+      (no other reference is left to match), three identical ones give at most 2/3, 4 give 1. The evals
+      choose it only for rows with ten answers (evaluation/benchmarks.py).
 
     `references`: strings, or VQAv2's own answer dicts ({"answer": ..., "answer_id": ...}; `references_of`).
-    The official code leaves one answer dict out by `!=`, which VQAv2's distinct answer_ids make one dict at
-    a time; here the reference left out is the one at that position, the same thing for VQAv2's data.
-    The official code is Python 2 on JSON's unicode strings; this port's patterns match digits as there,
-    0-9 only."""
-    answers = [_clean(answer) for answer in references_of(references)]
+    The server leaves one answer dict out by `!=`, which VQAv2's distinct answer_ids make one dict at a time;
+    here the reference left out is the one at that position, the same thing for VQAv2's data. The server is
+    Python 2 on JSON's unicode strings; this port's patterns match digits as there, 0-9 only."""
+    answers = references_of(references)
     if not answers:
         raise ValueError("vqa_accuracy needs at least one reference answer (the official code divides by 0)")
-    predicted = _clean(prediction)
+    predicted = vqa_normalize(prediction)
     if len(set(answers)) > 1:
-        answers = [_process_digit_article(_process_punctuation(answer)) for answer in answers]
-        predicted = _process_digit_article(_process_punctuation(predicted))
+        answers = [_process_punctuation(answer) for answer in answers]
     accuracies = []
     for left_out in range(len(answers)):
         matches = sum(1 for i, answer in enumerate(answers) if i != left_out and answer == predicted)
@@ -222,15 +230,22 @@ def relaxed_accuracy(prediction: str, reference: str, max_relative_change: float
     """ChartQA relaxed accuracy of one answer, 1.0 or 0.0, as pix2struct's relaxed_correctness(target,
     prediction): where both parse as numbers and the reference is not zero, |prediction - reference| /
     |reference| <= 5%; otherwise the two strings equal after lowercasing (no stripping, no other
-    normalization). "31%" is 0.31: it matches "0.31" and not "31". A reference of 0 is compared as text, so
-    "0.0" against "0" is wrong. Qwen-VL's evaluate_vqa.py (and code copied from it) passes the model's answer
-    as `target`, so its relative error is over the answer, not the reference: 95.1 against 100 passes here
-    (4.9%) and fails there (5.15%)."""
+    normalization). "31%" is 0.31: it matches "0.31" and not "31".
+
+    One departure: a reference of 0 and an answer that parses as 0 ("0.0", "-0", "0%") score 1, numbers
+    equal as numbers. pix2struct (every commit to 945f27e), lmms-eval's chartqa (75571cf) and VLMEvalKit
+    (e8e78f0) compare them as text there, to avoid dividing by 0, and score "0.0" against "0" wrong; the
+    paper's rule ("within 5% of the gold answer", Masry et al. 2022, 5.1) scores it right.
+    Qwen-VL's evaluate_vqa.py (and code copied from it) passes the model's answer as `target`, so its
+    relative error is over the answer, not the reference: 95.1 against 100 passes here (4.9%) and fails
+    there (5.15%)."""
     prediction_float = _to_float(prediction)
     target_float = _to_float(reference)
     if prediction_float is not None and target_float:
         relative_change = abs(prediction_float - target_float) / abs(target_float)
         return float(relative_change <= max_relative_change)
+    if prediction_float is not None and target_float == 0:  # the departure: 0 within 5% of 0 is 0 alone
+        return float(prediction_float == 0)
     return float(prediction.lower() == reference.lower())
 
 
@@ -292,12 +307,27 @@ def _can_infer_text(answer: str, choices: Mapping[str, str]) -> str | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
+def _lone_letter(answer: str, choices: Mapping[str, str]) -> str | None:
+    """The departure: an answer that is one option letter and nothing else, in lower case ("b", "(b)", "b.")."""
+    for c in _SEPARATORS:
+        answer = answer.replace(c, " ")
+    words = answer.split()
+    letter = words[0].upper() if len(words) == 1 and len(words[0]) == 1 else None
+    return letter if letter in choices else None
+
+
 def option_letter(answer: str, options: Mapping[str, str]) -> str | None:
     """The option a multiple-choice answer picks, as VLMEvalKit's can_infer(answer, choices) reads it (its
     "exact matching" step, before any LLM judge): a letter ("B", "(B)", "The answer is (B).") first, else
     the one option whose text the answer contains. None where it cannot tell (VLMEvalKit's False: several
     letters or option texts, none, or a long answer); "Z" where the answer refuses ("Cannot determine the
     answer") or says Z, VLMEvalKit's "no option", which matches no option letter A-Y.
+
+    One departure: where can_infer reads nothing, an answer that is a lone lowercase option letter ("b",
+    "(b)", "b.") reads as that option. VLMEvalKit (e8e78f0) upper-cases no answer before can_infer (only its
+    "answer is x" pattern's letter, a67ace5); a lowercase letter reads as an option only through its LLM judge,
+    and without one scores Z, wrong. Answers of more words read as there: "a cat" is option text "cat"
+    (B), not the letter A, and "A cat" is A.
 
     `options`: {"A": "dog", "B": "cat", ...}, the keys single capital letters (the official code asserts so,
     here a ValueError)."""
@@ -306,7 +336,11 @@ def option_letter(answer: str, options: Mapping[str, str]) -> str | None:
             f"option keys are single capital letters (A, B, ...), not {sorted(map(str, options))}"
         )
     answer = str(answer)
-    return _can_infer_option(answer, options) or _can_infer_text(answer, options)
+    return (
+        _can_infer_option(answer, options)
+        or _can_infer_text(answer, options)
+        or _lone_letter(answer, options)
+    )
 
 
 def option_accuracy(prediction: str, correct_letter: str, options: Mapping[str, str]) -> float:
