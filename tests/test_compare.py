@@ -17,14 +17,16 @@ from vlm_recipes.comparison.answers import format_answers_markdown, format_answe
 from vlm_recipes.comparison.plot import comparison_figure
 from vlm_recipes.comparison.report_page import render_page, task_table, write_run_page
 from vlm_recipes.comparison.run_summary import RunSummary, load_run
+from vlm_recipes.comparison.run_table import format_summary
 from vlm_recipes.comparison.tables import (
     compare_runs,
     format_comparison,
     format_markdown,
     spread_marks,
 )
+from vlm_recipes.methods import recorded_method
 from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.runs.manifest import format_summary, stage_summary
+from vlm_recipes.runs.manifest import stage_summary
 
 matplotlib.use("Agg")
 
@@ -247,7 +249,8 @@ def write_finished_run(root: Path, stages: list[tuple[str, str, dict]], seed: in
         stage_dir.mkdir(parents=True)
         (stage_dir / "metrics.json").write_text(json.dumps(metrics))
         stage = Stage(name=name, method=method)
-        summaries.append(stage_summary(index, stage, stage_dir, "previous", metrics))
+        method_record = recorded_method(metrics, method)  # an older run's, without `method` in metrics.json
+        summaries.append(stage_summary(index, stage, stage_dir, "previous", metrics, method_record))
     manifest = {"recipe": root.parent.name, "seeds": [seed], "status": "finished", "stages": summaries}
     manifest["final_model"] = summaries[-1]["final_model"]
     (root / "run.json").write_text(json.dumps(manifest))

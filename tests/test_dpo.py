@@ -19,6 +19,7 @@ from transformers import AutoModelForImageTextToText
 from vlm_recipes.cli.train import main
 from vlm_recipes.comparison.answers import side_by_side
 from vlm_recipes.comparison.run_summary import load_run
+from vlm_recipes.comparison.run_table import format_summary
 from vlm_recipes.comparison.tables import compare_runs, format_comparison
 from vlm_recipes.data.preference import PREFERENCE
 from vlm_recipes.data.rows import load_split
@@ -30,7 +31,6 @@ from vlm_recipes.methods.dpo import DPO, DpoSettings
 from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model, detect_family, load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage, TrainingSettings, TrainModes
-from vlm_recipes.runs.manifest import format_summary
 
 CPU = Environment(device="cpu", gpu_count=0, bf16_supported=False)
 FAMILIES_BY_MODEL = {model: name for name, model in TINY_MODELS.items()}

@@ -16,6 +16,7 @@ from transformers import AutoModelForImageTextToText
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 from vlm_recipes.cli.train import main
+from vlm_recipes.comparison.run_table import format_summary
 from vlm_recipes.data.collate import VideoCollator
 from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.data.rows import load_split
@@ -29,7 +30,6 @@ from vlm_recipes.families import FAMILIES
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings, Stage
-from vlm_recipes.runs.manifest import format_summary
 
 QUESTIONS = ["What colour is it?", "How many shapes?", "Is it round?", "What is on the left?"]
 # A stage as short as one can be: one step of LoRA on the unquantized language model at a rate that moves

@@ -159,6 +159,79 @@ def test_run_stage_reads_as_a_short_list_of_steps():
     assert run_stage.end_lineno - run_stage.lineno < 60
 
 
+# Rooms and modules outside methods/ that may name a method, each with why. Everything else asks the method
+# (TrainingMethod: takes_video, takes_loss_positions_cut, frozen_copies, older_record, ...).
+MAY_NAME_A_METHOD = {
+    "benchmarking": "it times one named method's recipes against plain TRL's trainer for that method",
+    "vlm_recipes.recipes.schema": "it holds the default method (DEFAULT_METHOD), the stage's `method:` default",
+}
+
+
+def method_name_tests(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines where a string equal to a method's name is compared against (==, !=, in), indexed by
+    (`x["dpo"]`, `x.get("dpo")`), a lookup's default (`x.get("method", "sft")`), a dict's key, or a match
+    case: a decision by the method's name."""
+
+    def named(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            found = any(named(n) for side in (node.left, *node.comparators) for n in ast.walk(side))
+        elif isinstance(node, ast.Subscript):
+            found = named(node.slice)
+        elif isinstance(node, ast.Dict):
+            found = any(named(key) for key in node.keys)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            found = node.func.attr in ("get", "pop", "setdefault") and any(named(a) for a in node.args)
+        elif isinstance(node, ast.MatchValue):
+            found = named(node.value)
+        else:
+            found = False
+        if found:
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_no_module_outside_methods_decides_by_a_methods_name():
+    """A method is its module and one registry line: code outside methods/ asks the method (does it take
+    video, a loss-positions cut, a frozen copy; what it recorded before) and never tests its name."""
+    from vlm_recipes.methods import METHODS
+
+    names = set(METHODS)
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    deciding = [
+        f"{module}:{line}"
+        for module, path in sorted(paths.items())
+        if room_of(module) != "methods"
+        and module not in MAY_NAME_A_METHOD
+        and room_of(module) not in MAY_NAME_A_METHOD
+        for line in method_name_tests(ast.parse(path.read_text()), names)
+    ]
+    assert not deciding, "ask the method (a TrainingMethod attribute) instead of its name: " + ", ".join(
+        deciding
+    )
+    assert names >= {"sft", "dpo", "grpo"}  # the registry was read
+
+
+def test_the_default_method_answers_what_reading_it_without_the_methods_assumes():
+    """A stage of the default method is read, checked and planned without importing the methods
+    (MethodSections.asked_for; TRL comes with them): that holds while the method has no section, takes every
+    stage key and holds no frozen model, whatever its roles' modes."""
+    import itertools
+
+    from vlm_recipes.methods import METHODS
+    from vlm_recipes.recipes.schema import DEFAULT_METHOD, MethodSections, Stage, TrainModes
+
+    default = METHODS[DEFAULT_METHOD]
+    assert default.settings is None and default.takes_loss_positions_cut and default.takes_streamed_rows
+    for modes in itertools.product(("frozen", "lora", "full"), repeat=3):
+        stage = Stage(method=DEFAULT_METHOD, train=TrainModes(*modes))
+        assert not MethodSections.asked_for(stage)
+        assert default.frozen_copies(stage) == 0 and default.problems(stage, "x", []) == [], modes
+
+
 def test_every_error_is_bad_input_or_a_stopped_stage():
     """One error family each: the CLI catches BadInput (exit 2) and StageStopped (130, 3), so an error
     class of the package outside them would escape as a traceback. LaunchFailed carries a child's code."""

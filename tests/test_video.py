@@ -31,6 +31,7 @@ from vlm_recipes.data.video import VideoLoader, VideoSampling, load_video
 from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 from vlm_recipes.errors import DataError
 from vlm_recipes.families import FAMILIES
+from vlm_recipes.methods import method_of
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.schema import DataSettings
@@ -301,7 +302,7 @@ def test_video_rows_where_videos_are_not_taken_are_refused(media, tmp_path):
     family = DEMO_MODELS[TINY_MODELS["qwen2-vl"]].family
     stage = load_recipe("r5-sft-then-dpo").stages[-1]
     assert stage.method == "dpo"
-    rules = video_rules(stage, family, AutoProcessor.from_pretrained(model_dir))
+    rules = video_rules(stage, family, AutoProcessor.from_pretrained(model_dir), method_of(stage).takes_video)
     sft = row(["short.mp4"])
     pair = {
         "prompt": sft["messages"][:1],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_recipes.families.base import Family
-from vlm_recipes.recipes.schema import Stage
+from vlm_recipes.recipes.schema import MethodSections, Stage
 from vlm_recipes.roles import ROLES
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -134,9 +134,10 @@ def rank_memory(
 
 
 def frozen_copies(stage: Stage) -> int:
-    """The frozen copies of the model the stage's method holds beside it (TrainingMethod.frozen_copies). An SFT
-    stage holds none, asked without importing the methods: a launcher's plan loads no training library."""
-    if stage.method == "sft":
+    """The frozen copies of the model the stage's method holds beside it (TrainingMethod.frozen_copies). A
+    stage of the default method holds none, known without importing the methods (MethodSections.asked_for):
+    a launcher's plan loads no training library."""
+    if not MethodSections.asked_for(stage):
         return 0
     from vlm_recipes.methods import method_of
 

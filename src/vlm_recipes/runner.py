@@ -142,6 +142,7 @@ def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
     """Each stage in order: skipped when done, resumed from its last complete checkpoint, or trained by
     `run_stage` with its model's family and config read here; run.json updated after each."""
     # heavy imports (transformers, TRL, PEFT) only when training
+    from vlm_recipes.methods import method_of, recorded_method
     from vlm_recipes.model.build import detect_family
     from vlm_recipes.stages.checks import prepare_resume
     from vlm_recipes.stages.context import StageContext
@@ -184,7 +185,7 @@ def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
             family, config = detect_family(
                 source, recipe.trust_remote_code
             )  # refuses a model it cannot train
-            data_paths = demo_data_paths(trained, family)
+            data_paths = demo_data_paths(trained, family, method_of(trained))
             ctx = StageContext(
                 recipe,
                 trained,
@@ -202,7 +203,8 @@ def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
             metrics = run_stage(ctx, Path(resume_from) if resume_from else None)
             retrained = True
         if state.is_main_process:
-            manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics))
+            method = recorded_method(metrics, stage.method)
+            manifest["stages"].append(stage_summary(index, stage, stage_dir, source, metrics, method))
             write_json(run_dir / "run.json", manifest)
         state.wait_for_everyone()
 
@@ -214,15 +216,15 @@ def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
     state.wait_for_everyone()
 
 
-def demo_data_paths(stage: Stage, family) -> dict[str, str]:
+def demo_data_paths(stage: Stage, family, method) -> dict[str, str]:
     """Where the stage's demo data ids (`demo:train`, ...) are on disk, built on first use: without their
-    video rows where the stage cannot take videos (its model's family, or a method other than SFT). The stage
-    reads these paths and never asks the demo again."""
+    video rows where the stage cannot take videos (its model's family, or its method: takes_video). The
+    stage reads these paths and never asks the demo again."""
     from vlm_recipes.demo.dataset import DEMO_DATA_PREFIX, resolve_data_source
 
     sources = source_paths(stage.data.train) + source_paths(stage.data.eval)  # a mixture's every source
     named = [s for s in sources if s.startswith(DEMO_DATA_PREFIX)]
-    with_videos = stage.method == "sft" and family.takes_video
+    with_videos = method.takes_video and family.takes_video
     return {name: resolve_data_source(name, with_videos) for name in named}
 
 

@@ -159,9 +159,9 @@ def stage_reader(recipe_name: str, stage_number: int, overrides: list[str]) -> S
     family, _ = detect_family(source, recipe.trust_remote_code)
     processor = load_processor(source, stage.data, family, recipe.trust_remote_code)
     print(f"read as {recipe.name} stage {stage_number} ({stage.name}, method {stage.method}): {family.name}")
-    return StageReader(
-        recipe, stage, family, processor, method_of(stage), video_rules(stage, family, processor)
-    )
+    method = method_of(stage)
+    video = video_rules(stage, family, processor, method.takes_video)
+    return StageReader(recipe, stage, family, processor, method, video)
 
 
 def check_dataset(reader: StageReader, path: str, split: str = "train", label: str = "") -> dict[str, int]:

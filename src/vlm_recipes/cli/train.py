@@ -112,10 +112,10 @@ def _main(argv: list[str] | None, prog: str) -> int:
 
     from vlm_recipes.comparison.answers import format_answers_text, side_by_side
     from vlm_recipes.comparison.report_page import write_run_page
+    from vlm_recipes.comparison.run_table import format_summary
     from vlm_recipes.launch.launcher import LaunchFailed
     from vlm_recipes.runner import run_recipe
     from vlm_recipes.runs.layout import NodeSettings, RunOptions
-    from vlm_recipes.runs.manifest import format_summary
 
     run_dirs: list[Path] = []
     try:
@@ -160,7 +160,8 @@ def _main(argv: list[str] | None, prog: str) -> int:
         )
         return StageInterrupted.exit_code
     except StageStopped as exc:  # diverged, a full disk, out of memory: the message says why and what to do
-        continue_with = f"Continue with:\n  {resume_command(args, base_name)}"
+        changes = getattr(exc, "resume_overrides", ())  # after a NaN stop: what to change, not a replay
+        continue_with = f"Continue with:\n  {resume_command(args, base_name, changes)}"
         print(f"\nerror: {str(exc).rstrip('.')}. {continue_with}", file=sys.stderr)
         return exc.exit_code
     if len(run_dirs) > 1 and args.until_stage is None and is_main_process():

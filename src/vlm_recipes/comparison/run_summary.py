@@ -12,12 +12,18 @@ from pathlib import Path
 
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS
-from vlm_recipes.runs.manifest import BENCHMARK_HEADS, method_record, run_state
+from vlm_recipes.recipes.schema import BENCHMARK_METRICS, DEFAULT_METHOD
+from vlm_recipes.runs.manifest import run_state
 
-# The benchmarks' metrics as the comparison heads them (the end-of-run table's names), and every score an
-# eval row's prediction record may carry.
-BENCHMARK_LABELS = {m: BENCHMARK_HEADS[f"eval_{m}"] for m in BENCHMARK_METRICS}
+# The benchmarks' metrics as the comparison and the end-of-run table (run_table.py) head them, and every
+# score an eval row's prediction record may carry.
+BENCHMARK_LABELS = {
+    "vqa_accuracy": "VQA acc",
+    "anls": "ANLS",
+    "relaxed_accuracy": "relaxed acc",
+    "option_accuracy": "option acc",
+    "box_acc50": "box Acc@0.5",
+}
 SCORE_LABELS = {"exact_match": "exact match"} | BENCHMARK_LABELS
 AT_START = "@start"  # a measure's column before the last stage's step 1: `eval_reward@start`
 
@@ -37,10 +43,12 @@ class RunSummary:
     samples_per_s: float | None
     peak_memory_gb: float | None
     eval_signature: str | None
-    last_method: str = "sft"  # the last stage's method
+    last_method: str = DEFAULT_METHOD  # the last stage's method
     # what the last stage's losses are (TrainingMethod.loss_kind): likelihood, preference, policy, divergence
     loss_kind: str = "likelihood"
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # steps counted across SFT stages
+    loss_curve: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # steps counted across likelihood stages
     preference_curve: list[tuple[int, float]] = field(default_factory=list)  # the DPO and KTO stages' losses
     reward_curve: list[tuple[int, float]] = field(default_factory=list)  # the GRPO stages' mean reward
     stage_boundaries: list[int] = field(default_factory=list)
@@ -80,7 +88,7 @@ def load_run(run_dir: Path) -> RunSummary:
     manifest = read_json(run_dir / "run.json")
     stage_metrics = [read_json(Path(s["dir"]) / "metrics.json") for s in manifest["stages"]]
     last = stage_metrics[-1]
-    methods = [s.get("method", "sft") for s in manifest["stages"]]
+    methods = [s.get("method", DEFAULT_METHOD) for s in manifest["stages"]]
     kinds = [method_record(m, method)["loss"] for m, method in zip(stage_metrics, methods, strict=True)]
     sampled = kinds[-1] == "policy"  # a GRPO or RLOO last stage: its reward is the measure
     about = method_record(last, methods[-1])["measures"]
@@ -107,12 +115,12 @@ def load_run(run_dir: Path) -> RunSummary:
         eval_signature=last.get("eval_signature"),
         last_method=methods[-1],
         loss_kind=kinds[-1],
-        loss_curve=curves["sft"],
+        loss_curve=curves["likelihood"],
         preference_curve=curves["preference"],
         reward_curve=curves["reward"],
         stage_boundaries=boundaries[:-1],
-        rewards=reward_formula(manifest) if sampled else None,
-        eval_loss_curve=curves["sft_eval"],
+        rewards=reward_formula(manifest, methods[-1]) if sampled else None,
+        eval_loss_curve=curves["likelihood_eval"],
         task_scores=task_scores(last.get("eval") or {}),
         source_scores=task_scores(last.get("eval") or {}, "source:"),
         benchmark_scores={
@@ -123,6 +131,16 @@ def load_run(run_dir: Path) -> RunSummary:
         measures_at_start={key: at_start[key] for key in about if at_start.get(key) is not None},
         measure_about=about,
     )
+
+
+def method_record(metrics: dict, name: str) -> dict:
+    """What a stage's metrics.json says of its method `name` (its loss kind, its measures). Only for a run
+    from before it said are the methods asked (methods.recorded_method: TRL comes with them)."""
+    if metrics.get("method"):
+        return metrics["method"]
+    from vlm_recipes.methods import recorded_method
+
+    return recorded_method(metrics, name)
 
 
 def training_mixtures(manifest: dict) -> dict[str, list[dict]]:
@@ -152,12 +170,13 @@ def task_scores(scores: dict, prefix: str = "task:") -> dict[str, dict[str, floa
     return out
 
 
-def reward_formula(manifest: dict) -> str | None:
-    """The last stage's rewards as its recipe names them, weighted: "exact_match + json_f1 + 0.1 length[64]"
-    (None when run.json does not record the recipe). Two GRPO recipes' rewards compare only when equal."""
+def reward_formula(manifest: dict, method: str) -> str | None:
+    """The last stage's rewards as its recipe names them in its `method`'s section, weighted: "exact_match +
+    json_f1 + 0.1 length[64]" (None when run.json does not record the recipe). Two GRPO recipes' rewards
+    compare only when equal."""
     stages = (manifest.get("resolved_recipe") or {}).get("stages") or []
     last = stages[-1] if stages else {}
-    rewards = (last.get(last.get("method", "grpo")) or {}).get("rewards")
+    rewards = (last.get(last.get("method", method)) or {}).get("rewards")
     if not rewards:
         return None
     parts = []
@@ -172,10 +191,10 @@ def reward_formula(manifest: dict) -> str | None:
 def _curves(
     kinds: list[str], stage_metrics: list[dict]
 ) -> tuple[dict[str, list[tuple[int, float]]], list[int]]:
-    """Per loss kind, its stages' curve with steps counted across all stages: the loss of SFT stages ("sft",
-    and their eval loss, "sft_eval"), of DPO and KTO stages ("preference"), of a distillation ("divergence"),
-    the mean reward of GRPO and RLOO stages ("reward": their policy loss says nothing beside a likelihood);
-    and the step at which each stage ends."""
+    """Per loss kind, its stages' curve with steps counted across all stages: the loss of SFT stages
+    ("likelihood", and their eval loss, "likelihood_eval"), of DPO and KTO stages ("preference"), of a
+    distillation ("divergence"), the mean reward of GRPO and RLOO stages ("reward": their policy loss says
+    nothing beside a likelihood); and the step at which each stage ends."""
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
     offset, boundaries = 0, []
     for kind, metrics in zip(kinds, stage_metrics, strict=True):
@@ -185,10 +204,9 @@ def _curves(
                 (offset + p["step"], p["reward"]) for p in points if p.get("reward") is not None
             ]
         else:
-            key = "sft" if kind == "likelihood" else kind
-            curves[key] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
-            if key == "sft":
-                curves["sft_eval"] += [
+            curves[kind] += [(offset + p["step"], p["loss"]) for p in metrics["loss_curve"]]
+            if kind == "likelihood":
+                curves["likelihood_eval"] += [
                     (offset + p["step"], p["loss"]) for p in metrics.get("eval_loss_curve", [])
                 ]
         offset += metrics["steps"]

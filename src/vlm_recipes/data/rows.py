@@ -85,15 +85,16 @@ class VideoRules:
     refusal: str = ""
 
 
-def video_rules(stage: Stage, family: Family, processor) -> VideoRules:
-    """How the stage's rows may hold videos: the Qwen line's SFT stages take them; the reason if not."""
+def video_rules(stage: Stage, family: Family, processor, method_takes_video: bool) -> VideoRules:
+    """How the stage's rows may hold videos: a family that takes them, under a method that does
+    (TrainingMethod.takes_video); the reason if not."""
     sampling = VideoSampling.from_settings(stage.data)
     factor = family.video_frame_factor(processor)
     if factor is None:
         takes = [f.name for f in FAMILIES if f.takes_video]
         why = f"{family.name} takes no video here (the families that do: {', '.join(takes)})"
         return VideoRules(sampling, None, why)
-    if stage.method != "sft":
+    if not method_takes_video:
         return VideoRules(sampling, None, f"method {stage.method} takes images only (TRL's collator)")
     return VideoRules(sampling, factor)
 

@@ -3,7 +3,8 @@
 `--schema` and validation read it from there), its rows' check, its TRL config and trainer, its checks of a
 stage (`problems`), the metrics it adds and what its losses are (`loss_kind`, `measures`: the end-of-run table
 and `compare` read them from metrics.json), the frozen models it holds beside the trained one
-(`frozen_copies`: rank_memory.py counts them). sft.py, dpo.py, kto.py (answers marked good or bad, DPO's
+(`frozen_copies`: rank_memory.py counts them), what else it takes (`takes_video`, `takes_loss_positions_cut`,
+`takes_streamed_rows`) and what older runs recorded of it (`older_record`). sft.py, dpo.py, kto.py (answers marked good or bad, DPO's
 reference), grpo.py (with its rewards in rewards.py and the section it shares with RLOO in
 sampling_settings.py), rloo.py; what every method's trainer shares is in trainer.py, callbacks.py what runs
 beside its steps (NaN/inf, Ctrl-C, step timing, host memory), checkpoints.py the checkpoints they write and
@@ -30,3 +31,9 @@ METHODS: dict[str, TrainingMethod] = {
 
 def method_of(stage: Stage) -> TrainingMethod:
     return METHODS[stage.method]
+
+
+def recorded_method(metrics: dict, name: str) -> dict:
+    """What a stage's metrics.json says of its method `name` (TrainingMethod.record); for a run from before
+    it said, what the method's record was then (older_record)."""
+    return metrics.get("method") or METHODS[name].older_record()

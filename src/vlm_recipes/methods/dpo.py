@@ -120,6 +120,7 @@ class DPO(PreferenceMethod):
     name = "dpo"
     settings = DpoSettings
     measures = {"eval_reward_accuracy": ("reward acc", True), "eval_reward_margin": ("reward margin", True)}
+    measured_before = ("eval_reward_accuracy",)
     row_format = PREFERENCE
     check_lengths = staticmethod(check_preference_lengths)
     trainer_class = RecipeDPOTrainer

@@ -174,6 +174,7 @@ class SamplingMethod(TrainingMethod):
     eval_at_start = True
     loss_kind = "policy"
     measures = {"eval_reward": ("reward", True)}
+    measured_before = ("eval_reward",)
 
     def has_reference(self, stage: Stage) -> bool:
         """A reference pass only with a KL term (beta > 0)."""

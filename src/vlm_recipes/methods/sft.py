@@ -202,6 +202,9 @@ class SFT(TrainingMethod):
 
     name = "sft"
     row_format = MESSAGES
+    takes_video = True  # data/collate.py extends TRL's collator to videos (the Qwen line's processors)
+    takes_loss_positions_cut = True  # its loss reads the labelled positions only (speedups/loss_positions.py)
+    takes_streamed_rows = True  # data/streaming.py reads `messages` rows
     check_lengths = staticmethod(check_message_lengths)
     trainer_class = RecipeTrainer
 

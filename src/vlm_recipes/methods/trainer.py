@@ -24,7 +24,7 @@ from vlm_recipes.families.base import Family
 from vlm_recipes.families.parameters import params_by_role
 from vlm_recipes.methods import sharding
 from vlm_recipes.methods.callbacks import NonFiniteCallback
-from vlm_recipes.methods.checkpoints import restore_trainable
+from vlm_recipes.methods.checkpoints import keep_the_asked_learning_rates, restore_trainable
 from vlm_recipes.model.build import BuiltModel
 from vlm_recipes.model.guards import apply_parallelism, apply_trainable_dtype
 from vlm_recipes.recipes.schema import Stage
@@ -144,17 +144,27 @@ class TrainingMethod(ABC):
     # The eval metrics it adds (eval_metrics' keys) that say how good the stage is: heading (the end-of-run
     # table's and compare's) and whether higher is better
     measures: dict[str, tuple[str, bool]] = {}
+    # Those of its measures a run's metrics.json held before it recorded the method (`method`)
+    measured_before: tuple[str, ...] = ()
+    # What the rest of the package asks instead of testing the method's name: whether its rows may hold
+    # videos (data/rows.video_rules, the demo's data), whether its loss takes training.loss_positions_only's
+    # cut of the last layer, and whether it trains on a stream (data.streaming: `messages` rows only)
+    takes_video: bool = False
+    takes_loss_positions_cut: bool = False
+    takes_streamed_rows: bool = False
 
     def record(self, stage: Stage) -> dict:
         """What metrics.json keeps of the method (`method`), which the run's table and `compare` read: its
         loss kind and measures, and what else trained the stage (a teacher)."""
-        return {
-            "name": self.name,
-            "loss": self.loss_kind,
-            "measures": {
-                key: {"heading": h, "higher_is_better": up} for key, (h, up) in self.measures.items()
-            },
-        }
+        return self._record(self.measures)
+
+    def older_record(self) -> dict:
+        """record() for a run from before metrics.json kept it: its loss kind and the measures it had then."""
+        return self._record({key: self.measures[key] for key in self.measured_before})
+
+    def _record(self, measures: dict[str, tuple[str, bool]]) -> dict:
+        about = {key: {"heading": h, "higher_is_better": up} for key, (h, up) in measures.items()}
+        return {"name": self.name, "loss": self.loss_kind, "measures": about}
 
     def has_reference(self, stage: Stage) -> bool:
         """The method measures the policy against a reference, the stage's start (DPO and KTO always, GRPO
@@ -313,6 +323,14 @@ class RecipeTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         restored = restore_trainable(model or self.model, Path(resume_from_checkpoint))
         log.info("  restored %d trainable tensors from %s", restored, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Trainer's restore, then the learning rates this resume asked for (--resume with
+        training.learning_rate=..., as a NaN stop suggests) rather than the checkpoint's."""
+        asked = list(getattr(self.lr_scheduler, "base_lrs", []))
+        super()._load_optimizer_and_scheduler(checkpoint)
+        for old, new in keep_the_asked_learning_rates(self.optimizer, self.lr_scheduler, asked):
+            log.info("  learning rate %g -> %g: this resume's, not the checkpoint's", old, new)
 
 
 def every_batch_reaches_the_trained_tower(model: torch.nn.Module, family: Family) -> Decision | None:

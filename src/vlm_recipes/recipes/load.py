@@ -28,7 +28,14 @@ from typing import Any
 
 from vlm_recipes.recipes.overrides import apply_overrides, name_origins
 from vlm_recipes.recipes.schema import RECIPE_FILE_KEYS, STAGE_DEFAULT_SECTIONS, MethodSections, Recipe, Stage
-from vlm_recipes.recipes.validate import Problem, RecipeError, check_recipe, convert, did_you_mean
+from vlm_recipes.recipes.validate import (
+    Problem,
+    RecipeError,
+    check_recipe,
+    convert,
+    did_you_mean,
+    keys_not_taken,
+)
 from vlm_recipes.recipes.yaml_text import display_path, read_yaml
 from vlm_recipes.shipped import shipped_dir
 
@@ -282,7 +289,7 @@ def build_stage(raw: dict, where: str, problems: list[Problem], sections: Method
     methods (a recipe's top-level `dpo:` reaches its sft stages too) are checked and left out."""
     own = {k: v for k, v in raw.items() if k not in sections.names(raw)}
     stage = convert(Stage, own, where, problems)
-    if stage.method != "sft" and stage.method not in sections.methods:
+    if MethodSections.asked_for(stage) and stage.method not in sections.methods:
         listed = ", ".join(sections.methods)
         problems.append(
             Problem(
@@ -295,18 +302,20 @@ def build_stage(raw: dict, where: str, problems: list[Problem], sections: Method
         settings = convert(sections.types[name], raw[name], f"{where}.{name}", problems)
         if name == stage.method:
             stage.settings = settings
-    if stage.settings is None and stage.method != "sft" and stage.method in sections.types:
+    if stage.settings is None and MethodSections.asked_for(stage) and stage.method in sections.types:
         stage.settings = sections.types[stage.method]()
     return stage
 
 
 def method_problems(recipe: Recipe, where: str, sections: MethodSections) -> list[Problem]:
-    """What each stage's method finds wrong with it (methods/<method>.py: problems)."""
+    """What each stage's method finds wrong with it: the stage keys it does not take, and its own checks
+    (methods/<method>.py: problems)."""
     problems = []
     for i, stage in enumerate(recipe.stages):
-        if stage.method != "sft" or stage.settings is not None:
-            method = sections.methods[stage.method]
-            problems += method.problems(stage, f"{where}: stages[{i}]", recipe.stages[:i])
+        if MethodSections.asked_for(stage):
+            method, at = sections.methods[stage.method], f"{where}: stages[{i}]"
+            problems += keys_not_taken(stage, method, at, sections.methods)
+            problems += method.problems(stage, at, recipe.stages[:i])
     return problems
 
 
@@ -321,13 +330,19 @@ def recipe_to_dict(recipe: Recipe) -> dict:
     return out
 
 
-def read_recipe_from_run(run_dir: Path, sections: MethodSections) -> Recipe:
-    """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in)."""
+def read_recipe_from_run(
+    run_dir: Path, sections: MethodSections, overrides: list[str] | None = None
+) -> Recipe:
+    """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in), with
+    `overrides` applied and checked (--resume's few: cli/jobs.RESUMABLE_KEYS)."""
     manifest_path = Path(run_dir) / "run.json"
     if not manifest_path.is_file():
         raise RecipeError([Problem(str(run_dir), "no run.json here: not a run directory")], "Cannot resume")
     try:
         resolved = dict(json.loads(manifest_path.read_text(encoding="utf-8"))["resolved_recipe"])
+        origins: dict[str, str] = {}
+        if overrides:
+            resolved, origins = apply_overrides(resolved, overrides, sections)
         stages_raw = resolved.pop("stages")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise RecipeError(
@@ -339,7 +354,11 @@ def read_recipe_from_run(run_dir: Path, sections: MethodSections) -> Recipe:
     stages = [build_stage(s, f"{where}: stages[{i}]", problems, sections) for i, s in enumerate(stages_raw)]
     name, source_file = resolved.pop("name", Path(run_dir).parent.name), resolved.pop("source_file", "")
     recipe = convert(Recipe, resolved, f"{manifest_path}:", problems)
+    if not problems and overrides:
+        recipe.name, recipe.stages, recipe.source_file = name, stages, source_file
+        problems = check_recipe(recipe, where) + method_problems(recipe, where, sections)
     if problems:
+        name_origins(problems, origins, f"{where}: ")
         raise RecipeError(problems, f"Cannot resume from {manifest_path}")
     recipe.name, recipe.stages, recipe.source_file = name, stages, source_file
     return recipe

@@ -255,6 +255,11 @@ class EvaluationSettings:
     )
 
 
+# A stage's method when its recipe names none. A recipe of it alone is read without importing the methods
+# (MethodSections.asked_for); nothing else decides by a method's name (tests/test_layout.py).
+DEFAULT_METHOD = "sft"
+
+
 @dataclass
 class Stage:
     name: str = doc("stage name, unique in the recipe; its directory is stage-<i>-<name>", "")
@@ -268,7 +273,7 @@ class Stage:
         "how the stage trains: sft (supervised, `messages` rows) or another method of methods/, each with its "
         "own rows and its own section of settings named after it (dpo, kto, grpo, rloo, distill: "
         "`vlm-recipes train --schema` lists them)",
-        "sft",
+        DEFAULT_METHOD,
     )
     train: TrainModes = doc("training mode per module role", factory=TrainModes)
     lora: LoraSettings = doc("LoRA settings, used by roles in lora mode", factory=LoraSettings)
@@ -338,6 +343,8 @@ class StageMethod(Protocol):
 
     name: str
     settings: type | None
+    takes_loss_positions_cut: bool  # training.loss_positions_only
+    takes_streamed_rows: bool  # data.streaming
 
     def problems(self, stage: Stage, at: str, earlier: list[Stage]) -> list: ...
 
@@ -354,6 +361,13 @@ class MethodSections:
     @cached_property
     def methods(self) -> Mapping[str, StageMethod]:
         return self._methods()
+
+    @staticmethod
+    def asked_for(stage: Stage) -> bool:
+        """Whether `stage` needs its method asked. A stage of the default method without a section is read,
+        checked and planned without importing the methods: the default takes every stage key and holds no
+        frozen model (tests/test_layout.py asks it so)."""
+        return stage.method != DEFAULT_METHOD or stage.settings is not None
 
     @cached_property
     def types(self) -> dict[str, type]:

@@ -14,6 +14,7 @@ import logging
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.data_sources import sources_problems
 from vlm_recipes.recipes.fields import Range
-from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, Recipe
+from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, Recipe, StageMethod
 from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,6 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
             )
         problems += _source_problems(recipe, stage, at, seen)
         problems += _quantization_problems(stage, modes, at)
-        problems += _method_problems(stage, at)
         problems += _streaming_problems(stage, at)
         for section, mapping in (
             ("lora.targets", stage.lora.targets),
@@ -309,22 +309,36 @@ def _quantization_problems(stage, modes: dict[str, str], at: str) -> list[Proble
     return problems
 
 
-def _method_problems(stage, at: str) -> list[Problem]:
-    """Cutting the last layer to the labelled positions is an SFT loss's speed-up. What a stage of another
-    method may not hold, its method's module checks (methods/<method>.py: `problems`; recipe.py asks it)."""
-    if stage.method != "sft" and stage.training.loss_positions_only:
-        return [
+def keys_not_taken(stage, method: StageMethod, at: str, methods: Mapping[str, StageMethod]) -> list[Problem]:
+    """The stage's keys its method does not take, each naming the methods that do (`methods`: the registry
+    recipe.py hands down): the last layer cut to the labelled positions, and rows read from a stream."""
+
+    def taken_by(attribute: str) -> str:
+        return " and ".join(m.name for m in methods.values() if getattr(m, attribute))
+
+    problems = []
+    if stage.training.loss_positions_only and not method.takes_loss_positions_cut:
+        problems.append(
             Problem(
                 f"{at}.training.loss_positions_only",
-                f"is for sft stages (a {stage.method} loss reads its own positions); remove it from this stage",
+                f"is for {taken_by('takes_loss_positions_cut')} stages (a {stage.method} loss reads its own "
+                "positions); remove it from this stage",
             )
-        ]
-    return []
+        )
+    if stage.data.streaming and not method.takes_streamed_rows:
+        problems.append(
+            Problem(
+                f"{at}.method",
+                f"with data.streaming: streaming is for {taken_by('takes_streamed_rows')} stages; a "
+                f"{stage.method} stage reads its rows whole",
+            )
+        )
+    return problems
 
 
 def _streaming_problems(stage, at: str) -> list[Problem]:
     """What a stream cannot give: a row count (the stage's length), every row's length before training (a
-    mixture's draw, group_by_length), and rows in the shapes of methods other than SFT (data/streaming.py)."""
+    mixture's draw, group_by_length). Whether the stage's method reads a stream, it says (keys_not_taken)."""
     if not stage.data.streaming:
         return []
     cannot = [
@@ -332,11 +346,6 @@ def _streaming_problems(stage, at: str) -> list[Problem]:
             stage.training.max_steps < 1,
             "training.max_steps",
             "set it: a stream has no row count to count epochs by",
-        ),
-        (
-            stage.method != "sft",
-            "method",
-            f"streaming is for sft stages; a {stage.method} stage reads its rows whole",
         ),
         (
             isinstance(stage.data.train, list),

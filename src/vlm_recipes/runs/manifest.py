@@ -1,6 +1,7 @@
 """run.json: the resolved recipe, library versions, git sha, hardware and seeds; the run's status
-(`running`, `finished`, `failed` with the error and its exit code, `interrupted`), per-stage summaries, and
-the table printed at the end. `run_state` tells a run killed outright from a live one by its lock."""
+(`running`, `finished`, `failed` with the error and its exit code, `interrupted`) and per-stage summaries
+(comparison/run_table.py prints them at the end). `run_state` tells a run killed outright from a live one
+by its lock."""
 
 from __future__ import annotations
 
@@ -125,47 +126,22 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
     return manifest
 
 
-# The benchmarks' metrics as metrics.json and run.json name them, and as the end-of-run table heads them.
+# The benchmarks' metrics as metrics.json and run.json name them
 BENCHMARK_KEYS = tuple(f"eval_{m}" for m in BENCHMARK_METRICS)
-BENCHMARK_HEADS = {
-    "eval_vqa_accuracy": "VQA acc",
-    "eval_anls": "ANLS",
-    "eval_relaxed_accuracy": "relaxed acc",
-    "eval_option_accuracy": "option acc",
-    "eval_box_acc50": "box Acc@0.5",
-}
 
 
-# The loss kinds of the methods of runs recorded before metrics.json named them (`method.loss`)
-RECORDED_BEFORE = {"dpo": "preference", "kto": "preference", "grpo": "policy", "rloo": "policy"}
-# Their measures, likewise: DPO's reward accuracy, GRPO's and RLOO's eval reward
-MEASURED_BEFORE = {
-    "dpo": {"eval_reward_accuracy": {"heading": "reward acc", "higher_is_better": True}},
-    "grpo": {"eval_reward": {"heading": "reward", "higher_is_better": True}},
-    "rloo": {"eval_reward": {"heading": "reward", "higher_is_better": True}},
-}
-
-
-def method_record(metrics: dict, method: str) -> dict:
-    """What a stage's metrics.json says of its method (TrainingMethod.record): its loss kind and its
-    measures; for a run recorded before it said, what its method's were then."""
-    return metrics.get("method") or {
-        "name": method,
-        "loss": RECORDED_BEFORE.get(method, "likelihood"),
-        "measures": MEASURED_BEFORE.get(method, {}),
-    }
-
-
-def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict) -> dict:
+def stage_summary(
+    index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict, method: dict
+) -> dict:
     """A stage's line of run.json: where it is, its losses, exact match, the benchmarks' metrics, and its
-    method's measures (each with its heading, at the start too where the method measured its start)."""
+    method's measures (each with its heading, at the start too where the method measured its start).
+    `method`: what metrics.json says of the method (methods.recorded_method)."""
     at_start = metrics.get("eval_at_start") or {}
-    record = method_record(metrics, stage.method)
     return {
         "index": index,
         "name": stage.name,
         "method": stage.method,
-        "loss_kind": record["loss"],
+        "loss_kind": method["loss"],
         "dir": str(stage_dir),
         "source": source,
         "final_model": str(stage_dir / FINAL_DIR),
@@ -175,53 +151,8 @@ def stage_summary(index: int, stage: Stage, stage_dir: Path, source: str, metric
         "exact_match": ((metrics.get("eval") or {}).get("all") or {}).get("exact_match"),
         "measures": {
             key: {**about, "value": metrics.get(key), "at_start": at_start.get(key)}
-            for key, about in record["measures"].items()
+            for key, about in method["measures"].items()
         },
         # the benchmarks' metrics the stage's eval computed (data.eval_metrics), each the mean over its rows
         **{key: metrics[key] for key in BENCHMARK_KEYS if metrics.get(key) is not None},
     }
-
-
-def format_summary(run_dir: Path) -> str:
-    """The table printed at the end of a run: per stage its losses, exact match, a column per benchmark
-    metric some stage's eval computed, and one per measure of its method (DPO's reward accuracy, GRPO's eval
-    reward, ...), as start → end where the stage measured its start."""
-    manifest = read_json(run_dir / "run.json")
-    stages = manifest["stages"]
-    benchmarks = [key for key in BENCHMARK_KEYS if any(s.get(key) is not None for s in stages)]
-    measures = {k: m["heading"] for s in stages for k, m in (s.get("measures") or {}).items()}
-    header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
-    header += "".join(f" {BENCHMARK_HEADS[key]:>11}" for key in benchmarks)
-    header += "".join(f" {heading:>15}" for heading in measures.values()) + f" {'time':>7}"
-    lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
-    for s in stages:
-        train_loss, eval_loss = _losses(s)
-        line = (
-            f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(train_loss):>10} "
-            f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
-        )
-        line += "".join(f" {_num(s.get(key), 3):>11}" for key in benchmarks)
-        line += "".join(f" {_start_to_end((s.get('measures') or {}).get(key)):>15}" for key in measures)
-        lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
-    lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]
-    return "\n".join(lines)
-
-
-def _start_to_end(measure: dict | None) -> str:
-    """ "0.391 → 0.520" where the stage measured its start, else the end alone ("-": not measured)."""
-    if not measure:
-        return "-"
-    start, end = measure.get("at_start"), _num(measure.get("value"), 3)
-    return end if start is None else f"{_num(start, 3)} → {end}"
-
-
-def _losses(stage: dict) -> tuple[float | None, float | None]:
-    """A stage's final train loss and eval loss, as the table shows them: a policy loss (GRPO, RLOO) is not a
-    likelihood, so not shown as one."""
-    if stage.get("loss_kind", RECORDED_BEFORE.get(stage.get("method"))) == "policy":
-        return None, None
-    return stage["final_train_loss"], stage["eval_loss"]
-
-
-def _num(value, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"

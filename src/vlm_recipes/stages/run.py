@@ -137,7 +137,7 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
     log.info("%s: checking data", ctx.title)
     family = ctx.family
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
-    video = video_rules(stage, family, processor)
+    video = video_rules(stage, family, processor, method.takes_video)
     data = load_stage_data(stage.data, method.row_format, video, ctx.data_paths)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
