@@ -1,6 +1,6 @@
 #!/bin/bash
-# A whole GPU visit in one command (at most 9 minutes: the parts' limits add up to 580 s), or its rehearsal on a
-# CPU.
+# A whole GPU visit in one command, ended by itself within DEADLINE_S (570 s: the run tool gives a command
+# 600 s), or its rehearsal on a CPU.
 #
 #   bash benchmarks/gpu_check.sh              # on the GPU machine: the run tool with carry [".whl"]
 #   bash benchmarks/gpu_check.sh --rehearse   # here, with the package index, before GPU time is spent
@@ -12,12 +12,26 @@
 #   gpu-tests  tests/test_on_a_gpu.py, one process per test
 #   bench      r1's and r2's stages at Qwen2-VL-2B's shape (`demo:qwen2-vl-2b-shaped`), plain TRL against
 #              ours, bf16, MFU against the matmul peak measured in the same call
-# The rehearsal first builds the carry and a virtual environment pinned to the image's versions
-# (gpu_carry/image.txt: torch 2.11.0+cu130 from PyPI, transformers 5.17, accelerate 1.15); then the same
-# carry, versions and gpu-tests parts (on a CPU every GPU test skips with its reason: the file collects and
-# imports through the carried packages), and instead of the bench one r1 stage trained on the CPU.
+# The time, in seconds. A part gets SIGINT at its limit and SIGKILL KILL_AFTER_S (20) later; then the summary
+# is rewritten (SUMMARY_S, 5, allowed). After the last part come the summary's print and check (END_S, 5).
+# The own limits, 45 + 45 + 290 + 200 = 580, with 4 x (20 + 5) for the kills and summaries and 5 at the end,
+# could take 685 s. So each part's limit is
+#   min(its own limit, DEADLINE_S - elapsed - KILL_AFTER_S - SUMMARY_S - END_S)
+# with elapsed rounded up to the next second; a part left under MIN_PART_S (30) is skipped (`skipped` in the
+# summary). Every part then ends by DEADLINE_S - END_S, and the visit by DEADLINE_S (570), whatever overruns.
+# Worst case (each part runs to its kill, elapsed rounded up): carry 45 s ends by 71, versions 45 by 142,
+# gpu-tests 290 by 458, the bench min(200, 570 - 459 - 30) = 81 by 565, the end by 570. Usually the bench
+# gets its 200 s.
+# The rehearsal has no deadline (DEADLINE_S=0): first it checks pins.txt against what CI resolves today
+# (gpu_carry/check_pins.py on `pip install --dry-run --report` of .[dev], as .ci/run installs; a difference
+# fails the part and says how to regenerate the pins), then it builds the carry and a virtual environment
+# pinned to the image's versions (gpu_carry/image.txt: torch 2.11.0+cu130 from PyPI, transformers 5.17,
+# accelerate 1.15); then the same carry, versions and gpu-tests parts (on a CPU every GPU test skips with its
+# reason: the file collects and imports through the carried packages), and instead of the bench one r1 stage
+# trained on the CPU.
 # After every part $OUT/summary.md and $OUT/gpu-check.json are rewritten, so a visit cut short says how far it
 # got (benchmarks' results: $OUT/bench.json, also written after each run). Exit 0 when every part ended well.
+# PART_STAND_IN (tests/test_gpu_carry.py): a command run instead of every part, given the part's name as $1.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -30,18 +44,42 @@ PYTHON=python3; [ $REHEARSE = 1 ] && PYTHON=$IMAGE_VENV/bin/python
 export ROOT OUT SITE PYTHON
 export PYTHONPATH=$SITE:$ROOT/src
 SUMMARY=$ROOT/src/vlm_recipes/benchmarking/gpu_check_summary.py
-if [ $REHEARSE = 1 ]; then PLANNED=rehearsal-setup,carry,versions,gpu-tests,rehearsal-r1
+if [ $REHEARSE = 1 ]; then PLANNED=pins,rehearsal-setup,carry,versions,gpu-tests,rehearsal-r1
 else PLANNED=carry,versions,gpu-tests,bench; fi
+DEADLINE_S=${DEADLINE_S:-$([ $REHEARSE = 1 ] && echo 0 || echo 570)}  # 0: none
+KILL_AFTER_S=${KILL_AFTER_S:-20} SUMMARY_S=${SUMMARY_S:-5} END_S=${END_S:-5} MIN_PART_S=${MIN_PART_S:-30}
 T0=$(date +%s)
 
-# part NAME LIMIT_S FUNCTION: FUNCTION under its own time limit, its output in $OUT/NAME.log (the tail shown
-# here), how it ended appended to parts.jsonl, then the summary rewritten
+# limit_for OWN_S: the part's limit, its own cut to what the deadline leaves (the header's arithmetic)
+limit_for() {
+    local own=$1 left
+    [ "$DEADLINE_S" -gt 0 ] || { echo "$own"; return; }
+    left=$((DEADLINE_S - ($(date +%s) - T0 + 1) - KILL_AFTER_S - SUMMARY_S - END_S))
+    echo $((own < left ? own : left))
+}
+
+# the part's own function, or PART_STAND_IN in its place (the scheduling's test)
+body_of() {
+    if [ -n "${PART_STAND_IN:-}" ]; then bash -c "$PART_STAND_IN" stand-in "$1"; else "$2"; fi
+}
+
+# part NAME OWN_LIMIT_S FUNCTION: FUNCTION under its limit (limit_for), its output in $OUT/NAME.log (the tail
+# shown here), how it ended appended to parts.jsonl, then the summary rewritten
 part() {
-    local name=$1 limit=$2 body=$3 started rc status
+    local name=$1 limit body=$3 started rc status
     started=$(date +%s)
+    limit=$(limit_for "$2")
+    if [ "$limit" -lt "$MIN_PART_S" ]; then
+        echo "== $name skipped at $((started - T0)) s: ${limit} s left before the deadline (${DEADLINE_S} s)"
+        printf '{"part": "%s", "status": "skipped", "rc": 0, "seconds": 0, "limit_s": %d}\n' \
+            "$name" "$((limit > 0 ? limit : 0))" >> "$OUT/parts.jsonl"
+        python3 "$SUMMARY" "$OUT" "$PLANNED" || echo "(the summary could not be written)"
+        return 1
+    fi
     echo "== $name (limit $limit s), at $((started - T0)) s"
     # SIGINT at the limit: pytest still writes its JUnit XML, the bench has written each run as it ended
-    timeout --signal=INT --kill-after=20 "$limit" bash -c "$body" > "$OUT/$name.log" 2>&1
+    timeout --signal=INT --kill-after="$KILL_AFTER_S" "$limit" bash -c "body_of $name $body" \
+        > "$OUT/$name.log" 2>&1
     rc=$?
     status=ok
     if [ $rc = 124 ] || [ $rc = 137 ]; then status=cut; elif [ $rc != 0 ]; then status=failed; fi
@@ -50,6 +88,14 @@ part() {
         "$name" "$status" "$rc" "$(($(date +%s) - started))" "$limit" >> "$OUT/parts.jsonl"
     python3 "$SUMMARY" "$OUT" "$PLANNED" || echo "(the summary could not be written)"
     [ $status = ok ]
+}
+
+# pins.txt against what CI resolves today (.ci/run: a fresh environment, pip install -e '.[dev]', this
+# machine's pip configuration); the rehearsal's, not the test suite's: a release changes the answer
+ci_pins() {
+    python3 -m pip install -q --dry-run --ignore-installed --report "$OUT/ci-resolution.json" -e '.[dev]' \
+        || exit 1
+    python3 benchmarks/gpu_carry/check_pins.py "$OUT/ci-resolution.json"
 }
 
 rehearsal_setup() {
@@ -127,9 +173,15 @@ rehearsal_r1() {
         evaluation.max_new_tokens=4
 }
 
-export -f rehearsal_setup carry versions gpu_tests bench rehearsal_r1
-export REHEARSE IMAGE_VENV
+# Qwen2-VL-2B's shape with random weights (4.4 GB), built on the CPU while the GPU tests run
+build_2b() {
+    "$PYTHON" -c "from vlm_recipes.demo.models import ensure_demo_model as e; print(e('demo:qwen2-vl-2b-shaped'))"
+}
+
+export -f body_of ci_pins rehearsal_setup carry versions gpu_tests bench rehearsal_r1 build_2b
+export REHEARSE IMAGE_VENV PART_STAND_IN
 if [ $REHEARSE = 1 ]; then
+    part pins "${PINS_S:-300}" ci_pins
     part rehearsal-setup "${SETUP_S:-900}" rehearsal_setup || exit 1
 fi
 part carry "${CARRY_S:-45}" carry || { cat "$OUT/summary.md"; exit 1; }
@@ -138,12 +190,13 @@ if [ $REHEARSE = 1 ]; then
     WORKERS=2 part gpu-tests "${TESTS_S:-300}" gpu_tests
     part rehearsal-r1 "${R1_S:-600}" rehearsal_r1
 else
-    # Qwen2-VL-2B's shape with random weights (4.4 GB), built on the CPU while the GPU tests run
     touch "$OUT/.building-2b"
-    ("$PYTHON" -c "from vlm_recipes.demo.models import ensure_demo_model as e; print(e('demo:qwen2-vl-2b-shaped'))" \
-        > "$OUT/build-2b.log" 2>&1; rm -f "$OUT/.building-2b") &
+    # its own process group, so that what is still building when the visit ends is stopped with it
+    setsid bash -c 'body_of build-2b build_2b; rm -f "$OUT/.building-2b"' > "$OUT/build-2b.log" 2>&1 &
+    BUILDING=$!
     part gpu-tests "${TESTS_S:-290}" gpu_tests
     part bench "${BENCH_S:-200}" bench
+    kill -- -"$BUILDING" 2> /dev/null && echo "(the 2B-shaped model's build stopped: the visit ends)"
 fi
 echo "== done at $(($(date +%s) - T0)) s: $OUT/summary.md"
 cat "$OUT/summary.md"

@@ -104,3 +104,23 @@ def test_the_summary_runs_by_its_path_with_nothing_but_the_standard_library(tmp_
     )
     assert done.returncode == 0, done.stderr
     assert "| bench | cut (rc 124) |" in (out / "summary.md").read_text()
+
+
+def test_a_rehearsal_whose_pins_differ_from_ci_says_which_and_how_to_regenerate(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    part = {"part": "pins", "status": "failed", "rc": 1, "seconds": 61, "limit_s": 300}
+    (out / "parts.jsonl").write_text(json.dumps(part) + "\n")
+    (out / "pins.log").write_text(  # check_pins.py's output, pip's warnings before it
+        "WARNING: Location 'file:///opt/pypi-more/simple/rich/' is ignored\n"
+        "pins: 1 of pins.txt's pins differ from what CI resolves:\n"
+        "  transformers==5.24.0: CI resolves 5.25.0\n"
+        "regenerate: python3 benchmarks/gpu_carry/check_pins.py REPORT --write, then make_carry.sh\n"
+    )
+    summary = gpu_check_summary.write(out, ["pins", "rehearsal-setup"])
+    assert not summary["all_ok"] and summary["pins"][1] == "transformers==5.24.0: CI resolves 5.25.0"
+    page = (out / "summary.md").read_text()
+    assert "| pins | failed (rc 1) | 61 | 300 |" in page and "| rehearsal-setup | not reached |" in page
+    assert (
+        "differ from what CI resolves:\n\n- transformers==5.24.0: CI resolves 5.25.0\n- regenerate:" in page
+    )

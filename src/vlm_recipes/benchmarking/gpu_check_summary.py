@@ -15,7 +15,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-PARTS = ("rehearsal-setup", "carry", "versions", "gpu-tests", "bench", "rehearsal-r1")
+PARTS = ("pins", "rehearsal-setup", "carry", "versions", "gpu-tests", "bench", "rehearsal-r1")
 STAGE_TITLES = {"llm-lora": "r1 `llm-lora` (QLoRA)", "vision-full": "r2 `vision-full`"}
 BASELINE = "plain TRL"
 
@@ -33,6 +33,15 @@ def read_carry(out: Path) -> str | None:
     lines = path.read_text().splitlines() if path.is_file() else []
     said = [line for line in lines if line.startswith(("carry:", "this Python is not 3.12"))]
     return "; ".join(said) or None
+
+
+def read_pins(out: Path) -> list[str] | None:
+    """The rehearsal's pins check (gpu_carry/check_pins.py): its verdict and each pin that differs from what
+    CI resolves; None where it did not run."""
+    path = out / "pins.log"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    said = [line.strip() for line in lines if line.startswith(("pins:", "  ", "regenerate:", "written:"))]
+    return said or None
 
 
 def read_versions(out: Path) -> dict:
@@ -149,6 +158,7 @@ def summarize(out: Path) -> dict:
         "got_to": parts[-1]["part"] if parts else None,
         "all_ok": bool(parts) and all(part["status"] == "ok" for part in parts),
         "carry": read_carry(out),
+        "pins": read_pins(out),
         "versions": read_versions(out),
         "pip_check": read_pip_check(out),
         "gpu_tests": read_tests(out),
@@ -174,6 +184,8 @@ def render(summary: dict) -> str:
     lines += ["| part | ended | seconds | limit s |", "|---|---|---:|---:|"]
     lines += [
         f"| {p['part']} | {p['status']} (rc {p['rc']}) | {p['seconds']} | {p['limit_s']} |"
+        if p["status"] != "skipped"
+        else f"| {p['part']} | skipped: {p['limit_s']} s left before the deadline |  |  |"
         for p in summary["parts"]
     ]
     ended = {p["part"] for p in summary["parts"]}
@@ -182,6 +194,8 @@ def render(summary: dict) -> str:
         for name in PARTS
         if name not in ended and name in summary.get("planned", ())
     ]
+    if pins := summary.get("pins"):
+        lines += ["", pins[0], *([""] + [f"- {line}" for line in pins[1:]] if pins[1:] else [])]
     if summary["carry"]:
         lines += ["", summary["carry"]]
     if (complaints := summary["pip_check"]) is not None:
