@@ -29,6 +29,8 @@ from pathlib import Path
 import psutil
 from PIL import Image, ImageDraw
 
+from vlm_recipes.machine import usable_cores
+
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 ONE_PROCESS = "import vlm_recipes.data.parallel as parallel; parallel.MIN_ROWS_PER_PROCESS = 10**12; "
 
@@ -60,7 +62,7 @@ def dataset(rows: int, work: Path) -> Path:
     if path.is_file():
         return path
     root.mkdir(parents=True, exist_ok=True)
-    with Pool(len(os.sched_getaffinity(0))) as pool:
+    with Pool(usable_cores().count) as pool:
         made = pool.starmap(make_row, ((i, root) for i in range(rows)), chunksize=500)
     path.with_suffix(".tmp").write_text("".join(json.dumps(row) + "\n" for row in made))
     path.with_suffix(".tmp").rename(path)
@@ -118,7 +120,7 @@ def machine() -> str:
     info = Path("/proc/cpuinfo").read_text()
     model = re.search(r"model name\s*:\s*(.*)", info).group(1)
     native = "AMX" if "amx_bf16" in info else "AVX512-BF16" if "avx512_bf16" in info else "no native bf16"
-    return f"{model}, {len(os.sched_getaffinity(0))} cores, {native}"
+    return f"{model}, {usable_cores().count} cores, {native}"
 
 
 def main() -> None:
