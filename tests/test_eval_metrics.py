@@ -124,7 +124,8 @@ def test_a_users_vqav2_file_gets_vqa_accuracy_in_every_record_metrics_run_and_ta
     assert "eval_option_accuracy" not in metrics and "eval_anls" not in metrics
     decisions = {d["guard"]: d for d in read_json(Path(stage["dir"]) / "report.json")["decisions"]}
     assert decisions["eval-metrics"]["choice"] == "vqa_accuracy, exact_match"
-    assert "4 of 4 rows carry several reference answers (`answers`)" in decisions["eval-metrics"]["reason"]
+    reason = decisions["eval-metrics"]["reason"]
+    assert "4 of 4 rows carry ten annotators' answers (`answers`, VQAv2's shape)" in reason
     assert "on 4 rows; vqa_accuracy 0.475 (4 rows)" in caplog.text
     table = capsys.readouterr().out
     assert "exact match     VQA acc" in table and " 0.475 " in table
