@@ -92,7 +92,7 @@ class DataSettings:
         "what the eval's answers are scored by besides exact match: vqa_accuracy, anls, relaxed_accuracy, "
         "option_accuracy, box_acc50 (the benchmarks' own metrics, read from the eval rows' `answers`, "
         "`options` / `choices` / A-D columns, boxes), exact_match, json_f1 (always computed); null: what the "
-        "eval rows carry (several `answers`: vqa_accuracy; options: option_accuracy; boxes: box_acc50)",
+        "eval rows carry (ten annotators' `answers`: vqa_accuracy; options: option_accuracy; boxes: box_acc50)",
         None,
     )
     min_pixels: int | None = doc(
