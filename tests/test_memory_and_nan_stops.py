@@ -65,14 +65,14 @@ class AtStep(TrainerCallback):
         self.now = state.global_step + 1
 
 
-def inject(monkeypatch, fault: AtStep) -> None:
+def inject(monkeypatch, fault: AtStep, *watching: TrainerCallback) -> None:
     import vlm_recipes.stages.run as stage_run
 
     stage_callbacks = stage_run.stage_callbacks
 
     def with_fault(*args, **kwargs):
         callbacks, decision = stage_callbacks(*args, **kwargs)
-        return {**callbacks, "fault": fault}, decision
+        return {**callbacks, "fault": fault, **{f"watching{i}": w for i, w in enumerate(watching)}}, decision
 
     monkeypatch.setattr(stage_run, "stage_callbacks", with_fault)
 
@@ -197,23 +197,53 @@ def test_which_errors_are_memory_running_out(error, memory):
         assert (memory_error_in(raised) is not None) == memory
 
 
-def test_a_nan_stop_names_the_step_prints_the_resume_command_and_the_resumed_run_completes(
+class LearningRates(TrainerCallback):
+    """Each optimizer step's learning rate per optimizer group, as the optimizer holds it when the step begins."""
+
+    def __init__(self):
+        self.at: dict[int, list[float]] = {}
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.at[state.global_step + 1] = [group["lr"] for group in optimizer.param_groups]
+
+
+def test_a_nan_stop_prints_a_resume_at_half_the_learning_rate_which_trains_at_it_and_completes(
     tmp_path, monkeypatch, capsys, caplog
 ):
     """The gradients of step 3 turn NaN: the stage stops at the next logging step (4), keeps checkpoint-2
-    (the last good one) and says how to continue; resumed (the NaN was passing), the run completes."""
-    fault = AtStep(3)
-    inject(monkeypatch, fault)
-    assert main(r2_args(tmp_path)) == 3 and fault.fired
+    (the last good one). The printed command halves the stage's learning rates (its own and a role's):
+    replayed unchanged, the same rows from the same weights would diverge again. Pasted, it is accepted
+    (--resume otherwise refuses overrides), steps 3 and 4 train at half the rates the stopped run had, and
+    the run completes; run.json records the rates it continued at."""
+    fault, rates = AtStep(3), LearningRates()
+    inject(monkeypatch, fault, rates)
+    projector = "training.role_learning_rates.projector=4e-05"
+    assert main(r2_args(tmp_path, projector)) == 3 and fault.fired
     err = capsys.readouterr().err
     run_dir = tmp_path / "r2-vision-only" / "run"
     checkpoints = run_dir / "stage-1-vision-full" / "checkpoints"
     assert "stage 1 `vision-full` stopped at step 3: gradients became NaN/inf" in err
     assert f"the last complete checkpoint is {checkpoints / 'checkpoint-2'}" in err
-    assert "training.on_nan: skip_step" in err
-    assert f"Continue with:\n  python scripts/train_recipe.py --resume {run_dir}\n" in err
+    assert "the command below halves the stage's learning rate" in err and "on_nan: skip_step" in err
+    at = "stages.vision-full.training"
+    printed = f"--resume {run_dir} {at}.learning_rate=1e-05 {at}.role_learning_rates.projector=2e-05"
+    assert f"Continue with:\n  python scripts/train_recipe.py {printed}\n" in err
     stopped_with(run_dir, 3, "TrainingDiverged: stage 1 `vision-full` stopped at step 3")
-    resumes_to_the_end(run_dir, "checkpoint-2", caplog)
+    before = dict(rates.at)  # steps 1-4: the projector's groups at twice the tower's rate
+    assert before[1] == [2e-05, 2e-05, 4e-05, 4e-05] and sorted(before) == [1, 2, 3, 4]
+    caplog.set_level(logging.INFO)
+    assert main(printed.split()) == 0  # the command as printed, after its program name
+    assert f"resuming from {checkpoints / 'checkpoint-2'}" in caplog.text
+    assert "learning rate 2e-05 -> 1e-05: this resume's, not the checkpoint's" in caplog.text
+    for step in (3, 4):  # the same schedule, at half its height
+        assert rates.at[step] == [rate / 2 for rate in before[step]], (step, before, rates.at)
+    manifest = read_json(run_dir / "run.json")
+    assert manifest["status"] == "finished" and (run_dir / "stage-1-vision-full" / "DONE").is_file()
+    training = manifest["resolved_recipe"]["stages"][0]["training"]
+    assert training["learning_rate"] == 1e-05 and training["role_learning_rates"] == {"projector": 2e-05}
+    # a finished stage is not trained again: run.json would record a rate it never trained at
+    assert main(["--resume", str(run_dir), "training.learning_rate=1e-06"]) == 2
+    assert "changes stage(s) `vision-full`, finished: name the stage to continue" in capsys.readouterr().err
 
 
 def test_on_nan_is_the_key_and_nan_policy_still_works_with_a_note(tmp_path, caplog):

@@ -80,9 +80,14 @@ class DiskFull(StageStopped, OSError):
 
 
 class TrainingDiverged(StageStopped, RuntimeError):
-    """Loss or gradients became NaN/inf and the stage stopped (on_nan: stop)."""
+    """Loss or gradients became NaN/inf and the stage stopped (on_nan: stop). `resume_overrides`: what the
+    printed --resume command changes, so that it does not replay the divergence."""
 
     exit_code = 3
+
+    def __init__(self, message: str, resume_overrides: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.resume_overrides = resume_overrides
 
 
 class OutOfMemory(StageStopped, MemoryError):

@@ -34,6 +34,7 @@ def load_recipe(
     return read_recipe(name_or_path, method_sections(), overrides, labels)
 
 
-def load_recipe_from_run(run_dir: Path) -> Recipe:
-    """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in)."""
-    return read_recipe_from_run(run_dir, method_sections())
+def load_recipe_from_run(run_dir: Path, overrides: list[str] | None = None) -> Recipe:
+    """The recipe exactly as a run recorded it in run.json (a later edit of the YAML does not leak in), with
+    --resume's overrides (cli/jobs.RESUMABLE_KEYS)."""
+    return read_recipe_from_run(run_dir, method_sections(), overrides)

@@ -16,13 +16,32 @@ FLAG_RANGES = [
 ]
 
 
-def resume_command(args, run_name: str) -> str:
+# What a resume may change, in the stages not finished: the size and clipping of the steps still to take,
+# and what a NaN/inf does (after a NaN stop, the same rows from the same weights diverge again). Never what
+# was trained or read: the model, the data, the batch, the schedule's length.
+RESUMABLE_KEYS = (
+    "training.learning_rate",
+    "training.role_learning_rates",
+    "training.max_grad_norm",
+    "training.on_nan",
+)
+
+
+def resumable(override: str) -> bool:
+    """An override --resume takes: a RESUMABLE_KEYS key, of every stage or of one (`stages.<name>.`)."""
+    parts = override.partition("=")[0].strip().split(".")
+    key = ".".join(parts[2:] if parts[0] == "stages" else parts)
+    return any(key == k or key.startswith(f"{k}.") for k in RESUMABLE_KEYS)
+
+
+def resume_command(args, run_name: str, overrides: tuple[str, ...] = ()) -> str:
     # run.json records the recipe, not the flags that place it: the processes are asked for again
     procs = f" --nproc-per-node {args.nproc_per_node}" if args.nproc_per_node else ""
+    changes = "".join(f" {override}" for override in overrides)
     if isinstance(args.resume, str):
-        return f"{args.command} --resume {args.resume}{procs}"
+        return f"{args.command} --resume {args.resume}{procs}{changes}"
     recipe = "<recipe>" if args.all else Path(args.recipe.split(",")[0]).stem
-    return f"{args.command} --resume {args.output_dir / recipe / run_name}{procs}"
+    return f"{args.command} --resume {args.output_dir / recipe / run_name}{procs}{changes}"
 
 
 def check_flags(args) -> None:
@@ -55,6 +74,7 @@ def check_flags(args) -> None:
                 Problem(f"--seeds {args.seeds}", "a seed is given twice (its runs would collide)")
             )
     if isinstance(args.resume, str):
+        refused = [override for override in args.overrides if not resumable(override)]
         given = [
             flag
             for flag, value in (
@@ -64,7 +84,7 @@ def check_flags(args) -> None:
                 ("--parallel", args.parallel),
                 ("--run-name", args.run_name),
                 ("--all", args.all or None),
-                ("key=value overrides", args.overrides or None),
+                ("key=value overrides", refused or None),
             )
             if value is not None
         ]
@@ -73,7 +93,8 @@ def check_flags(args) -> None:
                 Problem(
                     f"--resume {args.resume}",
                     f"continues the run exactly as its run.json records it; {', '.join(given)} cannot change "
-                    "it. Leave them out, or start a new run with them",
+                    "it. Leave them out, or start a new run with them (a resume may change only "
+                    f"{', '.join(RESUMABLE_KEYS)})",
                 )
             )
     if problems:
@@ -84,8 +105,10 @@ def build_jobs(args, names: list[str], base_name: str) -> list:
     """(recipe, run name) per recipe and seed, every recipe validated before anything trains."""
     from vlm_recipes.recipe import load_recipe, load_recipe_from_run
 
-    if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe exactly as that run recorded it
-        jobs = [(load_recipe_from_run(Path(args.resume)), Path(args.resume).name)]
+    if isinstance(args.resume, str):  # --resume RUN_DIR: the recipe as that run recorded it
+        recipe = load_recipe_from_run(Path(args.resume), args.overrides)
+        refuse_changing_finished_stages(Path(args.resume), recipe, args.overrides)
+        jobs = [(recipe, Path(args.resume).name)]
     else:
         overrides = list(args.overrides)
         labels = {}  # override → the flag the user typed, for errors
@@ -147,3 +170,32 @@ def check_rewards_of(recipes) -> None:
                     problems.append(Problem(f"{recipe.name}: {at}", said))
         if problems:
             raise RecipeError(problems, f"Recipe {recipe.name} is not valid")
+
+
+def refuse_changing_finished_stages(run_dir: Path, recipe, overrides: list[str]) -> None:
+    """--resume's overrides change the stages still to train: a finished stage is not trained again, so
+    run.json would record for it a learning rate it never trained at."""
+    if not overrides:
+        return
+    from vlm_recipes.recipe import load_recipe_from_run
+    from vlm_recipes.recipes.validate import Problem, RecipeError
+    from vlm_recipes.runs.layout import DONE_MARKER, stage_dir_name
+
+    recorded = load_recipe_from_run(run_dir)
+    finished = [
+        stage.name
+        for index, (stage, before) in enumerate(zip(recipe.stages, recorded.stages, strict=True), start=1)
+        if stage != before and (run_dir / stage_dir_name(index, stage.name) / DONE_MARKER).is_file()
+    ]
+    if finished:
+        names = ", ".join(f"`{name}`" for name in finished)
+        raise RecipeError(
+            [
+                Problem(
+                    " ".join(overrides),
+                    f"changes stage(s) {names}, finished: name the stage to continue, "
+                    "e.g. stages.<name>.training.learning_rate=...",
+                )
+            ],
+            "Bad command line",
+        )

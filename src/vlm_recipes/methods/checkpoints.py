@@ -120,3 +120,23 @@ class CheckpointCallback(TrainerCallback):
             fsync_dir(checkpoint.parent)
             marker = f"step {state.global_step}\n"
             write_atomically(checkpoint / COMPLETE_MARKER, lambda tmp: Path(tmp).write_text(marker))
+
+
+def keep_the_asked_learning_rates(optimizer, scheduler, asked: list[float]) -> list[tuple[float, float]]:
+    """After Trainer restored a checkpoint's optimizer and scheduler: each group's rates scaled to the base
+    rates this resume asked for (`asked`, as the fresh scheduler had them). Trainer's restore brings back the
+    checkpoint's base rates, so a resume at a lower learning rate (after a NaN stop) would train at the old
+    one. The schedule's shape and position stay: its rate at a step is base x the schedule's factor.
+    Returns (restored, asked) per group that changed."""
+    restored = list(getattr(scheduler, "base_lrs", []))
+    if len(restored) != len(asked) or restored == asked:
+        return []
+    changed = []
+    for index, (group, old, new) in enumerate(zip(optimizer.param_groups, restored, asked, strict=True)):
+        if old != new:
+            group["lr"] *= new / old
+            group["initial_lr"] = new
+            scheduler.base_lrs[index] = new
+            changed.append((old, new))
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return changed

@@ -16,6 +16,7 @@ from vlm_recipes.files import read_json
 from vlm_recipes.methods.callbacks import InterruptCallback, NonFiniteCallback
 from vlm_recipes.methods.checkpoints import GLOBAL_BATCH_FILE, complete_checkpoints
 from vlm_recipes.ranks import gather_from_ranks
+from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.stages.context import StageContext
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,25 @@ def check_stopped_early(
         f"the last complete checkpoint is {complete[-1]}" if complete else "no checkpoint was saved before it"
     )
     if nonfinite.diverged_at is not None:
+        calmer = half_the_learning_rates(ctx.recipe.stages[ctx.index - 1], ctx.index)
         raise TrainingDiverged(
             f"{ctx.title} stopped at step {nonfinite.diverged_at}: {nonfinite.reason}; "
-            f"nothing trained after it is saved, and {last}. Lower training.learning_rate, check the data, "
-            "or set training.on_nan: skip_step to drop such steps."
+            f"nothing trained after it is saved, and {last}. Resumed as it was, the same rows from the same "
+            "weights would diverge again: the command below halves the stage's learning rate from there "
+            "(halve it again if it diverges again). Else check the data, or set training.on_nan: skip_step "
+            "to drop such steps.",
+            calmer,
         )
     if interrupt.requested:
         raise StageInterrupted(f"{ctx.title} interrupted; {last}")
+
+
+def half_the_learning_rates(stage: Stage, index: int) -> tuple[str, ...]:
+    """--resume's overrides that halve a stage's learning rates (its own and each role's), as the recipe
+    sets them (a demo model's scaling is applied again on top)."""
+    at = f"stages.{index if stage.name.isdigit() else stage.name}.training"  # a digit selects by index
+    t = stage.training
+    roles = tuple(
+        f"{at}.role_learning_rates.{role}={rate / 2!r}" for role, rate in t.role_learning_rates.items()
+    )
+    return (f"{at}.learning_rate={t.learning_rate / 2!r}", *roles)
