@@ -13,7 +13,8 @@ from vlm_recipes.data.rows import load_split
 from vlm_recipes.errors import DataError, UnsupportedModelError
 from vlm_recipes.families import family_for_model_type
 from vlm_recipes.families.qwen2_vl import QWEN2_VL
-from vlm_recipes.methods.trainer import ConfigInputs, role_parameter_groups
+from vlm_recipes.methods.recipe_trainer import role_parameter_groups
+from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.model.build import build_stage_model, load_processor
 from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.schema import DataSettings

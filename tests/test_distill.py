@@ -15,7 +15,7 @@ from transformers import AutoProcessor, AutoTokenizer
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.errors import GuardError
-from vlm_recipes.methods.distill import load_teacher
+from vlm_recipes.methods.distill_trainer import load_teacher
 from vlm_recipes.recipe import load_recipe
 from vlm_recipes.recipes.validate import RecipeError
 

@@ -679,7 +679,7 @@ def test_r7_grounding_trains_end_to_end_with_dapo_gspo_and_iou(tmp_path, private
     on them. Every score, and the mean TRL logs for each step and each evaluation, equals the IoU computed
     here by hand from the completion's box, the row's solution and its image's size."""
     from vlm_recipes.methods import rewards
-    from vlm_recipes.methods.grpo import SamplingTrainerMixin
+    from vlm_recipes.methods.sampling_trainers import SamplingTrainerMixin
 
     generate, iou_reward, calls, now = SamplingTrainerMixin._generate_single_turn, rewards.iou_reward, [], []
 

@@ -121,7 +121,7 @@ def test_the_count_sees_a_callback_and_trl_reading_every_step(tmp_path, host_rea
     """The count above can fail: a callback reading every step is seen at every step, and so is TRL's own
     compute_loss (what RecipeTrainer ran before it kept the metrics on the device)."""
     import vlm_recipes.stages.run as stage_run
-    from vlm_recipes.methods.sft import RecipeTrainer
+    from vlm_recipes.methods.sft_trainer import RecipeTrainer
 
     stage_callbacks = stage_run.stage_callbacks
 

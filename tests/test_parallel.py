@@ -293,7 +293,7 @@ def test_the_zero_through_the_embeddings_leaves_every_gradient_of_a_batch_with_i
     from conftest import single_image_demo_rows
     from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
-    from vlm_recipes.methods.trainer import every_batch_reaches_the_trained_tower
+    from vlm_recipes.methods.recipe_trainer import every_batch_reaches_the_trained_tower
     from vlm_recipes.model.build import build_stage_model
     from vlm_recipes.recipe import load_recipe
 

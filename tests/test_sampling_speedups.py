@@ -161,7 +161,7 @@ def test_a_grpo_stage_samples_with_the_speedups_as_their_promises_say(
     completion is the processor's draw, at the recipe's temperature; each group's completions differ
     (sampled, not greedy), and the completions and weights differ from multinomial's. The log-probability
     passes go through speedups/log_probs.py."""
-    from vlm_recipes.methods.grpo import SamplingTrainerMixin
+    from vlm_recipes.methods.sampling_trainers import SamplingTrainerMixin
 
     seen: dict[str, dict] = {}
     generate, draw, forward = (

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from trl import SFTTrainer
 
 from vlm_recipes.cli.train import main
-from vlm_recipes.methods.sft import RecipeTrainer, read_on_the_host
+from vlm_recipes.methods.sft_trainer import RecipeTrainer, read_on_the_host
 from vlm_recipes.stages import run as stage_run
 
 STEPS, EVAL_STEPS = 6, 2

@@ -6,12 +6,14 @@ and `compare` read them from metrics.json), the frozen models it holds beside th
 (`frozen_copies`: rank_memory.py counts them), what else it takes (`takes_video`, `takes_loss_positions_cut`,
 `takes_streamed_rows`) and what older runs recorded of it (`older_record`). sft.py, dpo.py, kto.py (answers marked good or bad, DPO's
 reference), grpo.py (with its rewards in rewards.py and the section it shares with RLOO in
-sampling_settings.py), rloo.py; what every method's trainer shares is in trainer.py, callbacks.py what runs
-beside its steps (NaN/inf, Ctrl-C, step timing, host memory), checkpoints.py the checkpoints they write and
-resume from.
+sampling_settings.py), rloo.py, distill.py. Their TRL trainers are in sft_trainer.py,
+preference_trainers.py, sampling_trainers.py and distill_trainer.py, imported only when a stage builds one:
+reading a recipe, `--list` and `--schema` import no torch or TRL (trainer.py says how). What every method's
+trainer shares is in recipe_trainer.py, callbacks.py what runs beside its steps (NaN/inf, Ctrl-C, step
+timing, host memory), checkpoints.py the checkpoints they write and resume from.
 
-A new method is its module, one entry in METHODS below, its test file and its section in docs/recipes.md;
-the shared modules ask the method and change for none."""
+A new method is its module (its trainer beside it), one entry in METHODS below, its test file and its
+section in docs/recipes.md; the shared modules ask the method and change for none."""
 
 from __future__ import annotations
 

@@ -1,22 +1,27 @@
 """The DPO stage's method: TRL's DPOTrainer on preference rows, with the family's processor, the recipe's
 resume and per-role learning rates (RecipeTrainerMixin), and no second model for the reference when the
-stage trains LoRA: the reference pass is the same model with its adapter switched off. What DPO and KTO
-share (PreferenceMethod) is here too: methods/kto.py builds KTO's stage from it."""
+stage trains LoRA: the reference pass is the same model with its adapter switched off
+(preference_trainers.py). What DPO and KTO share (PreferenceMethod) is here too: methods/kto.py builds KTO's
+stage from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from trl import DPOConfig, DPOTrainer
-
-from vlm_recipes.data.collate import UprightImagesCollator
-from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
-from vlm_recipes.decisions import Decision
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
-from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
+
+if TYPE_CHECKING:
+    from trl import DPOConfig
+
+    from vlm_recipes.data.lengths import LengthCheck
+    from vlm_recipes.data.rows import RowFormat
+    from vlm_recipes.decisions import Decision
+    from vlm_recipes.methods.preference_trainers import RecipeDPOTrainer
+    from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
+    from vlm_recipes.model.build import BuiltModel
 
 DpoLoss = Literal[
     "sigmoid",
@@ -54,25 +59,11 @@ class DpoSettings:
     )
 
 
-REF_ADAPTER = "ref"  # the adapter copy TRL adds for a PeftModel passed without ref_model
-
-
-class AdapterOffReferenceMixin:
-    """A preference trainer (DPOTrainer, KTOTrainer) whose LoRA reference is the adapter switched off. The
-    stage's adapter is fresh (B = 0), so TRL's "ref" copy of it would compute exactly what the base computes;
-    without the copy, TRL disables the adapters for the reference pass. That also holds on resume, where the
-    restored adapter has moved."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        model = self.accelerator.unwrap_model(self.model)
-        if self.ref_model is None and REF_ADAPTER in getattr(model, "peft_config", {}):
-            model.delete_adapter(REF_ADAPTER)
-
-
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """A LoRA stage's reference is the model with the adapter off (validation refuses LoRA beside a fully
     trained role); a stage without LoRA gets a frozen copy, which TRL loads from the stage's source."""
+    from vlm_recipes.decisions import Decision
+
     guard = f"{stage.method}-reference"
     if "lora" in (stage.train.vision, stage.train.projector, stage.train.llm):
         return Decision(guard, "the model with its LoRA adapter switched off", "no second model copy")
@@ -102,15 +93,13 @@ class PreferenceMethod(TrainingMethod):
     def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
         """The stage's DPOTrainer or KTOTrainer (ref_model=None), with the parallelism and trainable-dtype
         guards applied."""
+        from vlm_recipes.data.collate import UprightImagesCollator
+
         inputs.record(reference_decision(inputs.built, inputs.stage))
         inputs.warn_unused(("padding_free", "preprocessed_cache"), "TRL's preference collator")
         trainer = self.construct_trainer(inputs, ref_model=None)
         trainer.data_collator = UprightImagesCollator(trainer.data_collator)
         return self.prepare_trainer(trainer, inputs)
-
-
-class RecipeDPOTrainer(AdapterOffReferenceMixin, RecipeTrainerMixin, DPOTrainer):
-    """The DPO stage's trainer."""
 
 
 class DPO(PreferenceMethod):
@@ -121,11 +110,30 @@ class DPO(PreferenceMethod):
     settings = DpoSettings
     measures = {"eval_reward_accuracy": ("reward acc", True), "eval_reward_margin": ("reward margin", True)}
     measured_before = ("eval_reward_accuracy",)
-    row_format = PREFERENCE
-    check_lengths = staticmethod(check_preference_lengths)
-    trainer_class = RecipeDPOTrainer
+
+    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
+
+    @property
+    def row_format(self) -> RowFormat:
+        from vlm_recipes.data.preference import PREFERENCE
+
+        return PREFERENCE
+
+    @property
+    def check_lengths(self) -> LengthCheck:
+        from vlm_recipes.data.preference import check_preference_lengths
+
+        return check_preference_lengths
+
+    @property
+    def trainer_class(self) -> type[RecipeDPOTrainer]:
+        from vlm_recipes.methods.preference_trainers import RecipeDPOTrainer
+
+        return RecipeDPOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> DPOConfig:
+        from trl import DPOConfig
+
         return DPOConfig(
             **inputs.common_keywords(),
             beta=inputs.stage.settings.beta,

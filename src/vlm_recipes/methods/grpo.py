@@ -9,27 +9,25 @@ the stage's source by TRL, and the plan says so."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-from trl import GRPOConfig, GRPOTrainer
-
-from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
-from vlm_recipes.decisions import Decision, Environment
 from vlm_recipes.errors import GuardError
-from vlm_recipes.methods.rewards import build_rewards, check_rewards
 from vlm_recipes.methods.sampling_settings import SampledCompletionSettings, sampling_problems
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs, TrainingMethod
-from vlm_recipes.model.build import BuiltModel
+from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.fields import doc
 from vlm_recipes.recipes.schema import Stage
-from vlm_recipes.speedups import log_probs, sampling
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from trl import GRPOConfig
+
+    from vlm_recipes.data.lengths import LengthCheck
+    from vlm_recipes.data.rows import RowFormat
+    from vlm_recipes.decisions import Decision, Environment
+    from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
+    from vlm_recipes.methods.sampling_trainers import RecipeGRPOTrainer
+    from vlm_recipes.model.build import BuiltModel
 
 # The keys of a `grpo:` or `rloo:` section that TRL's GRPOConfig and RLOOConfig take under the same name.
 SAME_NAME_IN_TRL = [
@@ -45,57 +43,10 @@ SAME_NAME_IN_TRL = [
 ]
 
 
-class SamplingTrainerMixin:
-    """What a sampling stage's trainer (GRPOTrainer, RLOOTrainer: the same sampling and log-probability code
-    in TRL 1.16) adds: the sampling speed-ups, and LLaVA-OneVision's per-row image counts."""
-
-    counts_images_per_row: bool = False  # the model's forward takes `batch_num_images` (LLaVA-OneVision)
-    sample_with_merged_lora: bool = False  # <method>.sample_with_merged_lora (speedups/sampling.py)
-    inverse_cdf_sampling: bool = False  # <method>.inverse_cdf_sampling (speedups/sampling.py)
-    cpu_log_probs: bool = False  # <method>.cpu_log_probs (speedups/log_probs.py)
-
-    def _generate_single_turn(self, *args, **kwargs):
-        """TRL's sampling, with the sampling speed-ups the stage asks for around it."""
-        model = self.accelerator.unwrap_model(self.model)
-        with contextlib.ExitStack() as speedups:
-            if self.sample_with_merged_lora:
-                speedups.enter_context(sampling.lora_merged(model))
-            if self.inverse_cdf_sampling:
-                speedups.enter_context(sampling.inverse_cdf_sampling(self, model))
-            return super()._generate_single_turn(*args, **kwargs)
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, num_images=None, **kwargs):
-        """LLaVA-OneVision tiles a row's single image ("anyres") but not each of a row's several, and its
-        forward tells them apart by `batch_num_images`: TRL 1.16 keeps that field for generation but drops it
-        from the log-probability passes, so a prompt of two images met 5 tiles' worth of features where one
-        tile each was sent ("split_with_sizes expects split_sizes to sum exactly to 8"). Here the batch goes
-        in one chunk with its per-row counts."""
-        kwargs.pop("batch_num_images", None)  # from the processor's fields, where TRL passes them all
-        with log_probs.cpu_log_probs() if self.cpu_log_probs else contextlib.nullcontext():
-            return self._log_probs_with_image_counts(model, input_ids, *args, num_images=num_images, **kwargs)
-
-    def _log_probs_with_image_counts(self, model, input_ids, *args, num_images=None, **kwargs):
-        if not (self.counts_images_per_row and num_images is not None):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, *args, num_images=num_images, **kwargs
-            )
-        counts = torch.tensor(num_images, device=input_ids.device)
-
-        def with_counts(module, positional, keywords):
-            return positional, {**keywords, "batch_num_images": counts}
-
-        hook = model.register_forward_pre_hook(with_counts, with_kwargs=True)
-        try:
-            kwargs["batch_size"] = input_ids.size(0)  # one chunk: the counts are the whole batch's
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, *args, num_images=num_images, **kwargs
-            )
-        finally:
-            hook.remove()
-
-
 def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
     """What the KL term compares against (nothing when beta is 0)."""
+    from vlm_recipes.decisions import Decision
+
     guard, section = f"{stage.method}-reference", stage.method
     if stage.settings.beta == 0:
         return Decision(guard, "none", f"{section}.beta is 0: no KL term, no reference pass")
@@ -106,52 +57,6 @@ def reference_decision(built: BuiltModel, stage: Stage) -> Decision:
         f"a frozen copy loaded from {built.source}",
         "fully trained weights: no adapter to switch off (a second model in memory)",
     )
-
-
-def sampling_speedups(trainer: SamplingTrainerMixin, model, stage: Stage) -> list[Decision]:
-    """Switch on the sampling speed-ups the stage asks for (speedups/sampling.py); a refusal names why."""
-    chosen, section = [], stage.method
-    if stage.settings.sample_with_merged_lora:
-        sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
-        why = "the weights are sharded across ranks" if sharded else sampling.merged_sampling_refusal(model)
-        if why:
-            raise GuardError(
-                f"stage {stage.name}: {section}.sample_with_merged_lora is refused: {why}. Remove it"
-            )
-        trainer.sample_with_merged_lora = True
-        chosen.append(
-            Decision(
-                "merged-sampling",
-                "completions sampled with the LoRA adapter merged into a copy of the weights",
-                f"{section}.sample_with_merged_lora is on: no adapter matmuls per sampled token; the loss "
-                "still reads log-probabilities through the adapter, and the original weights are put back",
-            )
-        )
-    if stage.settings.inverse_cdf_sampling:
-        if why := sampling.inverse_cdf_refusal(trainer.args):
-            raise GuardError(
-                f"stage {stage.name}: {section}.inverse_cdf_sampling is refused: {why}. Remove it"
-            )
-        trainer.inverse_cdf_sampling = True
-        chosen.append(
-            Decision(
-                "inverse-cdf-sampling",
-                "each token drawn from the cumulative distribution of softmax(logits / temperature)",
-                f"{section}.inverse_cdf_sampling is on: the same distribution as torch.multinomial's draw, "
-                "one random number a row instead of one exponential per vocabulary entry",
-            )
-        )
-    if stage.settings.cpu_log_probs:
-        trainer.cpu_log_probs = True
-        chosen.append(
-            Decision(
-                "cpu-log-probs",
-                "the log-probability pass's LM head in one vocabulary tile, bf16 matmuls (on a CPU)",
-                f"{section}.cpu_log_probs is on: TRL's fused head off a GPU runs its gradient matmuls in fp32 "
-                "and ~10 element-wise passes over the logits; the same function in fewer (TRL's own on a GPU)",
-            )
-        )
-    return chosen
 
 
 # TRL's per-step logs that say how the policy moves: reward (total and per function), completion lengths,
@@ -169,12 +74,24 @@ class SamplingMethod(TrainingMethod):
     """What GRPO and RLOO share: `prompt` rows, completions sampled per prompt and scored by the recipe's
     rewards, the reward measured before step 1 too and its curve in metrics.json."""
 
-    row_format = PROMPTS
-    check_lengths = staticmethod(check_prompt_lengths)
     eval_at_start = True
     loss_kind = "policy"
     measures = {"eval_reward": ("reward", True)}
     measured_before = ("eval_reward",)
+
+    # its rows' format and length check: the data modules, imported when asked
+
+    @property
+    def row_format(self) -> RowFormat:
+        from vlm_recipes.data.prompts import PROMPTS
+
+        return PROMPTS
+
+    @property
+    def check_lengths(self) -> LengthCheck:
+        from vlm_recipes.data.prompts import check_prompt_lengths
+
+        return check_prompt_lengths
 
     def has_reference(self, stage: Stage) -> bool:
         """A reference pass only with a KL term (beta > 0)."""
@@ -195,6 +112,8 @@ class SamplingMethod(TrainingMethod):
     def check_environment(self, stage: Stage, env: Environment) -> Decision | None:
         """Before loading: a stage that samples with vLLM (<method>.use_vllm) needs a GPU and vllm importable;
         TRL would otherwise fail after the model loaded."""
+        from vlm_recipes.decisions import Decision
+
         if not stage.settings.use_vllm:
             return None
         g, section = stage.settings, stage.method
@@ -231,6 +150,9 @@ class SamplingMethod(TrainingMethod):
     def make_trainer(self, inputs: TrainerInputs) -> RecipeTrainerMixin:
         """The stage's GRPOTrainer or RLOOTrainer, its rewards checked on a training row first, with the
         parallelism and trainable-dtype guards applied."""
+        from vlm_recipes.methods.rewards import build_rewards, check_rewards
+        from vlm_recipes.methods.sampling_trainers import sampling_speedups
+
         built, stage = inputs.built, inputs.stage
         where = f"stage {stage.name}: {stage.method}.rewards"
         rewards, _ = build_rewards(
@@ -306,19 +228,22 @@ class GrpoSettings(SampledCompletionSettings):
     )
 
 
-class RecipeGRPOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, GRPOTrainer):
-    """The GRPO stage's trainer."""
-
-
 class GRPO(SamplingMethod):
     """Sampled completions scored by the recipe's rewards, the `grpo:` section: a completion's advantage is
     its reward against its group's mean (and std)."""
 
     name = "grpo"
     settings = GrpoSettings
-    trainer_class = RecipeGRPOTrainer
+
+    @property
+    def trainer_class(self) -> type[RecipeGRPOTrainer]:  # TRL, imported when asked
+        from vlm_recipes.methods.sampling_trainers import RecipeGRPOTrainer
+
+        return RecipeGRPOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> GRPOConfig:
+        from trl import GRPOConfig
+
         g = inputs.stage.settings
         return GRPOConfig(
             **self.sampling_keywords(inputs),

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from trl import KTOConfig, KTOTrainer
-
-from vlm_recipes.data.preference import UNPAIRED, check_unpaired_lengths
-from vlm_recipes.data.stage_data import StageData
-from vlm_recipes.methods.dpo import AdapterOffReferenceMixin, PreferenceMethod
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainerInputs
+from vlm_recipes.methods.dpo import PreferenceMethod
+from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs
 from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
+
+if TYPE_CHECKING:
+    from trl import KTOConfig
+
+    from vlm_recipes.data.lengths import LengthCheck
+    from vlm_recipes.data.rows import RowFormat
+    from vlm_recipes.data.stage_data import StageData
+    from vlm_recipes.methods.preference_trainers import RecipeKTOTrainer
 
 KtoLoss = Literal["kto", "apo_zero_unpaired"]
 
@@ -53,10 +57,6 @@ def shuffled_once(data: StageData, seed: int) -> StageData:
     return replace(data, train=data.train.select(order), lengths=lengths)
 
 
-class RecipeKTOTrainer(AdapterOffReferenceMixin, RecipeTrainerMixin, KTOTrainer):
-    """The KTO stage's trainer."""
-
-
 class KTO(PreferenceMethod):
     """Answers marked good or bad, the recipe's `kto:` section. Besides the generated answers: the eval
     reward and log-probability margins of the good answers over the bad ones, and the KL estimate."""
@@ -64,11 +64,30 @@ class KTO(PreferenceMethod):
     name = "kto"
     settings = KtoSettings
     measures = {"eval_reward_margin": ("reward margin", True)}
-    row_format = UNPAIRED
-    check_lengths = staticmethod(check_unpaired_lengths)
-    trainer_class = RecipeKTOTrainer
+
+    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
+
+    @property
+    def row_format(self) -> RowFormat:
+        from vlm_recipes.data.preference import UNPAIRED
+
+        return UNPAIRED
+
+    @property
+    def check_lengths(self) -> LengthCheck:
+        from vlm_recipes.data.preference import check_unpaired_lengths
+
+        return check_unpaired_lengths
+
+    @property
+    def trainer_class(self) -> type[RecipeKTOTrainer]:
+        from vlm_recipes.methods.preference_trainers import RecipeKTOTrainer
+
+        return RecipeKTOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> KTOConfig:
+        from trl import KTOConfig
+
         k = inputs.stage.settings
         common = inputs.common_keywords()
         if estimates_kl(inputs.stage):  # the rows are shuffled once instead (make_trainer)

@@ -8,13 +8,17 @@ the metrics) is methods/grpo.py's SamplingMethod."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from trl import RLOOConfig, RLOOTrainer
-
-from vlm_recipes.methods.grpo import SamplingMethod, SamplingTrainerMixin
+from vlm_recipes.methods.grpo import SamplingMethod
 from vlm_recipes.methods.sampling_settings import SampledCompletionSettings
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin
+from vlm_recipes.methods.trainer import ConfigInputs
 from vlm_recipes.recipes.fields import AT_LEAST_0, doc
+
+if TYPE_CHECKING:
+    from trl import RLOOConfig
+
+    from vlm_recipes.methods.sampling_trainers import RecipeRLOOTrainer
 
 
 @dataclass
@@ -33,19 +37,22 @@ class RlooSettings(SampledCompletionSettings):
     )
 
 
-class RecipeRLOOTrainer(SamplingTrainerMixin, RecipeTrainerMixin, RLOOTrainer):
-    """The RLOO stage's trainer."""
-
-
 class RLOO(SamplingMethod):
     """GRPO's rows and rewards, the `rloo:` section: a completion's advantage is its reward against the mean
     of the other completions of its group."""
 
     name = "rloo"
     settings = RlooSettings
-    trainer_class = RecipeRLOOTrainer
+
+    @property
+    def trainer_class(self) -> type[RecipeRLOOTrainer]:  # TRL, imported when asked
+        from vlm_recipes.methods.sampling_trainers import RecipeRLOOTrainer
+
+        return RecipeRLOOTrainer
 
     def build_config(self, inputs: ConfigInputs) -> RLOOConfig:
+        from trl import RLOOConfig
+
         return RLOOConfig(
             **self.sampling_keywords(inputs),
             normalize_advantages=inputs.stage.settings.normalize_advantages,

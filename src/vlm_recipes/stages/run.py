@@ -29,7 +29,8 @@ from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import write_json
 from vlm_recipes.methods import method_of
 from vlm_recipes.methods.callbacks import release_freed_host_memory, stage_callbacks
-from vlm_recipes.methods.trainer import ConfigInputs, RecipeTrainerMixin, TrainingMethod
+from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
+from vlm_recipes.methods.trainer import ConfigInputs, TrainingMethod
 from vlm_recipes.model.audit import audit_freeze
 from vlm_recipes.model.boundaries import install_dtype_boundaries
 from vlm_recipes.model.build import BuiltModel, load_processor, load_stage_model
