@@ -74,10 +74,10 @@ def torch_save_no_space() -> RuntimeError:
         return error
 
 
-RAISED = {
-    "safetensors": lambda: SafetensorError(SAFETENSORS_NO_SPACE),
-    "torch.save": torch_save_no_space,
-    "python": lambda: no_space("a file"),
+RAISED = {  # each given the full disk's folder: Python's error names the file it could not write there
+    "safetensors": lambda root: SafetensorError(SAFETENSORS_NO_SPACE),
+    "torch.save": lambda root: torch_save_no_space(),
+    "python": lambda root: no_space(root / "a file"),
 }
 
 
@@ -152,7 +152,7 @@ class FullDisk:
         """The disk fills, then `write` (by `writer`: "safetensors", "torch.save", "python") fails."""
         self.fill()
         if self.mode == "raised":
-            raise RAISED[writer]()
+            raise RAISED[writer](self.root)
         write()
         raise AssertionError(f"{writer} wrote on a full disk: {shutil.disk_usage(self.root)}")
 

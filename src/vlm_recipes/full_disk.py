@@ -19,6 +19,11 @@ tmpfs with safetensors 0.8.0 and torch 2.14 (tests/test_disk_faults.py does it a
 
 Nothing else is a full disk, however little space is free: a RuntimeError without one of these texts (a
 CUDA out-of-memory error) is not.
+
+Which disk filled: the path the error names (an OSError's filename, torch's `file <...>`), compared by its
+filesystem (st_dev) with the run directory's; an error naming none is taken as the run's disk. Shared memory
+(/dev/shm: torch's shared-memory tensors, which DataLoader workers hand batches over in) is told apart: its
+fix is not free space on a disk.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -37,6 +43,25 @@ NEARLY_FULL_BYTES = 16 * 2**20  # a torch.save write that failed with less free 
 # an errno as safetensors (Rust's io::Error, new and old), and Python's str(OSError) inside a message, write it
 ERRNO_IN_TEXT = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)|\[Errno (\d+)\]")
 TORCH_WRITE_FAILED = ("basic_ios::clear: iostream error", "unexpected pos", "PytorchStreamWriter failed")
+SHARED_MEMORY = Path("/dev/shm")
+# torch's words where shared memory ran out: its allocator's (posix_fallocate on /dev/shm), and its
+# DataLoader's where a worker died of a bus error (the worker's own stderr line: "insufficient shared memory")
+SHARED_MEMORY_TEXTS = ("shared memory(shm)", "out of shared memory", "insufficient shared memory")
+# the file torch's allocator names (MapAllocator: "unable to write to file </torch_1_2_0>: ..."); a name
+# starting /torch_ is a shm_open name, a file in /dev/shm
+TORCH_FILE = re.compile(r"file <([^>]+)>")
+RUN_DISK, ANOTHER_DISK, SHARED_MEMORY_FULL = "the run's disk", "another disk", "shared memory"
+
+
+@dataclass(frozen=True)
+class FullFilesystem:
+    """A full filesystem told from an error: why (the message's words), which (RUN_DISK: the one holding the
+    path asked about; ANOTHER_DISK; SHARED_MEMORY_FULL) and the file that could not be written, where the
+    error names one."""
+
+    reason: str
+    kind: str
+    path: Path | None
 
 
 def is_disk_full(error: BaseException, where: Path) -> bool:
@@ -45,8 +70,72 @@ def is_disk_full(error: BaseException, where: Path) -> bool:
 
 
 def full_disk_reason(error: BaseException, where: Path) -> str | None:
-    """What says that `error` is a full disk, for the message ("No space left on device", "Disk quota
-    exceeded", or torch.save's failed write and the space left); None where it is not one."""
+    """What says that `error` is the disk holding `where` full, for the message ("No space left on device",
+    "Disk quota exceeded", or torch.save's failed write and the space left); None where it is not one, or
+    where another filesystem filled (full_filesystem tells which)."""
+    full = full_filesystem(error, where)
+    return full.reason if full is not None and full.kind == RUN_DISK else None
+
+
+def full_filesystem(error: BaseException, where: Path) -> FullFilesystem | None:
+    """The filesystem `error` says is full: shared memory, the disk holding `where`, or another one (the
+    failing file is on another filesystem); None where the error is not a full filesystem."""
+    if (shared := shared_memory_reason(error)) is not None:
+        return FullFilesystem(shared, SHARED_MEMORY_FULL, failing_path(error))
+    if (reason := _reason(error, where)) is None:
+        return None
+    path = failing_path(error)
+    if path is None or same_filesystem(path, where):
+        return FullFilesystem(reason, RUN_DISK, path)
+    return FullFilesystem(
+        reason, SHARED_MEMORY_FULL if same_filesystem(path, SHARED_MEMORY) else ANOTHER_DISK, path
+    )
+
+
+def shared_memory_reason(error: BaseException) -> str | None:
+    """torch's words where shared memory ran out (its allocator's, or its DataLoader's for a worker killed by
+    a bus error), or a full disk on a torch shm_open file; None otherwise."""
+    for cause in chain(error):
+        text = str(cause)
+        named = TORCH_FILE.search(text)
+        on_shm = named is not None and named.group(1).startswith("/torch_") and errno_in(text) is not None
+        if isinstance(cause, RuntimeError) and (on_shm or any(t in text for t in SHARED_MEMORY_TEXTS)):
+            number = errno_in(text)
+            return os.strerror(number) if number else text.strip().splitlines()[0]
+    return None
+
+
+def failing_path(error: BaseException) -> Path | None:
+    """The file a full-disk error in the chain could not write: an OSError's filename, or the file torch's
+    allocator names (a shm_open name is a file in /dev/shm); None where none is named."""
+    for cause in chain(error):
+        if isinstance(cause, OSError) and cause.errno in FULL_DISK_ERRNOS and cause.filename:
+            return Path(os.fsdecode(cause.filename))
+        if isinstance(cause, RuntimeError) and (named := TORCH_FILE.search(str(cause))):
+            name = named.group(1)
+            return SHARED_MEMORY / name.lstrip("/") if name.startswith("/torch_") else Path(name)
+    return None
+
+
+def same_filesystem(path: Path, other: Path) -> bool:
+    """Whether `path` and `other` (each by its nearest existing parent) are on one filesystem; True where
+    either cannot be looked at (the run's disk, as an error naming no file is taken)."""
+    devices = [_device(p) for p in (path, other)]
+    return None in devices or devices[0] == devices[1]
+
+
+def _device(path: Path) -> int | None:
+    for existing in (path, *path.absolute().parents):
+        try:
+            return existing.stat().st_dev
+        except OSError:
+            continue
+    return None
+
+
+def _reason(error: BaseException, where: Path) -> str | None:
+    """What says that `error` is a full disk (any disk): its errno, or torch.save's failed write with the
+    disk holding `where` nearly full."""
     for cause in chain(error):
         if isinstance(cause, OSError):
             if cause.errno in FULL_DISK_ERRNOS:

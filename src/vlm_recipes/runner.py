@@ -119,18 +119,19 @@ def train_stages(
 
             interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
             try:
-                from vlm_recipes.full_disk import is_disk_full
+                from vlm_recipes.full_disk import full_filesystem
                 from vlm_recipes.stages.disk_full import disk_full
                 from vlm_recipes.stages.out_of_memory import memory_error_in, out_of_memory
             except ImportError:  # what failed may be an import these need too (a package missing at
-                is_disk_full = memory_error_in = None  # import): the run must still say it failed
+                full_filesystem = memory_error_in = None  # import): the run must still say it failed
             # memory first: out of memory is never a full disk (full_disk.py), but its message must win
             if not interrupted and memory_error_in and memory_error_in(exc):
                 oom = out_of_memory(exc, run_dir, recipe, dirs, env)  # half-written removed, one message
                 mark_run_ended(run_dir, "failed", oom)
                 raise oom from None
-            if not interrupted and is_disk_full and is_disk_full(exc, run_dir):
-                full = disk_full(exc, run_dir, recipe, dirs)  # half-written removed: room for the record
+            # the run's disk (half-written removed: room for the record), another one, or shared memory
+            if not interrupted and full_filesystem and full_filesystem(exc, run_dir):
+                full = disk_full(exc, run_dir, recipe, dirs)
                 mark_run_ended(run_dir, "failed", full)
                 raise full from None
             mark_run_ended(run_dir, "interrupted" if interrupted else "failed", exc)

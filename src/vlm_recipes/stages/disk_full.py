@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vlm_recipes.errors import DiskFull
-from vlm_recipes.full_disk import chain, free_bytes, full_disk_reason
+from vlm_recipes.full_disk import (
+    RUN_DISK,
+    SHARED_MEMORY,
+    SHARED_MEMORY_FULL,
+    FullFilesystem,
+    chain,
+    free_bytes,
+    full_filesystem,
+)
 
 if TYPE_CHECKING:
     from vlm_recipes.recipes.schema import Recipe
@@ -43,12 +51,44 @@ def remove_half_written(stage_dirs: list[Path]) -> list[Path]:
 
 
 def disk_full(error: BaseException, run_dir: Path, recipe: Recipe, stage_dirs: list[Path]) -> DiskFull:
-    """The message for a run whose disk filled, once what was half-written is removed: the path, the space
-    free now, and what the stage that was writing needs (from the plan's estimate)."""
+    """The message for a run stopped by a full filesystem. The run's disk: once what was half-written is
+    removed, the path, the space free now, and what the stage that was writing needs (from the plan's
+    estimate). Shared memory or another disk: what filled and its fix; the run's files are left alone (their
+    removal would free nothing there). A DiskFull raised with its own message (a data cache's) is kept."""
+    if isinstance(error, DiskFull):
+        return error
+    full = full_filesystem(error, run_dir) or FullFilesystem(type(error).__name__, RUN_DISK, None)
+    if full.kind == SHARED_MEMORY_FULL:
+        return shared_memory_full(full)
+    if full.kind != RUN_DISK:
+        where = full.path or run_dir
+        return DiskFull(
+            f"the disk is full: writing {where} failed ({full.reason}); {free_bytes(where) / 2**30:.2f} GB "
+            f"free there now. Free space on that disk (not the run's: {run_dir} was left as it was), then "
+            "continue the run; finished stages are kept"
+        )
+    return run_disk_full(error, full, run_dir, recipe, stage_dirs)
+
+
+def shared_memory_full(full: FullFilesystem) -> DiskFull:
+    """Shared memory (/dev/shm) full: DataLoader workers hand batches over through it; a container's is 64 MB
+    unless raised."""
+    size = shutil.disk_usage(SHARED_MEMORY).total / 2**30 if SHARED_MEMORY.is_dir() else 0.0
+    return DiskFull(
+        f"shared memory is full: {full.reason} ({SHARED_MEMORY}, {size:.2f} GB in all). DataLoader workers "
+        "hand batches over through it. Raise it (docker run --shm-size=8g, or --ipc=host; a Kubernetes "
+        "emptyDir with medium: Memory on /dev/shm), or set training.dataloader_workers: 0 (no worker "
+        "processes); the run directory was left as it was"
+    )
+
+
+def run_disk_full(
+    error: BaseException, full: FullFilesystem, run_dir: Path, recipe: Recipe, stage_dirs: list[Path]
+) -> DiskFull:
     from vlm_recipes.plan import estimate_disk_gb
     from vlm_recipes.runs.layout import is_done
 
-    reason = full_disk_reason(error, run_dir) or type(error).__name__  # before the removal frees space
+    reason = full.reason  # read before the removal frees space
     removed = remove_half_written(stage_dirs)
     filename = next((c.filename for c in chain(error) if isinstance(c, OSError) and c.filename), None)
     message = f"the disk is full: writing {Path(filename or run_dir)} failed ({reason})"
