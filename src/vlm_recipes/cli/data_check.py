@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput
+from vlm_recipes.errors import EXIT_BAD_INPUT, BadInput, DiskFull
 from vlm_recipes.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -62,12 +62,18 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes data") -> int:
     if args.path and OVERRIDE.match(args.path) and not Path(args.path).exists():
         args.path, args.overrides = None, [args.path, *args.overrides]  # `data check key=value`: no path
     setup_logging()
+    from vlm_recipes.data.cache_disk import cache_writes
+
     try:
-        reader = stage_reader(args.recipe, args.stage, args.overrides)
-        problems = check_dataset(reader, args.path) if args.path else check_stage_data(reader)
+        with cache_writes():  # the rows' tables and datasets' map files: a full disk named, exit 4
+            reader = stage_reader(args.recipe, args.stage, args.overrides)
+            problems = check_dataset(reader, args.path) if args.path else check_stage_data(reader)
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except DiskFull as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     if problems:
         listed = ", ".join(f"{n} {reason}" for reason, n in problems.items())
         print(f"problems: {listed} (each listed above); fix or remove these rows", file=sys.stderr)

@@ -6,7 +6,12 @@ The table's columns are those of every row, with the types all rows agree on, as
 all rows gives them. datasets' own writers (`Dataset.from_generator`, `ArrowWriter`) fix the columns and
 types at the first batch, and a JSON file's rows may add a key late (a video row after image rows, an eval
 column on some rows); so each chunk's schema is merged into the table's here, and where a later chunk adds
-to it, the rows are read again with the whole schema known (the second pass is paid only by such files)."""
+to it, the rows are read again with the whole schema known (the second pass is paid only by such files).
+
+Where the file cannot be written (a read-only cache, or its disk or quota filling at any chunk), every row is
+kept in memory: the chunks already written are read back from the file, then it is removed. Reading them back
+costs a read of what is on disk, not a second parse of the source, and gives the same rows whichever chunk
+the disk filled at; a split too large for memory then stops as out of memory, never with rows missing."""
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class RowsTable:
         self.places: list[str] = []
         self.path: Path | None = None
         self.writer: pa.ipc.RecordBatchStreamWriter | None = None
+        self.written = 0  # rows whose write to the file finished
         self.in_memory: list[pa.Table] | None = None  # where no file can be written
 
     def add(self, row: dict, at: str) -> None:
@@ -61,7 +67,10 @@ class RowsTable:
         if self.rows:
             self._flush()
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()  # writes the stream's end marker: the disk may fill here too
+            except OSError as error:
+                self._keep_in_memory(error)
             self.writer = None
         if self.grew:
             self._discard()
@@ -105,12 +114,36 @@ class RowsTable:
                 self.path = Path(name)
                 self.writer = pa.ipc.new_stream(str(self.path), table.schema)
             self.writer.write_table(table)
+            self.written += table.num_rows
         except OSError as error:  # a full disk or a read-only cache: the rows are kept in memory instead
-            log.warning(
-                "  rows kept in memory: their table cannot be written under %s (%s)", cache_dir(), error
-            )
-            self._discard()
-            self.in_memory = [table]
+            self._keep_in_memory(error, table)
+
+    def _keep_in_memory(self, error: OSError, table: pa.Table | None = None) -> None:
+        """Every row so far in memory: the chunks written, read back from the file (then removed), and
+        `table`, the chunk whose write failed."""
+        log.warning(
+            "  rows kept in memory: their table cannot be written under %s (%s)%s",
+            cache_dir(),
+            error,
+            f"; the {self.written:,} rows written are read back" if self.written else "",
+        )
+        self.in_memory = self._written_back()
+        self._discard()
+        if table is not None:
+            self.in_memory.append(table)
+
+    def _written_back(self) -> list[pa.Table]:
+        """The chunks whose write finished, read into memory: the batches up to `written` rows (a write cut
+        short leaves part of a batch after them)."""
+        if self.path is None or not self.written:
+            return []
+        batches, rows = [], 0
+        with pa.OSFile(str(self.path)) as file:  # read, not memory-mapped: the file is removed next
+            reader = pa.ipc.open_stream(file)
+            while rows < self.written:
+                batches.append(reader.read_next_batch())
+                rows += batches[-1].num_rows
+        return [pa.Table.from_batches(batches, schema=self.schema)]
 
     def _discard(self) -> None:
         if self.writer is not None:

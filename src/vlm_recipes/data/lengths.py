@@ -18,6 +18,7 @@ import datasets
 import pyarrow.compute as pc
 from PIL import Image
 
+from vlm_recipes.data.cache_disk import cache_writes
 from vlm_recipes.data.images import upright_size
 from vlm_recipes.data.parallel import log_processes, parallel_processes
 from vlm_recipes.data.rows import BadRow, fail_or_skip, undecoded
@@ -81,15 +82,16 @@ def _count_tokens(
             refused.update((len(counts) + i, why) for i, why in enumerate(counted["refused"]) if why)
             counts += zip(counted["text_tokens"], counted["vision_tokens"], strict=True)
     else:
-        done = ds.map(
-            count_batch,
-            fn_kwargs={"processor": processor, "family": family, "video": video},
-            batched=True,
-            batch_size=BATCH_ROWS,
-            num_proc=processes,
-            remove_columns=ds.column_names,
-            desc="counting tokens",
-        ).with_format("arrow")  # read a column at a time: one list of pairs is what is kept
+        with cache_writes():  # the counts' files, beside the rows' table: its disk may fill
+            done = ds.map(
+                count_batch,
+                fn_kwargs={"processor": processor, "family": family, "video": video},
+                batched=True,
+                batch_size=BATCH_ROWS,
+                num_proc=processes,
+                remove_columns=ds.column_names,
+                desc="counting tokens",
+            ).with_format("arrow")  # read a column at a time: one list of pairs is what is kept
         counts = list(zip(done["text_tokens"].to_pylist(), done["vision_tokens"].to_pylist(), strict=True))
         found = pc.indices_nonzero(pc.binary_length(done["refused"]))
         refused = dict(zip(found.to_pylist(), done["refused"].take(found).to_pylist(), strict=True))

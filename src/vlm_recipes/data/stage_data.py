@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import datasets
 
+from vlm_recipes.data.cache_disk import cache_writes
 from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.data.mixture import Mixture, load_mixture
 from vlm_recipes.data.rows import RowFormat, VideoRules, read_split, undecoded
@@ -60,11 +61,12 @@ def load_stage_data(
             continue  # a stream is read as it is trained on (stages/run.py: check_data)
         read = partial(_read_source, settings, split, row_format, video, paths)
         limit = settings.max_train_samples if split == "train" else settings.max_eval_samples
-        if isinstance(source, str):
-            rows, skipped, _ = read(source, limit)
-        else:
-            data.mixtures[split] = mixture = load_mixture(source, split, limit, read)
-            rows, skipped = mixture.rows(), mixture.skipped
+        with cache_writes():  # the rows' tables and datasets' map files: a full disk named, exit 4
+            if isinstance(source, str):
+                rows, skipped, _ = read(source, limit)
+            else:
+                data.mixtures[split] = mixture = load_mixture(source, split, limit, read)
+                rows, skipped = mixture.rows(), mixture.skipped
         setattr(data, split, rows)
         if skipped:
             data.skipped[split] = skipped
