@@ -172,25 +172,19 @@ def demo_model_dir(private_demo_cache) -> Path:
     return ensure_demo_model()
 
 
-# Each family's tiny offline model (tests that hold for every family take `tiny_family`).
 # LLaMA-Factory's sharegpt `tags` for OpenAI-style messages (dataset_info.json), as the data tests write them
 OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
 
-TINY_MODELS = {
-    "qwen2-vl": "demo:tiny-qwen2-vl",
-    "qwen2.5-vl": "demo:tiny-qwen2.5-vl",
-    "qwen3-vl": "demo:tiny-qwen3-vl",
-    "qwen3.5": "demo:tiny-qwen3.5",
-    "qwen3.5-moe": "demo:tiny-qwen3.5-moe",
-    "smolvlm": "demo:tiny-smolvlm",
-    "gemma3": "demo:tiny-gemma3",
-    "gemma4": "demo:tiny-gemma4",
-    "llava-onevision": "demo:tiny-llava-onevision",
-    "mistral3": "demo:tiny-mistral3",
-    "glm4v": "demo:tiny-glm4v",
-    "glm4v-moe": "demo:tiny-glm4v-moe",
-    "internvl": "demo:tiny-internvl",
-}
+
+def _tiny_models() -> dict[str, str]:
+    """Each registered family's tiny offline model by the family's name (its `demo:tiny-<name>`), in the
+    registry's order: a family added to FAMILIES joins every test that iterates these, and `tiny_family`."""
+    from vlm_recipes.families import FAMILIES
+
+    return {family.name: f"demo:tiny-{family.name}" for family in FAMILIES}
+
+
+TINY_MODELS = _tiny_models()  # tests that hold for every family take `tiny_family`
 
 
 @pytest.fixture(scope="session", params=list(TINY_MODELS))

@@ -9,20 +9,23 @@ in tests/test_speedups.py and tests/test_flops.py.
 from __future__ import annotations
 
 import json
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODELS, demo_split, distance_and_share_beyond, model_inputs
+from conftest import REPO, TINY_MODELS, demo_split, distance_and_share_beyond, model_inputs
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from vlm_recipes.benchmarking.flops import flops_per_sample
 from vlm_recipes.cli.train import main
 from vlm_recipes.data.lengths import sample_lengths
-from vlm_recipes.errors import LoraTargetError
+from vlm_recipes.errors import LoraTargetError, UnsupportedModelError
 from vlm_recipes.families import FAMILIES, family_for_model_type
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
@@ -686,6 +689,26 @@ PUBLISHED = {
 }
 
 
+def published_files_of_families() -> dict[str, tuple[dict, object]]:
+    """tests/published/'s checkpoint configs whose model type a family module names (the generic family's until
+    a module named it), by checkpoint, with the parameter count published for it, as rounded there."""
+    known = {model_type for family in FAMILIES for model_type in family.model_types}
+    found = {}
+    for path in sorted((REPO / "tests" / "published").glob("*.json")):
+        published = json.loads(path.read_text())
+        if published["config"]["model_type"] in known:
+            counts = published["published_parameters"]
+            assert "total" in counts, f"{path}: the family tests need the checkpoint's total parameter count"
+            found[published["checkpoint"]] = (
+                published["config"],
+                pytest.approx(counts["total"], rel=counts.get("rounding", 0)),
+            )
+    return found
+
+
+PUBLISHED.update(published_files_of_families())
+
+
 VISION_QKV = {
     "smolvlm": "q_proj",
     "gemma3": "q_proj",
@@ -693,7 +716,7 @@ VISION_QKV = {
     "mistral3": "q_proj",
     "internvl": "q_proj",
     "gemma4": "q_proj.linear",  # a clippable linear: the nn.Linear inside it
-}  # the vision tower's attention input projection (Qwen: one fused qkv)
+}  # the vision tower's attention input projection where it is not one fused qkv (Qwen's)
 # role prefixes a published checkpoint of the family may lack (Gemma 4's audio tower: E2B and E4B only)
 OPTIONAL_MODULES = {"gemma4": {"model.audio_tower", "model.embed_audio"}}
 
@@ -747,11 +770,16 @@ def test_lora_targets_resolve_for_each_role(published):
     modules = dict(model.named_modules())
     assert all(isinstance(modules[t], nn.Linear) for t in everything)
     # the suffixes a recipe would name (lora.targets) reach the right role only
-    vision_qkv = VISION_QKV.get(family.name, "qkv")
+    fused = any(name.endswith(".qkv") and family.role_of(name) == "vision" for name in modules)
+    vision_qkv = VISION_QKV.get(family.name, "qkv" if fused else "q_proj")
     named = lora_target_modules(model, family, {"llm": ["q_proj", "v_proj"], "vision": [vision_qkv]})
     text = model.config.get_text_config()
-    # every layer attends (Qwen3.5: but its Gated DeltaNet layers, which have no q_proj)
-    layers = text.num_hidden_layers - list(getattr(text, "layer_types", None) or []).count("linear_attention")
+    # each layer that attends has one q_proj: every layer, or those whose type is attention over the sequence
+    # (not Qwen3.5's Gated DeltaNet layers, nor any other type without a q_proj)
+    types = list(getattr(text, "layer_types", None) or [])
+    layers = (
+        sum(t in ("full_attention", "sliding_attention") for t in types) if types else text.num_hidden_layers
+    )
     assert sum(t.endswith(".q_proj") and family.role_of(t) == "llm" for t in named) == layers
     if routed_experts(text):  # an MoE: `experts` names its two fused weights in every MoE layer
         experts = lora_target_parameters(model, family, {"llm": ["experts"]})
@@ -774,6 +802,10 @@ def test_quantization_skip_modules_are_real_modules_and_cover_the_tower(publishe
 
 def test_flop_formula_gives_positive_counts(published):
     family, model, _ = published
+    try:
+        family.vision_geometry(model.config)
+    except UnsupportedModelError as refusal:  # the benchmark refuses it the same way
+        pytest.skip(f"FLOP counts refused: {refusal}")
     r1 = {"vision": "frozen", "projector": "frozen", "llm": "lora"}
     r2 = {"vision": "full", "projector": "full", "llm": "frozen"}
     grids = [[(16, 16)]]  # one 448x448 (Qwen3-VL: 512x512) image: 256 tokens
@@ -811,6 +843,40 @@ def test_every_family_has_a_tiny_model_and_model_types_do_not_overlap():
     assert len(model_types) == len(set(model_types)) and "qwen2_5_vl" in model_types
 
 
+def test_a_new_tiny_module_is_a_demo_model_with_no_line_elsewhere(tmp_path, monkeypatch):
+    """demo/models.py finds each tiny module's BUILDS, and each model's family by the type it builds: a module
+    added to demo/tiny/ is a demo model, with its family (or none: the generic family's), the families' models
+    first in the registry's order."""
+    from vlm_recipes.demo import models, tiny
+
+    (tmp_path / "new_vlm.py").write_text(
+        textwrap.dedent(
+            """
+            from vlm_recipes.demo.tiny import TinyModel
+            from vlm_recipes.demo.tiny.qwen2_vl import TINY, build_tiny_qwen2_vl
+
+            BUILDS = {
+                "demo:tiny-new-vlm": TinyModel("new_vlm", build_tiny_qwen2_vl, TINY),
+                "demo:tiny-qwen2-vl-again": TinyModel("qwen2_vl", build_tiny_qwen2_vl, {**TINY, "layers": 1}),
+            }
+            """
+        )
+    )
+    monkeypatch.setattr(tiny, "__path__", [*tiny.__path__, str(tmp_path)])
+    found = models._demo_models()
+    del sys.modules["vlm_recipes.demo.tiny.new_vlm"]  # imported from tmp_path, which goes
+    assert found["demo:tiny-new-vlm"].family is None and found["demo:tiny-new-vlm"].model_type == "new_vlm"
+    again = found["demo:tiny-qwen2-vl-again"]
+    assert again.family is family_for_model_type("qwen2_vl") and again.dims["layers"] == 1
+    ids = list(found)
+    assert (
+        ids.index("demo:tiny-qwen2-vl-again")
+        < ids.index("demo:tiny-qwen2.5-vl")
+        < ids.index("demo:tiny-new-vlm")
+    )
+    assert {k: v for k, v in found.items() if "-again" not in k and "new-vlm" not in k} == models.DEMO_MODELS
+
+
 # TRL's name for the template each family's checkpoints ship (Qwen2-VL's is byte-identical to Qwen2.5-VL's)
 TEMPLATES = {
     "qwen2-vl": "qwen2_5_vl",
@@ -822,23 +888,11 @@ TEMPLATES = {
 }
 TEMPLATES["gemma3"] = "gemma3"
 TEMPLATES["gemma4"] = "gemma4_v5"  # the current revision google/gemma-4-*-it ship
-PROCESSORS = {
-    "qwen2-vl": "Qwen2VLProcessor",
-    "qwen2.5-vl": "Qwen2_5_VLProcessor",
-    "qwen3-vl": "Qwen3VLProcessor",
-    "qwen3.5": "Qwen3VLProcessor",  # transformers' processor for qwen3_5 and qwen3_5_moe
-    "qwen3.5-moe": "Qwen3VLProcessor",
-    "smolvlm": "SmolVLMProcessor",
-    "gemma3": "Gemma3Processor",
-    "gemma4": "Gemma4Processor",
-    "llava-onevision": "LlavaOnevisionProcessor",
-    "mistral3": "PixtralProcessor",
-    "glm4v": "Glm4vProcessor",
-    "glm4v-moe": "Glm4vProcessor",  # GLM-4.5V's (GLM-4.6V's: Glm46VProcessor, the same class under its name)
-    "internvl": "InternVLProcessor",
-}
-QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")  # eos, pad, image placeholder
+# The published checkpoints' eos, pad and image placeholder; a family not here checks its own in
+# tests/test_family_<name>.py
+QWEN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|image_pad|>")
 TOKENS = {
+    **dict.fromkeys(("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5", "qwen3.5-moe"), QWEN_TOKENS),
     "smolvlm": ("<end_of_utterance>", "<|im_end|>", "<image>"),
     "gemma3": ("<eos>", "<pad>", "<image_soft_token>"),
     "gemma4": ("<eos>", "<pad>", "<|image|>"),
@@ -860,7 +914,6 @@ ASSISTANT_SPANS = {
     "qwen3.5": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
     "qwen3.5-moe": "<think>\n\n</think>\n\n{answer}<|im_end|>\n",
 }
-NO_VIDEO = {"gemma3", "mistral3"}  # families whose processor takes images only
 # templates TRL does not ship, as the checkpoints do (llava-hf's: transformers' conversion script writes it)
 PUBLISHED_TEMPLATES = {
     "llava-onevision": LLAVA_ONEVISION_CHAT_TEMPLATE,
@@ -880,20 +933,23 @@ def test_tiny_model_is_built_from_the_familys_own_classes(tiny_family):
     assert family_for_model_type(config.model_type) is family
     model = AutoModelForImageTextToText.from_pretrained(model_dir)
     processor = AutoProcessor.from_pretrained(model_dir)
-    assert type(processor).__name__ == PROCESSORS[family.name]
-    if family.name not in NO_VIDEO:
+    # the processor class transformers maps the model type to, with each part it declares (a video processor
+    # where the class takes videos)
+    assert type(processor).__name__ == PROCESSOR_MAPPING_NAMES[config.model_type]
+    if "video_processor" in type(processor).get_attributes():
         assert type(processor.video_processor).__name__.endswith("VideoProcessor")
     # the template the real checkpoints ship, byte for byte: TRL recognises it and swaps in its training
     # variant (generation markers for assistant-only loss)
     if family.name in TEMPLATES:
         assert processor.chat_template == getattr(templates, f"{TEMPLATES[family.name]}_chat_template")
-    else:  # TRL ships none: the family module holds the published text
-        assert processor.chat_template == PUBLISHED_TEMPLATES[family.name]
+    else:  # TRL ships none: the family module holds the published text and its training variant
+        assert processor.chat_template == PUBLISHED_TEMPLATES.get(family.name, processor.chat_template)
+        assert processor.chat_template in family.training_chat_templates
     training = family.training_chat_template(processor) or get_training_chat_template(processor)
     assert has_generation_markers(training)
     tok = processor.tokenizer
-    eos, pad, image = TOKENS.get(family.name, QWEN_TOKENS)
-    assert tok.eos_token == eos and tok.pad_token == pad
+    eos, pad, image = TOKENS.get(family.name, (tok.eos_token, tok.pad_token, processor.image_token))
+    assert tok.eos_token == eos and tok.pad_token == pad and pad is not None
     assert model.config.image_token_id == tok.convert_tokens_to_ids(image)
     eos_ids = model.generation_config.eos_token_id  # Gemma 3: <eos> and <end_of_turn>, as published
     assert tok.eos_token_id in (eos_ids if isinstance(eos_ids, list) else [eos_ids])

@@ -118,6 +118,19 @@ def test_a_composite_checkpoint_is_refused_naming_its_image_text_part():
     assert "Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(<model>)" in str(refusal.value)
 
 
+def plain_generic_demo_model() -> tuple[str, str]:
+    """(demo id, model type) of the first demo model whose type no module names, not even with knowledge of
+    its own (families' GENERIC_WITH_KNOWLEDGE): the plain generic family."""
+    from vlm_recipes.demo.models import DEMO_MODELS
+    from vlm_recipes.families import GENERIC_WITH_KNOWLEDGE
+
+    return next(
+        (demo_id, demo.model_type)
+        for demo_id, demo in DEMO_MODELS.items()
+        if demo.family is None and demo.model_type not in GENERIC_WITH_KNOWLEDGE
+    )
+
+
 def test_speedups_the_generic_family_cannot_prove_are_off_each_with_its_reason(tmp_path, private_demo_cache):
     """A stage asking for packing, the loss-positions cut and both caches on a model no family module
     describes trains without them; report.json says each is off, and why."""
@@ -125,13 +138,16 @@ def test_speedups_the_generic_family_cannot_prove_are_off_each_with_its_reason(t
 
     asked = ["padding_free", "loss_positions_only", "vision_feature_cache", "preprocessed_cache"]
     args = ["--recipe", "r1-llm-only", "--output-dir", str(tmp_path), "--run-name", "t", "--max-steps", "1"]
-    args += ["model=demo:tiny-lfm2-vl", "data.max_train_samples=4", "data.eval=null"]
+    model, model_type = plain_generic_demo_model()
+    args += [f"model={model}", "data.max_train_samples=4", "data.eval=null"]
     assert main([*args, *(f"training.{setting}=true" for setting in asked)]) == 0
     stage = read_json(tmp_path / "r1-llm-only" / "t" / "run.json")["stages"][0]
     decisions = {d["guard"]: d for d in read_json(Path(stage["dir"]) / "report.json")["decisions"]}
     for setting in asked:
         decision = decisions[setting.replace("_", "-")]
-        assert decision["choice"] == "off" and decision["reason"].startswith("generic (lfm2_vl): "), decision
+        assert decision["choice"] == "off" and decision["reason"].startswith(f"generic ({model_type}): "), (
+            decision
+        )
     assert "per-sample-attention" not in decisions and "loss_positions_only" not in read_json(
         Path(stage["dir"]) / "metrics.json"
     )
@@ -140,6 +156,10 @@ def test_speedups_the_generic_family_cannot_prove_are_off_each_with_its_reason(t
 def test_the_benchmark_refuses_a_generic_model_for_want_of_its_flop_formula(capsys, private_demo_cache):
     from vlm_recipes.benchmarking.sft_vs_trl import main as bench
 
-    assert bench(["--model", "demo:tiny-lfm2-vl", "--rows", "2", "--stages", "llm-lora"]) == 2
+    model, model_type = plain_generic_demo_model()
+    assert bench(["--model", model, "--rows", "2", "--stages", "llm-lora"]) == 2
     err = capsys.readouterr().err
-    assert "generic (lfm2_vl): FLOP counts need the tower's patch geometry" in err and "Traceback" not in err
+    assert (
+        f"generic ({model_type}): FLOP counts need the tower's patch geometry" in err
+        and "Traceback" not in err
+    )

@@ -21,12 +21,12 @@ from test_families import TINY_RUN
 from vlm_recipes.cli import main as vlm_recipes
 from vlm_recipes.cli.lmms_eval import (
     INSTALL_HINT,
-    LMMS_EVAL_MODELS,
     file_result,
     find_stage,
     format_table,
     lmms_eval_command,
     lmms_eval_model_for,
+    lmms_eval_models,
     new_results,
     output_dir,
     result_path,
@@ -133,7 +133,24 @@ def test_the_last_finished_stage_of_a_run_is_taken(tmp_path):
 )
 def test_the_lmms_eval_model_follows_the_configs_model_type(tmp_path, model_type, name):
     stage = fake_stage(tmp_path / "s", model_type)
-    assert lmms_eval_model_for(stage / "final") == name == LMMS_EVAL_MODELS[model_type]
+    assert lmms_eval_model_for(stage / "final") == name == lmms_eval_models()[model_type]
+
+
+def test_a_family_module_names_its_lmms_eval_model_and_no_table_elsewhere(tmp_path, monkeypatch):
+    """A family added to the registry brings its lmms-eval model, or why there is none, with it: nothing else
+    lists model types."""
+    from vlm_recipes import families
+    from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family
+
+    class NewFamily(Family):
+        lmms_eval_models = {"new_vlm": "new_vlm_hf"}
+        no_lmms_eval_model = {"new_vlm_moe": "new_vlm_hf loads the dense class only"}
+
+    new = NewFamily(name="new-vlm", model_types=("new_vlm", "new_vlm_moe"), role_prefixes=LLAVA_STYLE_ROLES)
+    monkeypatch.setattr(families, "FAMILIES", (*families.FAMILIES, new))
+    assert lmms_eval_model_for(fake_stage(tmp_path / "dense", "new_vlm") / "final") == "new_vlm_hf"
+    with pytest.raises(BadInput, match="new_vlm_hf loads the dense class only"):
+        lmms_eval_model_for(fake_stage(tmp_path / "moe", "new_vlm_moe") / "final")
 
 
 def test_a_model_type_without_an_lmms_eval_model_is_a_clear_error(tmp_path, capsys):

@@ -1,7 +1,8 @@
-"""Six model types no family module names, trained through the generic family (families/generic_family.py):
+"""The model types no family module names, trained through the generic family (families/generic_family.py):
 each one's tiny offline build (demo/tiny/: the published processor and tokenizer classes, special tokens and
 chat template, random weights), the published checkpoint it mirrors built on the meta device, and the seed
-recipes end to end with the freeze audit, in bf16 and fp32."""
+recipes end to end with the freeze audit, in bf16 and fp32. Which types these are, the registry says: every
+demo model whose type no family names (a type a family module takes over leaves for the family tests)."""
 
 from __future__ import annotations
 
@@ -31,29 +32,47 @@ class NewModel:
     demo_id: str
     model_type: str
     processor: str  # the published checkpoint's processor class
-    published: str  # tests/published/<name>.json: the checkpoint's config
+    published: Path  # tests/published/<name>.json: the checkpoint's config
     answer_labels: str  # what the loss reads of an answer: "{answer}" and the tokens around it
 
 
-NEW_MODELS = {
-    "lfm2-vl": NewModel("demo:tiny-lfm2-vl", "lfm2_vl", "Lfm2VlProcessor", "lfm2_vl", "{answer}<|im_end|>\n"),
-    "minicpm-v4.6": NewModel(
-        "demo:tiny-minicpm-v4.6", "minicpmv4_6", "MiniCPMV4_6Processor", "minicpm_v", "{answer}<|im_end|>\n"
-    ),
-    "molmo2": NewModel("demo:tiny-molmo2", "molmo2", "Molmo2Processor", "molmo2", "{answer}<|im_end|>"),
-    # the generation prompt ends in <think>; the answer's empty thought closes it
-    "kimi-k2.5": NewModel(
-        "demo:tiny-kimi-k2.5", "kimi_k25", "Kimi_K25Processor", "kimi_k25", "</think>{answer}<|im_end|>"
-    ),
-    "llama4": NewModel("demo:tiny-llama4", "llama4", "Llama4Processor", "llama4", "{answer}<|eot|>"),
-    "qwen3-omni-thinker": NewModel(
-        "demo:tiny-qwen3-omni-thinker",
-        "qwen3_omni_moe_thinker",
-        "Qwen3OmniMoeProcessor",
-        "qwen3_omni",
-        "{answer}<|im_end|>\n",
-    ),
+# What the loss reads of an answer on the published template, where it is not "{answer}<|im_end|>\n"
+ANSWER_LABELS = {
+    "molmo2": "{answer}<|im_end|>",
+    "kimi_k25": "</think>{answer}<|im_end|>",  # the generation prompt ends in <think>; the empty thought closes it
+    "llama4": "{answer}<|eot|>",
 }
+# The processor class of a type transformers maps to none: Qwen3-Omni's thinker ships the composite's
+PROCESSORS = {"qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor"}
+
+
+def published_configs() -> dict[str, Path]:
+    """tests/published/'s checkpoint configs by model type."""
+    paths = sorted((REPO / "tests" / "published").glob("*.json"))
+    return {json.loads(path.read_text())["config"]["model_type"]: path for path in paths}
+
+
+def new_models() -> dict[str, NewModel]:
+    """Every demo model whose type no family module names, by type."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    from vlm_recipes.demo.models import DEMO_MODELS
+
+    published = published_configs()
+    return {
+        demo.model_type: NewModel(
+            demo_id,
+            demo.model_type,
+            PROCESSORS.get(demo.model_type) or PROCESSOR_MAPPING_NAMES[demo.model_type],
+            published.get(demo.model_type, REPO / "tests" / "published" / f"{demo.model_type}.json"),
+            ANSWER_LABELS.get(demo.model_type, "{answer}<|im_end|>\n"),
+        )
+        for demo_id, demo in DEMO_MODELS.items()
+        if demo.family is None
+    }
+
+
+NEW_MODELS = new_models()
 
 
 @pytest.fixture(scope="session", params=list(NEW_MODELS))
@@ -65,13 +84,14 @@ def new_model(request, private_demo_cache):
     return model, ensure_demo_model(model.demo_id)
 
 
-def test_six_new_model_types_have_no_family_module_and_each_demo_model_of_one_is_here():
-    from vlm_recipes.demo.models import DEMO_MODELS
-
+def test_every_published_config_is_a_new_models_or_a_familys():
+    """Each generic demo model mirrors a checkpoint whose config is in tests/published/, and each config there
+    is a generic demo model's or, once a family module names its type, the family tests' (test_families.py:
+    PUBLISHED)."""
     known = {model_type for family in FAMILIES for model_type in family.model_types}
-    assert len(NEW_MODELS) >= 6 and not known & {model.model_type for model in NEW_MODELS.values()}
-    generic = {demo_id for demo_id, demo in DEMO_MODELS.items() if demo.family is None}
-    assert generic == {model.demo_id for model in NEW_MODELS.values()}
+    published = published_configs()
+    assert NEW_MODELS and all(model.published.is_file() for model in NEW_MODELS.values())
+    assert set(published) == set(NEW_MODELS) | (set(published) & known)
 
 
 def test_tiny_build_is_the_published_classes_and_the_generic_family_finds_its_roles(new_model):
@@ -93,7 +113,7 @@ def test_published_checkpoint_builds_on_meta_with_its_roles_found(new_model):
     """The checkpoint's own configuration (tests/published/), its model built on the meta device: the code
     fits it without a download."""
     model, _ = new_model
-    published = json.loads((REPO / "tests" / "published" / f"{model.published}.json").read_text())
+    published = json.loads(model.published.read_text())
     fields = dict(published["config"])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     found = roles_of_config(config)

@@ -14,6 +14,7 @@ speed-up changes training by design, what it must keep (each row once an epoch, 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from pathlib import Path
 
@@ -83,12 +84,16 @@ def padded_collator(processor):
     )
 
 
-def image_inputs(batch) -> tuple:
-    """The (pixel_values, second argument) of `get_image_features`: Qwen's image grids, SmolVLM's pixel
-    attention mask, Gemma 4's patch positions."""
-    second = batch.get("image_grid_thw", batch.get("pixel_attention_mask", batch.get("image_sizes")))
-    second = batch.get("image_position_ids") if second is None else second
-    return (batch["pixel_values"],) if second is None else (batch["pixel_values"], second)  # Gemma 3: pixels
+def image_inputs(owner, batch) -> tuple:
+    """The positional arguments of the encoder owner's `get_image_features` that the batch holds, in the
+    signature's order: Qwen's pixels and image grids, SmolVLM's pixel attention mask, Gemma 4's patch positions,
+    LFM2-VL's patch grids and mask (Gemma 3: pixels only). The first two are what the feature cache keys."""
+    inputs = []
+    for name in inspect.signature(owner.get_image_features).parameters:
+        if name not in batch:
+            break
+        inputs.append(batch[name])
+    return tuple(inputs)
 
 
 def token_losses(model, batch) -> torch.Tensor:
@@ -260,14 +265,15 @@ def test_matmul_patch_embedding_gives_the_convolutions_patch_embeddings_and_feat
     owner, tower = family.image_encoder_owner(model), family.vision_tower(model)
     convolutions = [m for m in tower.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
     if not convolutions:  # Gemma 4's processor cuts the patches; its tower embeds them by a linear layer
-        pytest.skip(f"the {family.name} tower has no patch convolution: tests/test_family_{family.name}.py")
+        own = f"tests/test_family_{family.name.replace('-', '_')}.py"
+        pytest.skip(f"the {family.name} tower has no patch convolution: {own}")
     embedded = []
     for module in convolutions:
         module.register_forward_hook(lambda _, args, out: embedded.append(out))
     with torch.no_grad():
-        convolution = owner.get_image_features(*image_inputs(batch), return_dict=True).pooler_output
+        convolution = owner.get_image_features(*image_inputs(owner, batch), return_dict=True).pooler_output
         assert use_matmul_patch_embedding(tower), "every family's tower embeds its patches by a convolution"
-        matmul = owner.get_image_features(*image_inputs(batch), return_dict=True).pooler_output
+        matmul = owner.get_image_features(*image_inputs(owner, batch), return_dict=True).pooler_output
     assert embedded and len(embedded) % 2 == 0
     half = len(embedded) // 2
     for a, b in [*zip(embedded[:half], embedded[half:], strict=True), *zip(convolution, matmul, strict=True)]:
@@ -304,7 +310,7 @@ def test_frozen_vision_gets_no_autograd_even_with_checkpointing(llm_lora_model, 
     owner = family.image_encoder_owner(model)
 
     def feature_requires_grad() -> bool:
-        out = owner.get_image_features(*image_inputs(batch), return_dict=True)
+        out = owner.get_image_features(*image_inputs(owner, batch), return_dict=True)
         return out.pooler_output[0].requires_grad
 
     # Qwen2-VL and Qwen2.5-VL name their patch embedding as the tower's input embedding, so transformers
@@ -333,13 +339,12 @@ def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tm
     processor = AutoProcessor.from_pretrained(model_dir)
     batch = padded_collator(processor)([dict(r) for r in rows])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    owner = family.image_encoder_owner(model)
     with torch.no_grad():
         expected = model(**inputs).logits
-        computed = family.image_encoder_owner(model).get_image_features(
-            *image_inputs(batch), return_dict=True
-        )
+        computed = owner.get_image_features(*image_inputs(owner, batch), return_dict=True)
     cache = VisionFeatureCache(tmp_path, model, family).install()
-    units = family.image_units(*image_inputs(batch))  # SmolVLM, InternVL: one entry per tile
+    units = family.image_units(*image_inputs(owner, batch)[:2])  # SmolVLM, InternVL: one entry per tile
     images = len(units)
     # one computation and entry per distinct image (SmolVLM, InternVL: blank tiles of different images share
     # one): the batch's other copies are hits already
@@ -367,12 +372,14 @@ def test_vision_feature_cache_hits_match_computed_features(tiny_family, rows, tm
         processor.image_processor.max_soft_tokens = 140
     elif family.name == "mistral3":  # a shorter longest edge: every demo image shrunk to other sizes
         processor.image_processor.size = {"longest_edge": 56}
-    else:
+    elif hasattr(processor.image_processor, "merge_size"):  # the Qwen line's pixel budget: other sizes
         processor.image_processor.size = {"shortest_edge": 28 * 28 * 100, "longest_edge": 28 * 28 * 400}
+    else:  # any other processor: another normalization
+        processor.image_processor.image_mean = [0.25, 0.25, 0.25]
     smaller = padded_collator(processor)([dict(r) for r in rows])
     with torch.no_grad():
         model(**{k: v for k, v in smaller.items() if k != "labels"})
-    other = {pixels.numpy().tobytes() for pixels, _ in family.image_units(*image_inputs(smaller))}
+    other = {pixels.numpy().tobytes() for pixels, _ in family.image_units(*image_inputs(owner, smaller)[:2])}
     assert cache.misses == distinct + len(other)
 
     # other tower weights: another cache directory

@@ -11,15 +11,20 @@ from transformers import PreTrainedModel
 
 from vlm_recipes.speedups.liger import KINDS, LigerPatch, NoLigerKernels, patch_liger_kernels
 
-# Beside the 13 families, the model types the generic family trains with knowledge of their own
-TABLE_EXTRAS = {"llama4": "demo:tiny-llama4", "molmo2": "demo:tiny-molmo2"}
-
 
 def demo_models() -> dict[str, str]:
-    """Each family's tiny demo model (`demo:tiny-<family>`), then TABLE_EXTRAS', by the name the table gives."""
-    from vlm_recipes.families import FAMILIES
+    """Each family's tiny demo model (`demo:tiny-<family>`), then the tiny model of each type the generic family
+    trains with knowledge of its own (`GENERIC_WITH_KNOWLEDGE`), by the name the table gives: the registry's,
+    so a family added there is in the table when this runs again."""
+    from vlm_recipes.demo.models import DEMO_MODELS, PRETRAINED_PREFIX
+    from vlm_recipes.families import FAMILIES, GENERIC_WITH_KNOWLEDGE
 
-    return {**{family.name: f"demo:tiny-{family.name}" for family in FAMILIES}, **TABLE_EXTRAS}
+    extras = {
+        demo.model_type: demo_id
+        for demo_id, demo in DEMO_MODELS.items()
+        if demo.model_type in GENERIC_WITH_KNOWLEDGE and demo_id.startswith(PRETRAINED_PREFIX)
+    }
+    return {**{family.name: f"demo:tiny-{family.name}" for family in FAMILIES}, **extras}
 
 
 def build_on_meta(model_id: str) -> PreTrainedModel:

@@ -41,35 +41,32 @@ OUTPUT_DIR = "lmms-eval"  # <stage>/lmms-eval/<task>/: lmms-eval's own output an
 LOG_FILE = "lmms-eval.log"
 TASK_NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # one task (or group) name: no list, wildcard or path
 STAGE_DIR = re.compile(r"stage-(\d+)-.+")  # runs/layout.py stage_dir_name
-
-# config.json's model_type -> lmms-eval's --model (lmms_eval/models/{simple,chat}/<name>.py in 0.7.3): the
-# class that loads a stage's final/ given as `pretrained=`. Each was run on the family's tiny demo model
-# (CPU, transformers 5.24) with all its weights loaded, but llama4's (no tiny Llama 4).
-LMMS_EVAL_MODELS = {
-    "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_5": "qwen3_5",
-    "gemma3": "gemma3",
-    "gemma4": "gemma4",
-    "mistral3": "mistral3_vl",
-    "llama4": "llama4_scout",  # Llama4ForConditionalGeneration
-    "llava_onevision": "llava_hf",  # `llava_onevision` loads the LLaVA-NeXT repository's format
-    "internvl": "internvl_hf",  # `internvl`, `internvl2`, `internvl3` load OpenGVLab's remote code
-    "glm4v_moe": "glm4v",
-}
-# Families whose models no lmms-eval 0.7.3 class loads from a stage's path, and why. Its generic
-# `huggingface` class (chat/huggingface.py) passes `audios=` to the processor, which transformers 5 refuses.
-NO_LMMS_EVAL_MODEL = {
-    "qwen3_vl_moe": "qwen3_vl loads the dense class unless the path names the size (`A3B`)",
-    "qwen3_5_moe": "qwen3_5 loads the dense class unless the path names the size (`A3B`)",
-    "glm4v": "glm4v loads the MoE class unless the path contains `Flash`",
-    "smolvlm": "no SmolVLM class; idefics2's counts the image tokens wrong",
-    "idefics3": "no Idefics3 class; idefics2's counts the image tokens wrong",
-}
 # transformers' load report, one line per key: `<key> | MISSING |` is a weight the class made anew (its
 # answers are not the stage's model), `| UNEXPECTED |` one of final/'s weights it left unread.
 LOAD_REPORT = re.compile(r"\|\s*(MISSING|UNEXPECTED)\s*\|")
+
+
+def lmms_eval_models() -> dict[str, str]:
+    """config.json's model_type -> lmms-eval's --model (lmms_eval/models/{simple,chat}/<name>.py in 0.7.3): the
+    class that loads a stage's final/ given as `pretrained=`, as each family module names it (its
+    `lmms_eval_models`). Each was run on the family's tiny demo model (CPU, transformers 5.24) with all its
+    weights loaded, but llama4's."""
+    return _by_model_type("lmms_eval_models")
+
+
+def no_lmms_eval_model() -> dict[str, str]:
+    """model_type -> why no lmms-eval 0.7.3 class loads a stage's final/, as the family module says. Its generic
+    `huggingface` class (chat/huggingface.py) passes `audios=` to the processor, which transformers 5 refuses."""
+    return _by_model_type("no_lmms_eval_model")
+
+
+def _by_model_type(attribute: str) -> dict[str, str]:
+    from vlm_recipes.families import FAMILIES, GENERIC_WITH_KNOWLEDGE
+
+    knowing = (*FAMILIES, *GENERIC_WITH_KNOWLEDGE.values())
+    return {
+        model_type: value for family in knowing for model_type, value in getattr(family, attribute).items()
+    }
 
 
 def output_dir(stage_dir: Path, task: str) -> Path:
@@ -117,9 +114,10 @@ def lmms_eval_model_for(model_dir: Path) -> str:
         model_type = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError) as error:
         raise BadInput(f"{config} cannot be read ({error})") from error
-    if model_type in LMMS_EVAL_MODELS:
-        return LMMS_EVAL_MODELS[model_type]
-    why = NO_LMMS_EVAL_MODEL.get(model_type, f"vlm-recipes knows {', '.join(sorted(LMMS_EVAL_MODELS))}")
+    known = lmms_eval_models()
+    if model_type in known:
+        return known[model_type]
+    why = no_lmms_eval_model().get(model_type, f"vlm-recipes knows {', '.join(sorted(known))}")
     raise BadInput(
         f"{config}: model_type `{model_type}` has no lmms-eval model that loads it ({why}): name one with "
         "--model (`python -m lmms_eval models` lists them)"

@@ -1,8 +1,9 @@
 """The `demo:` registry: tiny offline models (one or more per family) and the synthetic datasets.
 
 Recipes name ``demo:tiny-qwen2-vl`` as their model and ``demo:train`` / ``demo:eval`` as their data, so
-every recipe runs end to end on a laptop CPU without a model hub. ``DEMO_MODELS`` lists them: each id's
-family, its builder in ``demo/tiny/`` and the settings it builds. A model is built on first use,
+every recipe runs end to end on a laptop CPU without a model hub. ``DEMO_MODELS`` lists them, gathered from
+the ``BUILDS`` of every module in ``demo/tiny/``: each id's builder, the settings it builds, and its family (the
+one whose `model_types` name the type it builds; none: the generic family). A model is built on first use,
 deterministically (fixed seeds, no network), and cached under ``cache_dir() / VERSION``; later calls only
 check that the files are there. The families know nothing of these models: the table is the demo's.
 
@@ -15,96 +16,58 @@ built in seconds.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import pkgutil
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlm_recipes.demo import tiny
 from vlm_recipes.demo.dataset import VERSION, tokenizer_corpus
-from vlm_recipes.demo.tiny import (
-    gemma3,
-    gemma4,
-    glm4v,
-    internvl,
-    kimi_k25,
-    lfm2_vl,
-    llama4,
-    llava_onevision,
-    minicpm_v,
-    mistral3,
-    molmo2,
-    qwen2_5_vl,
-    qwen2_vl,
-    qwen3_5,
-    qwen3_omni,
-    qwen3_vl,
-    smolvlm,
-)
+from vlm_recipes.demo.tiny import TinyModel
 from vlm_recipes.errors import UnsupportedModelError
-from vlm_recipes.families.base import Family
-from vlm_recipes.families.gemma3 import GEMMA3
-from vlm_recipes.families.gemma4 import GEMMA4
-from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
-from vlm_recipes.families.internvl import INTERNVL
-from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
-from vlm_recipes.families.mistral3 import MISTRAL3
-from vlm_recipes.families.qwen2_5_vl import QWEN2_5_VL
-from vlm_recipes.families.qwen2_vl import QWEN2_VL
-from vlm_recipes.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
-from vlm_recipes.families.qwen3_vl import QWEN3_VL
-from vlm_recipes.families.smolvlm import SMOLVLM
+from vlm_recipes.families import FAMILIES, Family
 from vlm_recipes.files import build_dir_atomically, cache_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DemoModel:
-    """A demo:… model: the family it is a model of (None: a model type no family module names, trained
-    through the generic family), its builder (real processor class, special tokens and chat template, a
-    tokenizer trained on the demo texts, random weights) and the settings it builds."""
+class DemoModel(TinyModel):
+    """A demo:… model: what it is built from (a tiny module's `TinyModel`: real processor class, special tokens
+    and chat template, a tokenizer trained on the demo texts, random weights) and the family it is a model of
+    (None: a model type no family module names, trained through the generic family)."""
 
-    family: Family | None
-    build: Callable[[Path, dict, list[str]], None]  # (out, dims, tokenizer corpus)
-    dims: dict
+    family: Family | None = None
 
 
-DEMO_MODELS: dict[str, DemoModel] = {
-    "demo:tiny-qwen2-vl": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.TINY),
-    # ~16M parameters, for scripts/benchmark.py
-    "demo:bench-qwen2-vl": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.BENCH),
-    # Qwen2-VL-2B's widths, 1/7 of its depth (CPU bench)
-    "demo:bench-qwen2-vl-wide": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.BENCH_WIDE),
-    # Qwen2-VL-2B's dimensions, random weights (GPU bench)
-    "demo:qwen2-vl-2b-shaped": DemoModel(QWEN2_VL, qwen2_vl.build_tiny_qwen2_vl, qwen2_vl.QWEN2_VL_2B_SHAPED),
-    "demo:tiny-qwen2.5-vl": DemoModel(QWEN2_5_VL, qwen2_5_vl.build_tiny_qwen2_5_vl, qwen2_5_vl.TINY),
-    "demo:tiny-qwen3-vl": DemoModel(QWEN3_VL, qwen3_vl.build_tiny_qwen3_vl, qwen3_vl.TINY),
-    "demo:tiny-qwen3.5": DemoModel(QWEN3_5, qwen3_5.build_tiny_qwen3_5, qwen3_5.TINY),
-    "demo:tiny-qwen3.5-moe": DemoModel(QWEN3_5_MOE, qwen3_5.build_tiny_qwen3_5, qwen3_5.TINY_MOE),
-    "demo:tiny-smolvlm": DemoModel(SMOLVLM, smolvlm.build_tiny_smolvlm, smolvlm.TINY),
-    "demo:tiny-gemma3": DemoModel(GEMMA3, gemma3.build_tiny_gemma3, gemma3.TINY),
-    "demo:tiny-gemma4": DemoModel(GEMMA4, gemma4.build_tiny_gemma4, gemma4.TINY),
-    "demo:tiny-llava-onevision": DemoModel(
-        LLAVA_ONEVISION, llava_onevision.build_tiny_llava_onevision, llava_onevision.TINY
-    ),
-    "demo:tiny-mistral3": DemoModel(MISTRAL3, mistral3.build_tiny_mistral3, mistral3.TINY),
-    "demo:tiny-glm4v": DemoModel(GLM4V, glm4v.build_tiny_glm4v, glm4v.TINY),
-    "demo:tiny-glm4v-moe": DemoModel(GLM4V_MOE, glm4v.build_tiny_glm4v, glm4v.TINY_MOE),
-    "demo:tiny-internvl": DemoModel(INTERNVL, internvl.build_tiny_internvl, internvl.TINY),
-    # model types without a family module, trained through the generic family
-    "demo:tiny-lfm2-vl": DemoModel(None, lfm2_vl.build_tiny_lfm2_vl, lfm2_vl.TINY),
-    "demo:tiny-minicpm-v4.6": DemoModel(None, minicpm_v.build_tiny_minicpm_v, minicpm_v.TINY),
-    "demo:tiny-molmo2": DemoModel(None, molmo2.build_tiny_molmo2, molmo2.TINY),
-    "demo:tiny-kimi-k2.5": DemoModel(None, kimi_k25.build_tiny_kimi_k25, kimi_k25.TINY),
-    "demo:tiny-llama4": DemoModel(None, llama4.build_tiny_llama4, llama4.TINY),
-    "demo:tiny-qwen3-omni-thinker": DemoModel(None, qwen3_omni.build_tiny_qwen3_omni, qwen3_omni.TINY),
-}
+def _demo_models() -> dict[str, DemoModel]:
+    """Every tiny module's BUILDS, each with the family naming its model type: the families' models first,
+    in the registry's order, then the generic family's; a module's own in the order it lists them."""
+    found: dict[str, DemoModel] = {}
+    for module in pkgutil.iter_modules(tiny.__path__):
+        builds = getattr(importlib.import_module(f"{tiny.__name__}.{module.name}"), "BUILDS", {})
+        for demo_id, built in builds.items():
+            if demo_id in found:
+                raise ValueError(f"demo/tiny/{module.name}.py: {demo_id} is built by another module too")
+            family = next((f for f in FAMILIES if built.model_type in f.model_types), None)
+            found[demo_id] = DemoModel(built.model_type, built.build, built.dims, family=family)
+    rank = [id(family) for family in FAMILIES]  # a Family holds dicts: unhashable, so ranked by identity
+
+    def registry_order(item: tuple[str, DemoModel]) -> int:
+        family = item[1].family
+        return rank.index(id(family)) if family is not None else len(rank)
+
+    return dict(sorted(found.items(), key=registry_order))
+
+
+DEMO_MODELS: dict[str, DemoModel] = _demo_models()
 DEMO_MODEL_ID = "demo:tiny-qwen2-vl"  # the embedded default's model
 DEMO_MODEL_IDS = tuple(DEMO_MODELS)
 WEIGHTS_ENV = "VLM_RECIPES_DEMO_WEIGHTS"  # pretrained (default) or untrained

@@ -1,9 +1,10 @@
 """Model families: everything the runner knows about a family, one module each; any other image-text-to-text
 model through the generic family (generic_family.py), from the roles its module tree shows.
 
-Adding a family means adding one module here (its `Family` instance: what the family is), its tiny offline
-builder in `demo/tiny/` with its line in `demo/models.py`'s DEMO_MODELS, and its tests; `FAMILIES` lists
-the supported ones.
+Adding a family means adding one module here (its `Family` instance: what the family is), its line in
+`FAMILIES` below, and its tiny offline builder in `demo/tiny/` (a module whose BUILDS names its demo models).
+The rest asks the registry: the demo ids' families, lmms-eval's model names, the tests' model lists, the
+Liger table.
 """
 
 from __future__ import annotations

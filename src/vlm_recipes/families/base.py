@@ -1,10 +1,9 @@
 """What the runner asks of a model family, in one place.
 
 A family module (``families/qwen2_vl.py``, ...) defines one ``Family`` instance; the registry in
-``families/__init__.py`` lists them. Its tiny offline demo models are the demo's (``demo/tiny/``, listed in
-``demo/models.py``): a family knows its real models only. Nothing outside ``families/`` names a family's
-modules: the speed-ups and caches ask the family (``rope_index_keys``,
-``image_padding``, ``decoder_layer``).
+``families/__init__.py`` lists them. Its tiny offline demo models are the demo's (``demo/tiny/``): a family
+knows its real models only. Nothing outside ``families/`` names a family's modules: the speed-ups, caches,
+demo, tests and tables ask the family (``rope_index_keys``, ``image_padding``, ``lmms_eval_models``).
 
 Roles: each role is a set of module-name prefixes, and a parameter belongs to the role with the longest
 matching prefix, so ``model.visual.merger.*`` is the projector although it sits inside ``model.visual``.
@@ -202,6 +201,9 @@ class Family:
     # Whether every trained parameter gets a gradient from a row with an image (False: some may not, as the
     # generic family cannot tell, and DDP searches each step's graph for those without one)
     reads_every_parameter: ClassVar[bool] = True
+    # lmms-eval's --model that loads a stage's final/ of each model type, and why none does (cli/lmms_eval.py)
+    lmms_eval_models: ClassVar[dict[str, str]] = {}
+    no_lmms_eval_model: ClassVar[dict[str, str]] = {}
 
     # ------------------------------------------------------------------ roles
 

@@ -46,6 +46,9 @@ PADDING_FREE_REFUSAL = (
 class Gemma3Family(Family):
     """Gemma 3: SigLIP tower, pooling projector, a fixed number of tokens per image."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {"gemma3": "gemma3"}
+
     PAN_AND_SCAN_KEYS = (
         "do_pan_and_scan",
         "pan_and_scan_min_crop_size",

@@ -71,6 +71,9 @@ PADDING_FREE_REFUSAL = (
 class Gemma4Family(Family):
     """Gemma 4: a variable-resolution tower pooling 3x3 patches, a linear projector, no audio in training."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {"gemma4": "gemma4"}
+
     towers_left_out = {"audio_config": AUDIO_LEFT_OUT}
     # one image's patches and positions, [1, max_patches, ...]: never per token, whatever a sample's length
     image_padding = {"pixel_values": "concatenated", "image_position_ids": "concatenated"}

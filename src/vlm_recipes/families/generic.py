@@ -1,5 +1,6 @@
 """The three roles of a vision-language model found from its own module tree, for a model type no family
-module names (transformers maps ~100 types to AutoModelForImageTextToText; a family module knows 13).
+module names (transformers maps ~100 types to AutoModelForImageTextToText; the family modules in FAMILIES
+name a few of them).
 
 `find_roles(model)` reads a model built on the meta device (`build_on_meta(config)`: no weights) and
 returns `FoundRoles`, the same role prefixes a family module writes by hand, or raises `RolesNotFound`

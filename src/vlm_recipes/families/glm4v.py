@@ -61,6 +61,10 @@ name_the_experts_as_trl_reads_them()
 class Glm4vFamily(Qwen2VLFamily):
     """GLM-4.1V / GLM-4.6V-Flash: Qwen2-VL's layout and feature outputs, GLM's processor, tower and layer."""
 
+    # why no lmms-eval 0.7.3 class loads a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {}  # none (Qwen2-VL's class is not GLM's)
+    no_lmms_eval_model = {"glm4v": "glm4v loads the MoE class unless the path contains `Flash`"}
+
     # get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask): no video
     # timing key (the time is written as text between the frames)
     rope_index_keys = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw")
@@ -105,6 +109,10 @@ class Glm4vFamily(Qwen2VLFamily):
 
 class Glm4vMoeFamily(Glm4vFamily):
     """GLM-4.5V / GLM-4.6V: GLM-4.1V's processor, tower and projector, GLM-4.5-Air's pre-norm MoE layers."""
+
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {"glm4v_moe": "glm4v"}
+    no_lmms_eval_model = {}
 
     decoder_layer = DecoderLayer()  # input_layernorm, self_attn, post_attention_layernorm, mlp
     # its text model hands the layers the 3-D positions, not the text ones (transformers 5.24, glm4v_moe)

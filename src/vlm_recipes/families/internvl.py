@@ -80,6 +80,10 @@ def tiles_per_image(processor, sizes: list[tuple[int, int]]) -> list[int]:
 class InternVLFamily(Family):
     """InternVL: tiles plus a thumbnail through an InternViT tower, pixel shuffle, an MLP projector, Qwen3."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py): `internvl_hf` (`internvl`, `internvl2` and
+    # `internvl3` load OpenGVLab's remote code)
+    lmms_eval_models = {"internvl": "internvl_hf"}
+
     box_format = "relative_1000"  # `<box>[[x1, y1, x2, y2]]</box>`, 0-1000 across the image
 
     # every image's tiles along the first dimension, as any image tensor (named: a sample of 1 tile is

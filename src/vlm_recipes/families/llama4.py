@@ -169,6 +169,9 @@ def _carry_image_outputs(module: nn.Module, args, output):
 class Llama4Family(GenericFamily):
     """Llama 4 through the generic family, with the fixes of this module's docstring."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py): its Llama4ForConditionalGeneration
+    lmms_eval_models = {"llama4": "llama4_scout"}
+
     training_chat_templates = (
         {LLAMA4_CHAT_TEMPLATE: LLAMA4_TRAINING_CHAT_TEMPLATE} if LLAMA4_TRAINING_CHAT_TEMPLATE else {}
     )

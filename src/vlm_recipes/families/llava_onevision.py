@@ -89,6 +89,10 @@ def _real_tiles(pixels: torch.Tensor) -> int:
 class LlavaOnevisionFamily(Family):
     """LLaVA-OneVision: anyres tiles through a SigLIP tower, an MLP projector, image_newline tokens."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py): `llava_hf` (its `llava_onevision` loads
+    # the LLaVA-NeXT repository's format)
+    lmms_eval_models = {"llava_onevision": "llava_hf"}
+
     image_padding = {"pixel_values": "tiles"}  # each image's tiles, padded to the batch's most tiles
 
     def feature_cache_refusal(self, most_images_per_sample: int) -> str | None:

@@ -21,6 +21,9 @@ from vlm_recipes.families.qwen2_vl import QWEN_VL_ROLES, Qwen2VLFamily
 class Qwen2_5_VLFamily(Qwen2VLFamily):  # noqa: N801 (transformers' spelling)
     """Qwen2.5-VL: Qwen2-VL with a windowed-attention tower."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {"qwen2_5_vl": "qwen2_5_vl"}
+
     box_format = "resized_pixels"  # `{"bbox_2d": [...]}` in pixels of the image as the processor resized it
 
     def vision_geometry(self, config) -> VisionGeometry:

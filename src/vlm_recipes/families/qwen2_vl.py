@@ -25,6 +25,9 @@ class Qwen2VLFamily(Family):
     """Qwen2-VL: a ViT (`model.visual`) whose merger (the projector) merges 2x2 patches into one token;
     3-D multimodal RoPE computed by the model's own `get_rope_index`."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
+    lmms_eval_models = {"qwen2_vl": "qwen2_vl"}
+
     tower_attribute = "visual"
     # `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, 0-1000 across the image (Qwen3-VL, Qwen3.5 and GLM-4.xV,
     # built on this class, answer in 0-1000 too, as `{"bbox_2d": [...]}`)

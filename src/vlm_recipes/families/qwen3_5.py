@@ -31,6 +31,12 @@ LINEAR_ATTENTION_PACKING = (
 class Qwen3_5Family(Qwen2VLFamily):
     """Qwen3.5 and Qwen3.5-MoE: the Qwen-VL layout (`model.visual`, `model.language_model`), one merger."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py), and why none loads the MoE
+    lmms_eval_models = {"qwen3_5": "qwen3_5"}
+    no_lmms_eval_model = {
+        "qwen3_5_moe": "qwen3_5 loads the dense class unless the path names the size (`A3B`)"
+    }
+
     def video_encoder(self) -> str | None:
         return None  # get_video_features calls get_image_features, which the speed-ups already hook
 

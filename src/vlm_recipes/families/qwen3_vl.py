@@ -26,6 +26,12 @@ _DEEPSTACK = "deepstack."  # cache key prefix of a DeepStack level's features: d
 class Qwen3VLFamily(Qwen2VLFamily):
     """Qwen3-VL: the image features are the merged tokens plus one set per DeepStack level."""
 
+    # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py), and why none loads the MoE
+    lmms_eval_models = {"qwen3_vl": "qwen3_vl"}
+    no_lmms_eval_model = {
+        "qwen3_vl_moe": "qwen3_vl loads the dense class unless the path names the size (`A3B`)"
+    }
+
     def video_encoder(self) -> str | None:
         return None  # get_video_features calls get_image_features, which the speed-ups already hook
 

@@ -139,11 +139,12 @@ class VisionFeatureCache:
         self.hits += len(features) - len(missing)
         self.misses += len(missing)
         if missing:
+            inputs = self.family.batch_image_units([units[first_of[key]] for key in missing])
+            # what the family rebuilt for these images replaces the batch's own (LFM2-VL's pixel mask)
+            rebuilt = list(inspect.signature(compute).parameters)[: len(inputs)]
+            kwargs = {name: value for name, value in kwargs.items() if name not in rebuilt}
             with torch.no_grad():
-                computed = compute(
-                    *self.family.batch_image_units([units[first_of[key]] for key in missing]),
-                    **{**kwargs, "return_dict": True},
-                )
+                computed = compute(*inputs, **{**kwargs, "return_dict": True})
             # every tensor the model reads (Qwen3-VL: its DeepStack features too), one dict per image
             by_key = dict(zip(missing, self.family.split_image_features(computed), strict=True))
             for key, image in by_key.items():

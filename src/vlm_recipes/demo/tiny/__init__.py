@@ -4,17 +4,30 @@ saving random weights (``tiny/dims.py``: the sizes and the config fields made of
 
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
 processor class, special tokens and chat template, a small tokenizer trained here, random weights. Each
-module holds its builder and the settings of its demo models (``TINY``, ...); ``demo/models.py``'s
-``DEMO_MODELS`` names them (demo id → family, builder, settings). A builder may read its family's module
-(its published chat template); no family module imports anything here.
+module holds its builder, the settings of its demo models (``TINY``, ...) and ``BUILDS``: demo id ->
+``TinyModel`` (the model type it builds, builder, settings). ``demo/models.py`` finds every module's
+``BUILDS``, so a new module is all a new demo model needs. A builder may read its family's module (its
+published chat template); no family module imports anything here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_SEED = 0  # random weights of every tiny model are drawn from this seed
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """What a demo model is built from: the config.json `model_type` the builder writes (the family naming
+    that type trains it, else the generic family), the builder, and the settings it is built with."""
+
+    model_type: str
+    build: Callable[[Path, dict, list[str]], None]  # (out, dims, tokenizer corpus)
+    dims: dict
 
 
 def train_byte_level_bpe(

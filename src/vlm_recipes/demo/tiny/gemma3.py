@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, vocab_and_merges
+from vlm_recipes.demo.tiny import TinyModel, generation_ids, save_tiny_model, vocab_and_merges
 from vlm_recipes.demo.tiny.dims import TINY_VISION_DIMS, siglip_vision_config, tiny_text_config
 
 # Gemma's special tokens: the first ones in the order the real tokenizer numbers them (<pad> 0, <eos> 1,
@@ -110,7 +110,7 @@ def build_tiny_gemma3(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Gemma3ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_gemma3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_gemma3 builds, one dict per demo model (BUILDS below)
 TINY = {
     "hidden": 64,
     "intermediate": 128,
@@ -122,4 +122,10 @@ TINY = {
     **TINY_VISION_DIMS,
     "image_size": 56,  # 4x4 patches of 14 px, pooled 2x2 into 4 tokens (the real: 896 px, 64x64 -> 256)
     "tokens_per_image": 4,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-gemma3": TinyModel("gemma3", build_tiny_gemma3, TINY),
 }

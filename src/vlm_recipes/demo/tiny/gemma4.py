@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.gemma3 import train_gemma_bpe
 
@@ -129,7 +129,7 @@ def build_tiny_gemma4(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Gemma4ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_gemma4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_gemma4 builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "head_dim": 16,
@@ -146,4 +146,10 @@ TINY = {
     "patch_size": 16,  # the real geometry: a token is 3x3 patches of 16 px, so data.max_pixels means the same
     "pooling": 3,
     "soft_tokens": 70,  # the smallest budget (the real default: 280)
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-gemma4": TinyModel("gemma4", build_tiny_gemma4, TINY),
 }

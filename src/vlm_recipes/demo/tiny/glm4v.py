@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
@@ -134,7 +134,7 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, model_class, config, processor, dims, **generation)
 
 
-# What build_tiny_glm4v builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_glm4v builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     # 2 heads of 32 (the real 32 of 128): half of each rotates, 8 frequencies over (t, h, w), the real
@@ -161,4 +161,11 @@ TINY_MOE = {
     "experts": 4,  # routed experts, two of them per token (the real: 128, eight), and one shared expert
     "experts_per_token": 2,
     "expert_intermediate": 32,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-glm4v": TinyModel("glm4v", build_tiny_glm4v, TINY),
+    "demo:tiny-glm4v-moe": TinyModel("glm4v_moe", build_tiny_glm4v, TINY_MOE),
 }

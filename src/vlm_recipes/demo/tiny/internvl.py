@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny import (
+    TinyModel,
+    qwen_generation,
+    qwen_tokenizer_from,
+    save_tiny_model,
+    train_qwen_bpe,
+)
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
 from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
@@ -111,11 +117,17 @@ def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
     )
 
 
-# What build_tiny_internvl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_internvl builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     **TINY_VISION_DIMS,
     "tile": 56,  # 4x4 patches of 14 px, shuffled to 2x2 = 4 tokens a tile (the real: 448 px, 256 tokens)
     "patch": 14,
     "max_patches": 6,  # up to 6 tiles and a thumbnail (the real: 12): at most 28 tokens an image
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-internvl": TinyModel("internvl", build_tiny_internvl, TINY),
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "moonshotai/Kimi-K2.5"  # the published checkpoint this tiny build mirrors
@@ -219,7 +219,7 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Kimi_K25ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_kimi_k25 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_kimi_k25 builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "kv_heads": 4,  # MLA: every head its own key and value, decompressed from one latent
@@ -234,4 +234,10 @@ TINY = {
     # at most 256 patches, 16 a side (the real 16384, 512): 128 px pads to 140, 10x10 patches, 25 tokens
     "max_patches": 256,
     "max_side": 16,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-kimi-k2.5": TinyModel("kimi_k25", build_tiny_kimi_k25, TINY),
 }

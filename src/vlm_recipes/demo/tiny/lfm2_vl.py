@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 MIRRORS = "LiquidAI/LFM2-VL-1.6B"
@@ -155,7 +155,7 @@ def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Lfm2VlForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_lfm2_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_lfm2_vl builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "intermediate": 192,  # block_ff_dim: an MLP 128 wide after LFM2's 2/3 sizing
@@ -175,4 +175,10 @@ TINY = {
     "max_pixels_tolerance": 0.75,
     "tile": 64,
     "max_tiles": 4,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-lfm2-vl": TinyModel("lfm2_vl", build_tiny_lfm2_vl, TINY),
 }

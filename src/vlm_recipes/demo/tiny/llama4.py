@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 MIRRORS = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
@@ -216,7 +216,7 @@ def build_tiny_llama4(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Llama4ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_llama4 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_llama4 builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "dense_intermediate": 256,  # the dense layer's MLP: 2x the experts', as 16384 to 8192 there
@@ -230,4 +230,10 @@ TINY = {
     "tile": 56,  # 4x4 patches, pixel-shuffled to 2x2 = 4 tokens a tile (336 px, 144 tokens there)
     # up to 4 tiles and a global one: an image is at most 20 <|patch|> tokens and 7 markers (16 tiles there)
     "max_tiles": 4,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-llama4": TinyModel("llama4", build_tiny_llama4, TINY),
 }

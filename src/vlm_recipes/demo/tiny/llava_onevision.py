@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, qwen_generation, qwen_tokenizer, save_tiny_model
 from vlm_recipes.demo.tiny.dims import (
     TINY_TEXT_DIMS,
     TINY_VISION_DIMS,
@@ -66,7 +66,7 @@ def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None
     )
 
 
-# What build_tiny_llava_onevision builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_llava_onevision builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     **TINY_VISION_DIMS,
@@ -75,4 +75,10 @@ TINY = {
     # scaled down and the interpolation branch runs too. An image: 4 + at most 16 + 4 tokens.
     "pinpoints": [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]],
     "aspect_ratio": "anyres_max_2",
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-llava-onevision": TinyModel("llava_onevision", build_tiny_llava_onevision, TINY),
 }

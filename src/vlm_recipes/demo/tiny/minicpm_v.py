@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_5 import hybrid_attention_fields
 
@@ -208,7 +208,7 @@ def build_tiny_minicpm_v(out: Path, dims: dict, corpus: list[str]) -> None:
     )
 
 
-# What build_tiny_minicpm_v builds (demo/models.py: DEMO_MODELS)
+# What build_tiny_minicpm_v builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     # Gated DeltaNet, then gated full attention: the real 3:1 pattern of 24 layers cut to one of each
@@ -223,4 +223,10 @@ TINY = {
     "insert_layer_id": 0,  # the window merger after the first of 2 layers (the real: after 7 of 27)
     # an image up to 112x112 px: 4 tokens; a larger one (the demo's 112x140) adds 2 slices
     "scale_resolution": 112,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-minicpm-v4.6": TinyModel("minicpmv4_6", build_tiny_minicpm_v, TINY),
 }

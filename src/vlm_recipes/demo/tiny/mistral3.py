@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import byte_level_bpe, generation_ids, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
@@ -115,11 +115,17 @@ def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Mistral3ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_mistral3 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_mistral3 builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     **TINY_VISION_DIMS,
     "patch": 14,  # the real tower's 14 px patches, merged 2x2: one token per 28x28 px
     "merge": 2,
     "longest_edge": 112,  # at most 4x4 tokens an image (the real: 1540 px, 55x55)
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-mistral3": TinyModel("mistral3", build_tiny_mistral3, TINY),
 }

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import generation_ids, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny import (
+    TinyModel,
+    generation_ids,
+    qwen_tokenizer_from,
+    save_tiny_model,
+    train_qwen_bpe,
+)
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # The published checkpoints' chat template, byte for byte (the family module holds it, with the training variant
@@ -133,7 +139,7 @@ def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.Molmo2ForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_molmo2 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_molmo2 builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     **TINY_VISION_DIMS,
@@ -142,4 +148,10 @@ TINY = {
     "crop": 56,
     "margins": [1, 1],
     "max_crops": 8,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-molmo2": TinyModel("molmo2", build_tiny_molmo2, TINY),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlm_recipes.demo.tiny import TinyModel
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS
 from vlm_recipes.demo.tiny.qwen2_vl import (
     qwen2_text_config,
@@ -30,7 +31,7 @@ def build_tiny_qwen2_5_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     save_qwen_vl(out, transformers.Qwen2_5_VLForConditionalGeneration, processor, dims, text, tower)
 
 
-# What build_tiny_qwen2_5_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_qwen2_5_vl builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "mrope": [2, 3, 3],  # head_dim 16: 8 rotary frequencies over (t, h, w), Qwen2.5-VL's [16, 24, 24] scaled
@@ -43,4 +44,10 @@ TINY = {
     "window_size": 56,
     "fullatt_block_indexes": [1],
     "max_pixels": 28 * 28 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-qwen2.5-vl": TinyModel("qwen2_5_vl", build_tiny_qwen2_5_vl, TINY),
 }

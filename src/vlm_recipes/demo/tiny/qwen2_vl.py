@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer, save_tiny_model
+from vlm_recipes.demo.tiny import TinyModel, qwen_generation, qwen_tokenizer, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 
 # The Qwen-VL special tokens, in the order the real tokenizers number them (right after the BPE vocab).
@@ -116,7 +116,7 @@ def save_qwen_vl(
     save_tiny_model(out, model_class, config, processor, dims, **qwen_generation(ids))
 
 
-# What build_tiny_qwen2_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_qwen2_vl builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "mrope": [2, 3, 3],
@@ -169,4 +169,16 @@ BENCH_WIDE = {
     "layers": 4,
     "vision_depth": 5,
     "vocab": 21760,  # 151,936 x 4/28, rounded up to a multiple of 64; the local tokenizer's rows come first
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-qwen2-vl": TinyModel("qwen2_vl", build_tiny_qwen2_vl, TINY),
+    # ~16M parameters, for scripts/benchmark.py
+    "demo:bench-qwen2-vl": TinyModel("qwen2_vl", build_tiny_qwen2_vl, BENCH),
+    # Qwen2-VL-2B's widths, 1/7 of its depth (CPU bench)
+    "demo:bench-qwen2-vl-wide": TinyModel("qwen2_vl", build_tiny_qwen2_vl, BENCH_WIDE),
+    # Qwen2-VL-2B's dimensions, random weights (GPU bench)
+    "demo:qwen2-vl-2b-shaped": TinyModel("qwen2_vl", build_tiny_qwen2_vl, QWEN2_VL_2B_SHAPED),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlm_recipes.demo.tiny import TinyModel
 from vlm_recipes.demo.tiny.qwen2_vl import save_qwen_vl
 from vlm_recipes.demo.tiny.qwen3_vl import qwen3_text_config, qwen3_vision_config, qwen3_vl_processor
 
@@ -58,7 +59,7 @@ def hybrid_attention_fields(dims: dict) -> dict:
     }
 
 
-# What build_tiny_qwen3_5 builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_qwen3_5 builds, one dict per demo model (BUILDS below)
 TINY = {
     "hidden": 64,
     "intermediate": 128,
@@ -87,4 +88,11 @@ TINY_MOE = {
     "experts": 4,  # routed experts, two of them per token (the real: 256, eight), and one shared expert
     "experts_per_token": 2,
     "expert_intermediate": 32,
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-qwen3.5": TinyModel("qwen3_5", build_tiny_qwen3_5, TINY),
+    "demo:tiny-qwen3.5-moe": TinyModel("qwen3_5_moe", build_tiny_qwen3_5, TINY_MOE),
 }

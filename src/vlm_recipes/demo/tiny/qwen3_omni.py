@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_generation, qwen_tokenizer_from, save_tiny_model, train_qwen_bpe
+from vlm_recipes.demo.tiny import (
+    TinyModel,
+    qwen_generation,
+    qwen_tokenizer_from,
+    save_tiny_model,
+    train_qwen_bpe,
+)
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config
@@ -196,7 +202,7 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
     )
 
 
-# What build_tiny_qwen3_omni builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_qwen3_omni builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     "mrope": [4, 2, 2],  # 8 rotary frequencies, interleaved t/h/w: the published [24, 20, 20] of 64, scaled
@@ -217,4 +223,10 @@ TINY = {
     "audio_heads": 2,
     "audio_downsample": 8,  # the conv stem's channels (the published: 480)
     "max_pixels": 32 * 32 * 64,  # at most 64 merged image tokens per image (one per 32x32 px)
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-qwen3-omni-thinker": TinyModel("qwen3_omni_moe_thinker", build_tiny_qwen3_omni, TINY),
 }

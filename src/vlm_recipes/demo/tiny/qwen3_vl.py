@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import qwen_tokenizer
+from vlm_recipes.demo.tiny import TinyModel, qwen_tokenizer
 from vlm_recipes.demo.tiny.qwen2_vl import (
     QWEN_VL_SPECIAL_TOKENS,
     qwen_text_config,
@@ -72,7 +72,7 @@ def qwen3_vision_config(dims: dict, **extra) -> dict:
     return qwen_vision_config(dims, 16, num_position_embeddings=dims["vision_positions"], **extra)
 
 
-# What build_tiny_qwen3_vl builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_qwen3_vl builds, one dict per demo model (BUILDS below)
 TINY = {
     "hidden": 64,
     "intermediate": 128,
@@ -92,4 +92,10 @@ TINY = {
     # two levels after intermediate layers, never the last, like the real [5, 11, 17] of 24 layers
     "deepstack": [0, 1],
     "max_pixels": 32 * 32 * 16,  # at most 16 merged image tokens per image: fast on CPU
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-qwen3-vl": TinyModel("qwen3_vl", build_tiny_qwen3_vl, TINY),
 }

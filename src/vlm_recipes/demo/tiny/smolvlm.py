@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.demo.tiny import generation_ids, save_tiny_model, train_byte_level_bpe
+from vlm_recipes.demo.tiny import TinyModel, generation_ids, save_tiny_model, train_byte_level_bpe
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
 # GPT-2's pre-tokenizer regex (SmolLM2's tokenizer is a GPT-2 byte-level BPE), digits split one by one
@@ -98,7 +98,7 @@ def build_tiny_smolvlm(out: Path, dims: dict, corpus: list[str]) -> None:
     save_tiny_model(out, transformers.SmolVLMForConditionalGeneration, config, processor, dims, **generation)
 
 
-# What build_tiny_smolvlm builds, one dict per demo model (demo/models.py: DEMO_MODELS)
+# What build_tiny_smolvlm builds, one dict per demo model (BUILDS below)
 TINY = {
     **TINY_TEXT_DIMS,
     **TINY_VISION_DIMS,
@@ -106,4 +106,10 @@ TINY = {
     "patch": 16,
     "scale_factor": 2,
     "longest_edge": 128,  # at most 2x2 tiles + the global view: 20 <image> tokens per image
+}
+
+
+# The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)
+BUILDS = {
+    "demo:tiny-smolvlm": TinyModel("smolvlm", build_tiny_smolvlm, TINY),
 }
