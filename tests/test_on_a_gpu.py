@@ -126,14 +126,17 @@ def r1_loss_curve(out: Path, family: str, *settings: str) -> tuple[list[float], 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel installed")
 @pytest.mark.parametrize("family", list(TINY_MODELS))
 def test_liger_kernels_train_as_torch_layers_do_on_the_gpu(family, tmp_path):
-    """r1 for 6 steps with Liger's kernels and without: every step's loss as near torch's as the noise floor
-    allows, the floor being the same training with each batch of 4 split into 2 micro-batches of 2 (the same
+    """r1 for 6 steps with Liger's kernels and without (a family whose types Liger's table lacks: off, skipped
+    saying so): every step's loss as near torch's as the noise floor allows, the floor being the same training with each batch of 4 split into 2 micro-batches of 2 (the same
     gradient, its sums in another order: rounding alone), far below what the 6 steps moved the loss."""
+    liger, decisions = r1_loss_curve(tmp_path / "on", family, "training.liger_kernels=true")
+    # a family whose type and parts Liger's table lacks is off, saying so (tests/test_liger.py checks which)
+    if "Liger has no kernels for model type" in decisions["liger-kernels"]["reason"]:
+        pytest.skip(decisions["liger-kernels"]["reason"])
+    assert decisions["liger-kernels"]["choice"] != "off", decisions["liger-kernels"]
     torch_layers, _ = r1_loss_curve(tmp_path / "off", family, "training.liger_kernels=false")
     split = ("training.per_device_batch_size=2", "training.gradient_accumulation_steps=2")
     floor_run, _ = r1_loss_curve(tmp_path / "floor", family, "training.liger_kernels=false", *split)
-    liger, decisions = r1_loss_curve(tmp_path / "on", family, "training.liger_kernels=true")
-    assert decisions["liger-kernels"]["choice"] != "off", decisions["liger-kernels"]
     floor = max(abs(a - b) for a, b in zip(torch_layers, floor_run, strict=True))
     apart = max(abs(a - b) for a, b in zip(torch_layers, liger, strict=True))
     moved = abs(torch_layers[0] - torch_layers[-1])
