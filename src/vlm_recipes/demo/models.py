@@ -16,10 +16,8 @@ built in seconds.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import pkgutil
 import shutil
 import subprocess
 import sys
@@ -28,9 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlm_recipes.demo import tiny
 from vlm_recipes.demo.dataset import VERSION, tokenizer_corpus
-from vlm_recipes.demo.tiny import TinyModel
+from vlm_recipes.demo.tiny import TinyModel, every_build
 from vlm_recipes.errors import UnsupportedModelError
 from vlm_recipes.families import FAMILIES, Family
 from vlm_recipes.files import build_dir_atomically, cache_dir, read_json, write_json
@@ -51,13 +48,9 @@ def _demo_models() -> dict[str, DemoModel]:
     """Every tiny module's BUILDS, each with the family naming its model type: the families' models first,
     in the registry's order, then the generic family's; a module's own in the order it lists them."""
     found: dict[str, DemoModel] = {}
-    for module in pkgutil.iter_modules(tiny.__path__):
-        builds = getattr(importlib.import_module(f"{tiny.__name__}.{module.name}"), "BUILDS", {})
-        for demo_id, built in builds.items():
-            if demo_id in found:
-                raise ValueError(f"demo/tiny/{module.name}.py: {demo_id} is built by another module too")
-            family = next((f for f in FAMILIES if built.model_type in f.model_types), None)
-            found[demo_id] = DemoModel(built.model_type, built.build, built.dims, family=family)
+    for demo_id, built in every_build().items():
+        family = next((f for f in FAMILIES if built.model_type in f.model_types), None)
+        found[demo_id] = DemoModel(built.model_type, built.build, built.dims, family=family)
     rank = [id(family) for family in FAMILIES]  # a Family holds dicts: unhashable, so ranked by identity
 
     def registry_order(item: tuple[str, DemoModel]) -> int:

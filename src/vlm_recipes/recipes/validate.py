@@ -179,13 +179,13 @@ def note_renamed(where: str, old: str, new: str) -> None:
 def model_source_problem(source: str) -> str | None:
     """Why a model source cannot be found, judged without touching the network."""
     if source.startswith("demo:"):
-        # imported here: the registry imports every family's transformers classes (seconds), and recipes/
-        # stays light so that a bad command line or recipe is reported at once
-        from vlm_recipes.demo.models import DEMO_MODEL_IDS
+        # the tiny builders' ids, read without transformers or torch (the registry, demo/models.py, imports
+        # every family's classes: seconds): a bad command line or recipe is reported at once
+        from vlm_recipes.demo.tiny import every_build
 
-        if source in DEMO_MODEL_IDS:
+        if source in (ids := every_build()):
             return None
-        return f"unknown demo model `{source}`: the demo models are {', '.join(DEMO_MODEL_IDS)}"
+        return f"unknown demo model `{source}`: the demo models are {', '.join(ids)}"
     looks_local = source.startswith(("/", "./", "../", "~")) or Path(source).expanduser().exists()
     if looks_local and not (Path(source).expanduser() / "config.json").is_file():
         return f"`{source}` is not a model directory (no config.json there)"

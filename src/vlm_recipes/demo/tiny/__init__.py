@@ -5,14 +5,17 @@ saving random weights (``tiny/dims.py``: the sizes and the config fields made of
 The tiny models exist so that every recipe runs end to end with no model hub: the family's real
 processor class, special tokens and chat template, a small tokenizer trained here, random weights. Each
 module holds its builder, the settings of its demo models (``TINY``, ...) and ``BUILDS``: demo id ->
-``TinyModel`` (the model type it builds, builder, settings). ``demo/models.py`` finds every module's
+``TinyModel`` (the model type it builds, builder, settings). ``every_build`` finds every module's
 ``BUILDS``, so a new module is all a new demo model needs. A builder may read its family's module (its
-published chat template); no family module imports anything here.
+published chat template), inside the builder: a module is imported without transformers or torch, so a
+recipe's `demo:` model is checked at once (recipes/validate.py). No family module imports anything here.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,18 @@ class TinyModel:
     model_type: str
     build: Callable[[Path, dict, list[str]], None]  # (out, dims, tokenizer corpus)
     dims: dict
+
+
+def every_build() -> dict[str, TinyModel]:
+    """Every module's BUILDS, in the modules' order: demo id -> what it builds."""
+    found: dict[str, TinyModel] = {}
+    for module in pkgutil.iter_modules(__path__):
+        builds = getattr(importlib.import_module(f"{__name__}.{module.name}"), "BUILDS", {})
+        for demo_id, built in builds.items():
+            if demo_id in found:
+                raise ValueError(f"demo/tiny/{module.name}.py: {demo_id} is built by another module too")
+            found[demo_id] = built
+    return found
 
 
 def train_byte_level_bpe(

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
-from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
 # 151344; the model config's image_token_id 151343 and video_token_id 151344). The added tokens after them
@@ -61,6 +60,8 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (the family's GLM4V_CHAT_TEMPLATE). `dims` with `experts`:
     GLM-4.5V's Glm4vMoeForConditionalGeneration (same processor and tower)."""
     import transformers
+
+    from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE
 
     tok = glm4_tokenizer(corpus)
     tok.chat_template = GLM4V_CHAT_TEMPLATE

@@ -15,7 +15,6 @@ from vlm_recipes.demo.tiny import (
 )
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS
-from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 
 # Qwen3's special tokens as InternVL3.5 keeps them (<|endoftext|> pad, <|im_end|> eos), then the tokens the
 # InternVL -HF conversion adds in this order (OpenGVLab/InternVL internvl_chat/tools/internvl_custom2hf.py and
@@ -61,6 +60,8 @@ def internvl_tokenizer(corpus: list[str]):
 def build_tiny_internvl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's INTERNVL_CHAT_TEMPLATE)."""
     import transformers
+
+    from vlm_recipes.families.internvl import INTERNVL_CHAT_TEMPLATE
 
     tok = internvl_tokenizer(corpus)
     tok.chat_template = INTERNVL_CHAT_TEMPLATE

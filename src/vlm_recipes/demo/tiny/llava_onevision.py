@@ -12,7 +12,6 @@ from vlm_recipes.demo.tiny.dims import (
     siglip_vision_config,
     tiny_text_config,
 )
-from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 
 # Qwen2's chat tokens (<|endoftext|> pad, <|im_end|> eos), then the two the llava-hf conversion adds
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
@@ -21,6 +20,8 @@ LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
 def build_tiny_llava_onevision(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's LLAVA_ONEVISION_CHAT_TEMPLATE)."""
     import transformers
+
+    from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION_CHAT_TEMPLATE
 
     tok = qwen_tokenizer(corpus, LLAVA_ONEVISION_SPECIAL_TOKENS)
     tok.chat_template = LLAVA_ONEVISION_CHAT_TEMPLATE

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
-from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
 # Tekken's control tokens, ranks 0..19 as mistral-common numbers them (Tekkenizer.DEPRECATED_SPECIAL_TOKENS:
 # the real tokenizers fill ranks 20..999 with <SPECIAL_n>, left out here). The BPE vocab follows them.
@@ -65,6 +64,8 @@ def tekken_tokenizer(corpus: list[str]):
 def build_tiny_mistral3(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (the family's MISTRAL3_CHAT_TEMPLATE)."""
     import transformers
+
+    from vlm_recipes.families.mistral3_template import DEFAULT_SYSTEM_PROMPT_EXAMPLE, MISTRAL3_CHAT_TEMPLATE
 
     # the template writes the default system prompt into every conversation without one: its words are
     # learned as the real tokenizer has them, a few tokens each

@@ -16,10 +16,6 @@ from vlm_recipes.demo.tiny import (
 )
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
 
-# The published checkpoints' chat template, byte for byte (the family module holds it, with the training variant
-# stages use: its last answer ends with <|im_end|>, each answer marked for the loss)
-from vlm_recipes.families.molmo2 import MOLMO2_CHAT_TEMPLATE
-
 MIRRORS = "allenai/Molmo2-4B"
 
 # Qwen3's chat tokens, numbered right after the BPE vocab as Qwen numbers them (<|endoftext|> pad, <|im_end|> eos;
@@ -60,6 +56,10 @@ def molmo2_tokenizer(corpus: list[str]):
 def build_tiny_molmo2(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoints' chat template (MOLMO2_CHAT_TEMPLATE)."""
     import transformers
+
+    # the published checkpoints' chat template, byte for byte (the family module holds it, with the
+    # training variant stages use: its last answer ends with <|im_end|>, each answer marked for the loss)
+    from vlm_recipes.families.molmo2 import MOLMO2_CHAT_TEMPLATE
 
     tok, vocab_size = molmo2_tokenizer(corpus)
     tok.chat_template = MOLMO2_CHAT_TEMPLATE
