@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from vlm_recipes.benchmark_metrics.vqa_accuracy import vqa_accuracy
 from vlm_recipes.demo.dataset import ensure_demo_dataset
 from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.benchmarks import answer_scores, choose_eval_metrics, exact_match_score
@@ -20,7 +21,6 @@ from vlm_recipes.evaluation.generation import (
     generate_answers,
     prompts_from_rows,
 )
-from vlm_recipes.evaluation.paper_metrics import vqa_accuracy
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.model.build import load_processor
 from vlm_recipes.recipes.schema import DataSettings

@@ -15,6 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+from vlm_recipes.benchmark_metrics.vqa_accuracy import vqa_accuracy
 from vlm_recipes.cli.train import main
 from vlm_recipes.comparison.run_table import format_summary
 from vlm_recipes.data.collate import VideoCollator
@@ -25,7 +26,6 @@ from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.benchmarks import answer_scores
 from vlm_recipes.evaluation.generation import answer_box_in_pixels, generate_answers, prompts_from_rows
 from vlm_recipes.evaluation.metrics import decide_eval_metrics
-from vlm_recipes.evaluation.paper_metrics import vqa_accuracy
 from vlm_recipes.families import FAMILIES
 from vlm_recipes.files import read_json
 from vlm_recipes.model.build import load_processor

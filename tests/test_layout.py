@@ -33,6 +33,7 @@ FLOORS = [
     ["caches"],
     ["data"],
     ["recipes"],
+    ["benchmark_metrics"],
     ["demo"],
     ["families"],
     ["machine"],
@@ -213,6 +214,23 @@ def test_no_module_outside_methods_decides_by_a_methods_name():
         deciding
     )
     assert names >= {"sft", "dpo", "grpo"}  # the registry was read
+
+
+def test_no_module_outside_benchmark_metrics_names_a_metric():
+    """A benchmark metric is its module and one registry line: the schema, the eval, the tables, the pages
+    and the figure ask benchmark_metrics.METRICS, and no text of theirs is a metric's name or its key."""
+    from vlm_recipes.benchmark_metrics import METRICS
+
+    names = set(METRICS) | {metric.key for metric in METRICS.values()}
+    naming = [
+        f"{module_name(path)}:{node.lineno} {node.value!r}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if room_of(module_name(path)) != "benchmark_metrics"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert not naming, "ask the metric (benchmark_metrics.METRICS) instead of naming it: " + ", ".join(naming)
+    assert {"vqa_accuracy", "eval_box_acc50"} <= names  # the registry was read
 
 
 def test_the_default_method_answers_what_reading_it_without_the_methods_assumes():

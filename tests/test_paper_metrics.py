@@ -1,4 +1,4 @@
-"""The paper metrics (evaluation/paper_metrics.py) against their benchmarks' official scorers.
+"""The paper metrics' ports (benchmark_metrics/, one module each) against their benchmarks' official scorers.
 
 Every expected value below is what the official code itself returned on that case: each scorer's file was
 taken from the commit named, run unmodified outside this repository (apart from stubbing an unrelated
@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from vlm_recipes.evaluation.paper_metrics import (
-    anls,
-    box_acc50,
-    option_accuracy,
-    option_letter,
-    references_of,
-    relaxed_accuracy,
-    vqa_accuracy,
-    vqa_normalize,
-)
+from vlm_recipes.benchmark_metrics.anls import anls
+from vlm_recipes.benchmark_metrics.box_acc50 import box_acc50
+from vlm_recipes.benchmark_metrics.metric import references_of
+from vlm_recipes.benchmark_metrics.option_accuracy import option_accuracy, option_letter
+from vlm_recipes.benchmark_metrics.relaxed_accuracy import relaxed_accuracy
+from vlm_recipes.benchmark_metrics.vqa_accuracy import vqa_accuracy, vqa_normalize
 
 # --- VQA accuracy ------------------------------------------------------------------------------------------
 # Source: the VQA challenge server's scorer, Cloud-CV/VQA-Challenge PythonEvaluationTools/vqaEvaluation/

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from vlm_recipes.benchmark_metrics import METRICS
     from vlm_recipes.data.formats import EVAL_COLUMNS
     from vlm_recipes.data.images import upright_rgb
     from vlm_recipes.data.rows import VideoRules, load_split
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
     from vlm_recipes.machine import detect_environment
     from vlm_recipes.model.build import detect_family
     from vlm_recipes.model.guards import decide_precision
-    from vlm_recipes.recipes.schema import BENCHMARK_METRICS, DataSettings
+    from vlm_recipes.recipes.schema import DataSettings
 
     try:
         model_dir = resolve_model_dir(args.model)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None, prog: str = "predict.py") -> int:
             print(
                 f"\nexact match {overall['exact_match']:.3f} on {overall['rows']} rows"
                 + (f"; JSON field F1 {overall['json_fields']['f1']:.3f}" if "json_fields" in overall else "")
-                + "".join(f"; {m} {overall[m]:.3f}" for m in BENCHMARK_METRICS if m in overall)
+                + "".join(f"; {m} {overall[m]:.3f}" for m in METRICS if m in overall)
             )
             if args.output:
                 write_jsonl(args.output, records)

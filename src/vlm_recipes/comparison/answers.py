@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlm_recipes.comparison.run_summary import SCORE_LABELS
+from vlm_recipes.comparison.run_summary import score_labels
 from vlm_recipes.files import read_json
 
 ROWS_SHOWN = 3  # eval rows shown side by side by default
@@ -87,7 +87,7 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
                 )
                 row.right.append(right)
                 row.scores.append(
-                    {k: record[k] for k in SCORE_LABELS if record.get(k) is not None} if same else {}
+                    {k: record[k] for k in score_labels() if record.get(k) is not None} if same else {}
                 )
         rights = {right for right in row.right if right is not None}
         candidates.append((0 if len(rights) == 2 else 1 if row.answers_differ() else 2, row))
@@ -101,7 +101,8 @@ def side_by_side(runs: list[tuple[str, Path]], rows: int = ROWS_SHOWN) -> list[R
 
 def format_scores(scores: dict[str, float]) -> str:
     """An answer's scores by name, e.g. "exact match 0 · VQA acc 0.67 · option acc 1" ("" without one)."""
-    return " · ".join(f"{SCORE_LABELS[k]} {round(v, 2):g}" for k, v in scores.items())
+    labels = score_labels()
+    return " · ".join(f"{labels[k]} {round(v, 2):g}" for k, v in scores.items())
 
 
 def _one_line(text: str, width: int) -> str:

@@ -5,28 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.comparison.tables import (
     Comparison,
     RecipeRow,
     mean_std,
     spread_marks,
 )
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 
-TASK_METRICS = [
-    ("exact_match", "exact match", "o"),
-    ("json_f1", "JSON field F1", "s"),
-    *((m, BENCHMARK_LABELS[m], marker) for m, marker in zip(BENCHMARK_METRICS, "DPXh*", strict=True)),
-]
+EVERY_EVAL = [("exact_match", "exact match", "o"), ("json_f1", "JSON field F1", "s")]
 MEASURE_MARKERS = "^v<>pd"  # the methods' scores (DPO's reward accuracy, GRPO's mean reward, ...), in turn
-# not named as "not measured" where absent: a benchmark's metric only an eval whose rows it scores
-MEASURED_SOMETIMES = BENCHMARK_METRICS
 
 
 def task_metrics(rows: list[RecipeRow]) -> list[tuple[str, str, str]]:
-    """The panel's metrics: TASK_METRICS, then each measure of the runs' methods where higher is better (a
-    score: DPO's reward accuracy, GRPO's mean reward; a distance such as the KL to a teacher is the table's)."""
+    """The panel's metrics, (attribute, label, marker): exact match and JSON field F1, each benchmark metric
+    with its own mark, then each measure of the runs' methods where higher is better (a score: DPO's reward
+    accuracy, GRPO's mean reward; a distance such as the KL to a teacher is the table's)."""
     about = {key: a for row in rows for r in row.runs for key, a in r.measure_about.items()}
     scores = [
         (key, f"{a['heading']} ({row_method(rows, key)})")
@@ -34,7 +28,9 @@ def task_metrics(rows: list[RecipeRow]) -> list[tuple[str, str, str]]:
         if a["higher_is_better"]
     ]
     markers = (MEASURE_MARKERS * len(scores))[: len(scores)]
-    return TASK_METRICS + [(key, label, marker) for (key, label), marker in zip(scores, markers, strict=True)]
+    benchmarks = [(name, metric.heading, metric.mark) for name, metric in METRICS.items()]
+    measures = [(key, label, marker) for (key, label), marker in zip(scores, markers, strict=True)]
+    return EVERY_EVAL + benchmarks + measures
 
 
 def row_method(rows: list[RecipeRow], key: str) -> str:
@@ -167,7 +163,7 @@ def _task_metrics(axis, rows: list[RecipeRow], colors: list[str]) -> None:
             shown.append((attr, label, marker))
         elif values:
             zero.append(label)
-        elif attr not in MEASURED_SOMETIMES:
+        elif attr not in METRICS:  # a benchmark metric only an eval whose rows it scores has: not named
             missing.append(label)
     not_shown = [f"{', '.join(zero)}: 0.000 in every run"] * bool(zero)
     not_shown += [f"{', '.join(missing)}: not measured"] * bool(missing)

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from PIL import Image
 
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.comparison.answers import ROWS_SHOWN, WHEN, RowAnswers, format_scores
 from vlm_recipes.comparison.mixture_table import mixture_html
-from vlm_recipes.comparison.plot import draw_train_curves, plot_comparison
-from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS, load_run
+from vlm_recipes.comparison.plot import EVERY_EVAL, draw_train_curves, plot_comparison
+from vlm_recipes.comparison.run_summary import load_run
 from vlm_recipes.comparison.tables import (
     MARKS,
     Comparison,
@@ -123,7 +124,8 @@ def task_table(rows: list[RecipeRow], by: str = "task") -> str:
     groups = sorted({group for row in rows for run in row.runs for group in getattr(run, scores)})
     if not groups:
         return ""
-    metrics = [m for m in TASK_METRICS if any(_task_values(r, g, m, scores) for r in rows for g in groups)]
+    labels = task_metric_labels()
+    metrics = [m for m in labels if any(_task_values(r, g, m, scores) for r in rows for g in groups)]
     body = []
     for group in groups:
         cells = [f"<td>{_text(group)}</td>"]
@@ -136,13 +138,17 @@ def task_table(rows: list[RecipeRow], by: str = "task") -> str:
         body.append(f'<tr class="{by}-row">{"".join(cells)}</tr>')
     recipes = "".join(f"<th>{_text(row.recipe)}</th>" for row in rows)
     head = f"<tr><th rowspan=2>{by}</th>" + "".join(
-        f"<th colspan={len(rows)}>{_text(TASK_METRICS[m])}</th>" for m in metrics
+        f"<th colspan={len(rows)}>{_text(labels[m])}</th>" for m in metrics
     )
     head += f"</tr><tr>{recipes * len(metrics)}</tr>"
     return f'<h3>Per-{by} metrics</h3><table class="metrics">{head}{"".join(body)}</table>'
 
 
-TASK_METRICS = {"exact_match": "exact match", "json_f1": "JSON field F1"} | BENCHMARK_LABELS
+def task_metric_labels() -> dict[str, str]:
+    """A task's scores by their headings: exact match, JSON field F1, each benchmark metric's."""
+    return {attr: label for attr, label, _ in EVERY_EVAL} | {
+        m: metric.heading for m, metric in METRICS.items()
+    }
 
 
 def _task_values(row: RecipeRow, group: str, metric: str, scores: str = "task_scores") -> list[float]:

@@ -10,21 +10,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.errors import RunNotComparable
 from vlm_recipes.files import read_json
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, DEFAULT_METHOD
+from vlm_recipes.recipes.schema import DEFAULT_METHOD
 from vlm_recipes.runs.manifest import run_state
 
-# The benchmarks' metrics as the comparison and the end-of-run table (run_table.py) head them, and every
-# score an eval row's prediction record may carry.
-BENCHMARK_LABELS = {
-    "vqa_accuracy": "VQA acc",
-    "anls": "ANLS",
-    "relaxed_accuracy": "relaxed acc",
-    "option_accuracy": "option acc",
-    "box_acc50": "box Acc@0.5",
-}
-SCORE_LABELS = {"exact_match": "exact match"} | BENCHMARK_LABELS
+
+def score_labels() -> dict[str, str]:
+    """Every score an eval row's prediction record may carry, by its heading: exact match, then each
+    benchmark metric's (asked when shown: a metric registered after import shows too)."""
+    return {"exact_match": "exact match"} | {name: metric.heading for name, metric in METRICS.items()}
+
+
 AT_START = "@start"  # a measure's column before the last stage's step 1: `eval_reward@start`
 
 
@@ -71,7 +69,7 @@ class RunSummary:
     def value(self, name: str) -> float | None:
         """A column's value: a benchmark metric's mean, a measure of the last stage's method (`<key>@start`:
         before its step 1), or the attribute (None where not computed)."""
-        if name in BENCHMARK_METRICS:
+        if name in METRICS:
             return self.benchmark_scores.get(name)
         if name.endswith(AT_START):
             return self.measures_at_start.get(name.removesuffix(AT_START))
@@ -124,7 +122,7 @@ def load_run(run_dir: Path) -> RunSummary:
         task_scores=task_scores(last.get("eval") or {}),
         source_scores=task_scores(last.get("eval") or {}, "source:"),
         benchmark_scores={
-            m: last[f"eval_{m}"] for m in BENCHMARK_METRICS if last.get(f"eval_{m}") is not None
+            name: last[metric.key] for name, metric in METRICS.items() if last.get(metric.key) is not None
         },
         mixtures=training_mixtures(manifest),
         measures={key: last[key] for key in about if last.get(key) is not None},
@@ -165,7 +163,7 @@ def task_scores(scores: dict, prefix: str = "task:") -> dict[str, dict[str, floa
             out[name.removeprefix(prefix)] = (
                 {"exact_match": entry["exact_match"]}
                 | ({"json_f1": entry["json_fields"]["f1"]} if entry.get("json_fields") else {})
-                | {m: entry[m] for m in BENCHMARK_METRICS if entry.get(m) is not None}
+                | {m: entry[m] for m in METRICS if entry.get(m) is not None}
             )
     return out
 

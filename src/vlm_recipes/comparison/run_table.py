@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_recipes.comparison.run_summary import BENCHMARK_LABELS
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.files import read_json
-from vlm_recipes.runs.manifest import BENCHMARK_KEYS
 
 
 def format_summary(run_dir: Path) -> str:
@@ -16,10 +15,10 @@ def format_summary(run_dir: Path) -> str:
     reward, ...), as start → end where the stage measured its start."""
     manifest = read_json(run_dir / "run.json")
     stages = manifest["stages"]
-    benchmarks = [key for key in BENCHMARK_KEYS if any(s.get(key) is not None for s in stages)]
+    benchmarks = [m for m in METRICS.values() if any(s.get(m.key) is not None for s in stages)]
     measures = {k: m["heading"] for s in stages for k, m in (s.get("measures") or {}).items()}
     header = f"{'#':>2}  {'stage':<20} {'steps':>5} {'train loss':>10} {'eval loss':>9} {'exact match':>11}"
-    header += "".join(f" {BENCHMARK_LABELS[key.removeprefix('eval_')]:>11}" for key in benchmarks)
+    header += "".join(f" {metric.heading:>11}" for metric in benchmarks)
     header += "".join(f" {heading:>15}" for heading in measures.values()) + f" {'time':>7}"
     lines = [f"Recipe {manifest['recipe']} finished: {len(stages)} stage(s)", "", header, "-" * len(header)]
     for s in stages:
@@ -28,7 +27,7 @@ def format_summary(run_dir: Path) -> str:
             f"{s['index']:>2}  {s['name']:<20} {s['steps'] or 0:>5} {_num(train_loss):>10} "
             f"{_num(eval_loss):>9} {_num(s.get('exact_match'), 3):>11}"
         )
-        line += "".join(f" {_num(s.get(key), 3):>11}" for key in benchmarks)
+        line += "".join(f" {_num(s.get(metric.key), 3):>11}" for metric in benchmarks)
         line += "".join(f" {_start_to_end((s.get('measures') or {}).get(key)):>15}" for key in measures)
         lines.append(line + f" {(s['wall_time_s'] or 0):>6.1f}s")
     lines += ["", f"Final model: {manifest['final_model']}", f"Run record:  {run_dir / 'run.json'}"]

@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.comparison.answers import (
     ROWS_SHOWN,
     RowAnswers,
@@ -22,8 +23,7 @@ from vlm_recipes.comparison.answers import (
     side_by_side,
 )
 from vlm_recipes.comparison.mixture_table import Draw, mixture_line
-from vlm_recipes.comparison.run_summary import AT_START, BENCHMARK_LABELS, RunSummary
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS
+from vlm_recipes.comparison.run_summary import AT_START, RunSummary
 
 # ---------------------------------------------------------------------------------------------
 # Aggregation
@@ -78,13 +78,14 @@ def compare_runs(runs: list[RunSummary]) -> Comparison:
 # Which differences are larger than the seed spread
 
 # The columns that say how good a recipe is, and which way is better; the costs (parameters, time, memory)
-# are not judged.
+# are not judged. And each benchmark metric (a score: higher is better), and each method's measures, as its
+# runs record them.
 HIGHER_IS_BETTER = {
     "train_loss": False,
     "eval_loss": False,
     "exact_match": True,
     "json_f1": True,
-} | dict.fromkeys(BENCHMARK_METRICS, True)  # and each method's measures, as its runs record them
+}
 LOSSES = ("train_loss", "eval_loss")
 NOT_JUDGED_LOSSES = ("policy",)  # a GRPO or RLOO stage's policy loss says nothing: lower is not better
 SPREAD_RULE = "|mean − best mean| > std + best std, std over seeds"
@@ -118,16 +119,23 @@ def spread_marks(rows: list[RecipeRow], attr: str) -> dict[str, str]:
 
 
 def higher_is_better(rows: list[RecipeRow], attr: str) -> bool:
-    """Which way a judged column is better: the fixed columns', or a method's measure as its runs record it."""
+    """Which way a judged column is better: the fixed columns', a benchmark metric's (higher), or a method's
+    measure as its runs record it."""
     if attr in HIGHER_IS_BETTER:
         return HIGHER_IS_BETTER[attr]
+    if attr in METRICS:
+        return True
     return next(
         r.measure_about[attr]["higher_is_better"] for row in rows for r in row.runs if attr in r.measure_about
     )
 
 
 def judged(rows: list[RecipeRow], attr: str) -> bool:
-    return attr in HIGHER_IS_BETTER or any(attr in r.measure_about for row in rows for r in row.runs)
+    return (
+        attr in HIGHER_IS_BETTER
+        or attr in METRICS
+        or any(attr in r.measure_about for row in rows for r in row.runs)
+    )
 
 
 def marks_against_best(values: dict[str, list[float]], higher_is_better: bool) -> dict[str, str]:
@@ -189,6 +197,8 @@ def spread_note(rows: list[RecipeRow]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Tables
 
+# The columns every table has, the costs last. Before the costs, shown_columns puts each benchmark metric some
+# run has (a table of SFT recipes has no column of dashes), then each measure of the runs' methods.
 COLUMNS = [
     ("recipe", None, None),
     ("runs", None, None),
@@ -198,8 +208,6 @@ COLUMNS = [
     ("eval loss", "eval_loss", "{:.4f}"),
     ("exact match", "exact_match", "{:.3f}"),
     ("JSON F1", "json_f1", "{:.3f}"),
-    *((BENCHMARK_LABELS[m], m, "{:.3f}") for m in BENCHMARK_METRICS),
-    # here: each measure of the last stages' methods (measure_columns)
     ("time s", "time_s", "{:.1f}"),
     ("samples/s", "samples_per_s", "{:.1f}"),
     ("peak mem GB", "peak_memory_gb", "{:.2f}"),
@@ -207,11 +215,6 @@ COLUMNS = [
 
 
 MARKS = {"best": " (best)", "beyond": " *", "": ""}
-
-
-# shown only where some run has one: a benchmark's metric where its rows carry what it reads (a table of SFT
-# recipes has no column of dashes)
-WHERE_MEASURED = BENCHMARK_METRICS
 
 
 def measure_columns(rows: list[RecipeRow]) -> list[tuple]:
@@ -228,9 +231,11 @@ def measure_columns(rows: list[RecipeRow]) -> list[tuple]:
 
 
 def shown_columns(rows: list[RecipeRow]) -> list[tuple]:
-    fixed = [c for c in COLUMNS if c[1] not in WHERE_MEASURED or any(row.values(c[1]) for row in rows)]
-    costs = next(i for i, c in enumerate(fixed) if c[1] == "time_s")
-    return fixed[:costs] + measure_columns(rows) + fixed[costs:]
+    benchmarks = [
+        (m.heading, name, "{:.3f}") for name, m in METRICS.items() if any(r.values(name) for r in rows)
+    ]
+    costs = next(i for i, c in enumerate(COLUMNS) if c[1] == "time_s")
+    return COLUMNS[:costs] + benchmarks + measure_columns(rows) + COLUMNS[costs:]
 
 
 def table_rows(rows: list[RecipeRow]) -> tuple[list[str], list[list[str]]]:

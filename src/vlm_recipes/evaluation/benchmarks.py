@@ -1,6 +1,6 @@
-"""The benchmarks' own metrics (paper_metrics.py) as a stage's eval computes them: what an eval row carries
-for them (`row_targets`), which of them an eval computes (`choose_eval_metrics`: data.eval_metrics, else
-what the rows carry) and each answer's score by each (`answer_scores`).
+"""The benchmarks' own metrics (benchmark_metrics/: one module each) as a stage's eval computes them: what an
+eval row carries for them (`row_targets`), which of them an eval computes (`choose_eval_metrics`:
+data.eval_metrics, else what the rows carry) and each answer's score by each (`answer_scores`).
 
 A row carries, beside its answer (the assistant turn SFT trains on, the reference exact match reads), the
 columns data/formats.EVAL_COLUMNS keeps, as the common datasets ship them:
@@ -13,7 +13,8 @@ columns data/formats.EVAL_COLUMNS keeps, as the common datasets ship them:
   text) (option_accuracy);
 - a box: the row's `solution` (a grounding prompt row's, in pixels of its image, as the iou reward reads it)
   or its answer when the answer is a box and nothing else (`[x1, y1, x2, y2]`, `(x1,y1),(x2,y2)`,
-  `{"bbox_2d": [...]}`: the frame the model is taught), read by scoring.first_box (box_acc50)."""
+  `{"bbox_2d": [...]}`: the frame the model is taught), read by scoring.first_box (box_acc50).
+Which rows a metric scores, and whether it is chosen by default, is its module's (BenchmarkMetric)."""
 
 from __future__ import annotations
 
@@ -21,47 +22,17 @@ import ast
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from vlm_recipes.benchmark_metrics import METRICS
+from vlm_recipes.benchmark_metrics.metric import Box, Targets, references_of
+from vlm_recipes.benchmark_metrics.vqa_accuracy import VQA_ANSWERS
 from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation import paper_metrics
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS
-from vlm_recipes.scoring import exact_match, first_box, normalize_text, parse_json_object
+from vlm_recipes.scoring import exact_match, first_box, normalize_text
 
-Box = tuple[float, float, float, float]
 LETTERS = tuple(c for c in EVAL_COLUMNS if len(c) == 1)  # A-Z
-# A row whose `answers` are this many or more is VQAv2's shape, ten annotators' answers, the one VQA accuracy
-# is made for (a match needs 3 of the other 9): VQAv2, TextVQA, VizWiz, OK-VQA (5 answers, each twice) and
-# A-OKVQA ship exactly 10. Fewer are accepted answers (DocVQA, InfographicVQA: 1-3), where VQA accuracy gives
-# a perfect answer 0 (1 answer) or 2/3 at most (3 the same), so exact match takes the best over them.
-VQA_ANSWERS = 10
-# What a row needs for a metric, as the decision and the errors say it.
-NEEDS = {
-    "vqa_accuracy": "ten annotators' answers (`answers`, VQAv2's shape)",
-    "option_accuracy": "options (`options`, `choices`, or A, B, ... columns)",
-    "box_acc50": "a reference box (a `solution` box, or an answer that is a box)",
-}
 # a number standing alone (not the 2 of `bbox_2d`)
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
-
-
-@dataclass(frozen=True)
-class Targets:
-    """What one eval row carries for the metrics: its reference answer (the assistant turn, or a prompt
-    row's solution), its `answers`, its options with the right one's letter, its reference box."""
-
-    reference: str
-    references: tuple[str, ...] = ()
-    options: Mapping[str, str] | None = None
-    correct: str | None = None
-    box: Box | None = None
-    box_in_pixels: bool = False  # a `solution` box: pixels of the row's image (the iou reward's reading)
-
-    @property
-    def is_json(self) -> bool:
-        """The reference is a JSON object: JSON field F1 scores the row (scoring.score_predictions)."""
-        return self.reference.strip().startswith("{") and parse_json_object(self.reference) is not None
 
 
 def row_targets(row: Mapping, reference: str, where: str) -> Targets:
@@ -83,7 +54,7 @@ def _references(value, where: str) -> tuple[str, ...]:
     if _missing(value):
         return ()
     try:
-        return tuple(paper_metrics.references_of(value))
+        return tuple(references_of(value))
     except TypeError as exc:
         raise DataError(f"{where}: `answers`: {exc}") from exc
 
@@ -152,16 +123,8 @@ def _box(row: Mapping, reference: str) -> tuple[Box | None, bool]:
 
 
 def scored_by(metric: str, targets: Targets) -> bool:
-    """Whether a row is scored by a metric: vqa_accuracy on rows with ten or more `answers` (VQA_ANSWERS),
-    option_accuracy on rows with options, box_acc50 on rows with a box; anls and relaxed_accuracy on every
-    row."""
-    if metric == "vqa_accuracy":
-        return len(targets.references) >= VQA_ANSWERS
-    if metric == "option_accuracy":
-        return targets.options is not None
-    if metric == "box_acc50":
-        return targets.box is not None
-    return True
+    """Whether a row is scored by a metric: whether it carries what the metric needs (its scores_row)."""
+    return METRICS[metric].scores_row(targets)
 
 
 def accepted_answers(targets: Targets) -> tuple[str, ...]:
@@ -182,31 +145,29 @@ def exact_match_score(answer: str, targets: Targets | None, reference: str) -> f
 def choose_eval_metrics(
     requested: Sequence[str] | None, targets: Sequence[Targets], source: str
 ) -> tuple[list[str], str]:
-    """(the metrics the eval computes, why): `requested` (data.eval_metrics), or, unset, those the rows carry
-    what they need for (ten annotators' `answers`: vqa_accuracy; options: option_accuracy; a box: box_acc50);
-    exact match always (the best over a row's few accepted `answers`), and JSON field F1 where references are
+    """(the metrics the eval computes, why): `requested` (data.eval_metrics), or, unset, each metric chosen by
+    default (BenchmarkMetric.by_default) that some row carries what it needs for (ten annotators' `answers`:
+    vqa_accuracy; options: option_accuracy; a box: box_acc50); exact match always (the best over a row's few accepted `answers`), and JSON field F1 where references are
     JSON objects. A requested metric no row can be scored by is a DataError."""
     rows = len(targets)
-    counts = {m: sum(scored_by(m, t) for t in targets) for m in BENCHMARK_METRICS}
+    counts = {m: sum(scored_by(m, t) for t in targets) for m in METRICS}
     if requested is None:
-        chosen = [m for m in ("vqa_accuracy", "option_accuracy", "box_acc50") if counts[m]]
-        said = [f"{counts[m]} of {rows} rows carry {NEEDS[m]}: {m}" for m in chosen]
+        defaults = [metric for metric in METRICS.values() if metric.by_default]
+        chosen = [metric.name for metric in defaults if counts[metric.name]]
+        said = [f"{counts[m]} of {rows} rows carry {METRICS[m].needs}: {m}" for m in chosen]
+        needs = [metric.needs for metric in defaults]
+        either = f"{', '.join(needs[:-1])} or {needs[-1]}" if len(needs) > 1 else "".join(needs)
         why = "data.eval_metrics unset, from what the eval rows carry: " + (
-            "; ".join(said) or "no row carries ten annotators' `answers`, options or a box"
+            "; ".join(said) or f"no row carries {either}"
         )
     else:
-        chosen = [m for m in BENCHMARK_METRICS if m in requested]
-        for metric in chosen:
-            if not counts[metric]:
-                few = metric == "vqa_accuracy" and any(t.references for t in targets)
+        chosen = [m for m in METRICS if m in requested]
+        for name in chosen:
+            if not counts[name]:
+                metric = METRICS[name]
                 raise DataError(
-                    f"data.eval_metrics asks for {metric}, but no row of {source} carries {NEEDS[metric]} "
-                    + (
-                        "(its rows' few accepted answers: exact match scores the best over them; add anls "
-                        "for partial credit) "
-                        if few
-                        else ""
-                    )
+                    f"data.eval_metrics asks for {name}, but no row of {source} carries {metric.needs} "
+                    + metric.advice(targets)
                     + "(docs/evaluation.md, 'The benchmarks' own metrics')"
                 )
         partly = [f"{m} on {counts[m]} of {rows} rows" for m in chosen if counts[m] < rows]
@@ -231,19 +192,8 @@ def answer_scores(
     `answer_box`: the answer's box in the reference's frame where it was converted (a `solution` box is in
     the image's pixels); else the answer's first box, as written."""
     scores: dict[str, float] = {}
-    references = list(targets.references) or [targets.reference]
-    for metric in metrics:
-        if metric not in BENCHMARK_METRICS or not scored_by(metric, targets):
-            continue
-        if metric == "vqa_accuracy":
-            scores[metric] = paper_metrics.vqa_accuracy(answer, references)
-        elif metric == "anls":
-            scores[metric] = paper_metrics.anls(answer, references)
-        elif metric == "relaxed_accuracy":  # pix2struct's aggregate_metrics: the best over the references
-            scores[metric] = max(paper_metrics.relaxed_accuracy(answer, r) for r in references)
-        elif metric == "option_accuracy":
-            scores[metric] = paper_metrics.option_accuracy(answer, targets.correct, targets.options)
-        else:
-            predicted = list(answer_box) if answer_box is not None else answer
-            scores[metric] = paper_metrics.box_acc50(predicted, list(targets.box))
+    for name in metrics:
+        metric = METRICS.get(name)
+        if metric is not None and metric.scores_row(targets):
+            scores[name] = metric.score(answer, targets, answer_box)
     return scores

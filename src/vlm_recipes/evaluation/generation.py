@@ -16,21 +16,20 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from vlm_recipes.benchmark_metrics import METRICS
+from vlm_recipes.benchmark_metrics.metric import Box, Targets
 from vlm_recipes.data.collate import attach_videos
 from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
 from vlm_recipes.evaluation.benchmarks import (
-    Box,
-    Targets,
     answer_scores,
     choose_eval_metrics,
     exact_match_score,
     row_targets,
 )
 from vlm_recipes.methods.grounding import in_image_pixels, resized_size
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS
 from vlm_recipes.scoring import THINK_END, final_answer, first_box, score_predictions, text_of
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +240,7 @@ def evaluate_generation(
         record["exact_match"] = exact_match_score(answer, p.targets, p.reference or "")
         box = answer_box_in_pixels(answer, p, processor, box_format)
         records.append(record | answer_scores(answer, p.targets, metrics, box))
-    return score_predictions(records, tolerance, [m for m in metrics if m in BENCHMARK_METRICS]), records
+    return score_predictions(records, tolerance, [m for m in metrics if m in METRICS]), records
 
 
 def answer_box_in_pixels(answer: str, prompt: Prompt, processor, box_format: str | None) -> Box | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.data.rows import dataset_signature
 from vlm_recipes.data.stage_data import StageData
 from vlm_recipes.data.video import VideoLoader, VideoSampling
@@ -23,7 +24,7 @@ from vlm_recipes.families.parameters import count_params_by_role
 from vlm_recipes.files import read_json, write_json, write_jsonl
 from vlm_recipes.machine import peak_rss_gb
 from vlm_recipes.model.build import BuiltModel
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, Stage
+from vlm_recipes.recipes.schema import Stage
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,8 @@ def evaluate_stage(model, built: BuiltModel, stage: Stage, data: StageData, stag
     write_jsonl(stage_dir / "predictions.jsonl", [r | m for r, m in zip(records, media, strict=True)])
     overall = scores["all"]
     fields = overall.get("json_fields")
-    means = {f"eval_{m}": overall[m] for m in BENCHMARK_METRICS if m in overall}
-    shown = [
-        f"; {m} {overall[m]:.3f} ({overall['rows_scored'][m]} rows)"
-        for m in BENCHMARK_METRICS
-        if m in overall
-    ]
+    means = {metric.key: overall[name] for name, metric in METRICS.items() if name in overall}
+    shown = [f"; {m} {overall[m]:.3f} ({overall['rows_scored'][m]} rows)" for m in METRICS if m in overall]
     log.info(
         "  eval: exact match %.3f on %d rows%s%s",
         overall["exact_match"],

@@ -1,10 +1,12 @@
-"""The recipe schema's field helpers: `doc` (a field with its help text and allowed range) and `Range`, with
-the ranges most keys share. schema.py builds the recipe format from them, and each method's module
-(methods/) its own section."""
+"""The recipe schema's field helpers: `doc` (a field with its help text and allowed values), `Range` (a
+number's), with the ranges most keys share, and `Choices` (a name's, from a registry). schema.py builds the
+recipe format from them, and each method's module (methods/) its own section."""
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -43,6 +45,25 @@ class Range:
         return f"must be {self}{why}, got {value!r}"
 
 
+@dataclass(frozen=True)
+class Choices:
+    """The names a key's text may take, asked of a registry when a recipe is checked (so a name registered
+    after this module loaded is taken: benchmark_metrics.register_metric)."""
+
+    names: Callable[[], Iterable[str]]
+
+    def __str__(self) -> str:
+        return "one of " + " | ".join(self.names())
+
+    def problem(self, value: str) -> str | None:
+        """Why `value` is none of the names, with the nearest one (None when it is one)."""
+        names = list(self.names())
+        if value in names:
+            return None
+        near = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+        return f"must be {self}, got {value!r}" + (f"; did you mean `{near[0]}`?" if near else "")
+
+
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
@@ -53,9 +74,9 @@ ABOVE_0 = Range(0, low_open=True)
 SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
 
 
-def doc(text: str, default=None, factory=None, range: Range | None = None):
-    """A dataclass field carrying its help text and, for a number, its allowed range (both shown by
-    `--schema`; the range is checked when a recipe is loaded)."""
+def doc(text: str, default=None, factory=None, range: Range | Choices | None = None):
+    """A dataclass field carrying its help text and its allowed values, a number's range or a name's choices
+    (both shown by `--schema`; the values are checked when a recipe is loaded)."""
     metadata = {"help": text, "range": range}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)

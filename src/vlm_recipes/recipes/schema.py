@@ -13,21 +13,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
+from vlm_recipes.benchmark_metrics import METRICS, eval_metric_names
 from vlm_recipes.recipes.data_sources import Sources
-from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, doc
+from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Choices, Range, doc
 
 Mode = Literal["frozen", "lora", "full"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 QuantMode = Literal["none", "4bit", "8bit"]
 ParallelMode = Literal["auto", "single", "model-parallel", "ddp", "fsdp", "deepspeed"]
 QUANT_SKIPPABLE = ("vision", "projector", "llm", "lm_head")
-# What a stage's eval scores its answers by (evaluation/benchmarks.py): the benchmarks' own metrics
-# (evaluation/paper_metrics.py), then the two every eval computes (exact match; JSON field F1 where the
-# references are JSON objects).
-EvalMetric = Literal[
-    "vqa_accuracy", "anls", "relaxed_accuracy", "option_accuracy", "box_acc50", "exact_match", "json_f1"
-]
-BENCHMARK_METRICS = ("vqa_accuracy", "anls", "relaxed_accuracy", "option_accuracy", "box_acc50")
+# What a stage's eval may score its answers by (evaluation/benchmarks.py): the benchmarks' own metrics, one
+# module each in benchmark_metrics/, then the two every eval computes (exact match; JSON field F1 where the
+# references are JSON objects). Asked of the registry when a recipe is checked: a registered metric is taken.
+EVAL_METRICS = Choices(eval_metric_names)
 
 
 @dataclass
@@ -88,12 +86,13 @@ class DataSettings:
         None,
         range=AT_LEAST_1,
     )
-    eval_metrics: list[EvalMetric] | None = doc(
-        "what the eval's answers are scored by besides exact match: vqa_accuracy, anls, relaxed_accuracy, "
-        "option_accuracy, box_acc50 (the benchmarks' own metrics, read from the eval rows' `answers`, "
-        "`options` / `choices` / A-D columns, boxes), exact_match, json_f1 (always computed); null: what the "
-        "eval rows carry (ten annotators' `answers`: vqa_accuracy; options: option_accuracy; boxes: box_acc50)",
+    eval_metrics: list[str] | None = doc(
+        f"what the eval's answers are scored by besides exact match: the benchmarks' own metrics "
+        f"({', '.join(METRICS)}: docs/evaluation.md, read from the eval rows' `answers`, `options` / "
+        "`choices` / A-D columns, boxes), exact_match, json_f1 (always computed); null: what the eval rows "
+        f"carry ({', '.join(f'{m.needs}: {m.name}' for m in METRICS.values() if m.by_default)})",
         None,
+        range=EVAL_METRICS,
     )
     min_pixels: int | None = doc(
         "image processor lower bound on pixels per image; null: the model's own", None, range=AT_LEAST_1

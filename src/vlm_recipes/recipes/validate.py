@@ -21,7 +21,7 @@ from typing import Any
 
 from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.data_sources import sources_problems
-from vlm_recipes.recipes.fields import Range
+from vlm_recipes.recipes.fields import Choices, Range
 from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, Recipe, StageMethod
 from vlm_recipes.roles import ROLES
 
@@ -63,9 +63,11 @@ def key_path(where: str, key: str) -> str:
 # Typed conversion: mapping → dataclasses, collecting every problem
 
 
-def convert(hint: Any, value: Any, where: str, problems: list[Problem], bounds: Range | None = None) -> Any:
-    """Check `value` against a type hint (and a number against its schema range) and return it converted
-    (dataclasses built, numbers coerced)."""
+def convert(
+    hint: Any, value: Any, where: str, problems: list[Problem], bounds: Range | Choices | None = None
+) -> Any:
+    """Check `value` against a type hint (a number against its schema range, a name against its choices)
+    and return it converted (dataclasses built, numbers coerced)."""
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _convert_dataclass(hint, value, where, problems)
@@ -119,11 +121,12 @@ def convert(hint: Any, value: Any, where: str, problems: list[Problem], bounds: 
     if hint is str:
         if not isinstance(value, str):
             problems.append(Problem(where, f"expected text, got {value!r}"))
-        return value
+            return value
+        return _in_range(value, bounds, where, problems)  # a name's Choices
     raise TypeError(f"schema type {hint!r} is not supported by the recipe loader")
 
 
-def _in_range(value: float, bounds: Range | None, where: str, problems: list[Problem]) -> float:
+def _in_range(value, bounds: Range | Choices | None, where: str, problems: list[Problem]):
     if bounds is not None and (problem := bounds.problem(value)):
         problems.append(Problem(where, problem))
     return value

@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.decisions import Environment
 from vlm_recipes.errors import exit_code_of
 from vlm_recipes.files import read_json, write_json
 from vlm_recipes.recipes.load import recipe_to_dict
-from vlm_recipes.recipes.schema import BENCHMARK_METRICS, Recipe, Stage
+from vlm_recipes.recipes.schema import Recipe, Stage
 from vlm_recipes.runs.layout import FINAL_DIR, RunOptions
 from vlm_recipes.runs.lock import describe_holder, describe_writer, lock_is_held, read_lock_holder
 from vlm_recipes.versions import library_versions
@@ -126,10 +127,6 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
     return manifest
 
 
-# The benchmarks' metrics as metrics.json and run.json name them
-BENCHMARK_KEYS = tuple(f"eval_{m}" for m in BENCHMARK_METRICS)
-
-
 def stage_summary(
     index: int, stage: Stage, stage_dir: Path, source: str, metrics: dict, method: dict
 ) -> dict:
@@ -154,5 +151,5 @@ def stage_summary(
             for key, about in method["measures"].items()
         },
         # the benchmarks' metrics the stage's eval computed (data.eval_metrics), each the mean over its rows
-        **{key: metrics[key] for key in BENCHMARK_KEYS if metrics.get(key) is not None},
+        **{m.key: metrics[m.key] for m in METRICS.values() if metrics.get(m.key) is not None},
     }
