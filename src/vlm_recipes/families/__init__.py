@@ -17,6 +17,7 @@ from vlm_recipes.families.generic import RolesNotFound, roles_of_config
 from vlm_recipes.families.generic_family import GenericFamily
 from vlm_recipes.families.glm4v import GLM4V, GLM4V_MOE
 from vlm_recipes.families.internvl import INTERNVL
+from vlm_recipes.families.lfm2_vl import LFM2_VL
 from vlm_recipes.families.llama4 import Llama4Family
 from vlm_recipes.families.llava_onevision import LLAVA_ONEVISION
 from vlm_recipes.families.mistral3 import MISTRAL3
@@ -45,6 +46,7 @@ FAMILIES: tuple[Family, ...] = (
     GLM4V,
     GLM4V_MOE,
     INTERNVL,
+    LFM2_VL,
 )
 
 __all__ = [
