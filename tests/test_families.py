@@ -983,8 +983,9 @@ def test_pixel_bounds_reach_the_processor_and_lengths_match_it(tiny_family):
     family, model_dir = tiny_family
     processor = AutoProcessor.from_pretrained(model_dir)
     if not hasattr(processor.image_processor, "merge_size"):
+        own = f"tests/test_family_{family.name.replace('-', '_').replace('.', '_')}.py"
         pytest.skip(
-            "pixel bounds in patches of the Qwen line; SmolVLM's: tests/test_family_smolvlm.py, Gemma 3 has none: tests/test_family_gemma3.py, nor has LLaVA-OneVision: tests/test_family_llava_onevision.py; Gemma 4's token budgets: tests/test_family_gemma4.py"
+            f"pixel bounds in patches of the Qwen line; {family.name}'s own (or that it has none): {own}"
         )
     side = processor.image_processor.patch_size * processor.image_processor.merge_size
     processor = load_processor(

@@ -47,10 +47,11 @@ from vlm_recipes.families.base import (
 
 log = logging.getLogger(__name__)
 
-# LFM2-VL's chat template, byte for byte (434 characters): LiquidAI/LFM2-VL-450M's chat_template.jinja, the
-# string transformers' tests/models/lfm2_vl/test_processing_lfm2_vl.py sets on LiquidAI/LFM2-VL-1.6B's processor,
-# and LFM2-VL-3B's. It writes <|startoftext|> itself; a turn ends in <|im_end|> and a newline. TRL ships no
-# training variant of it (its lfm2 templates are the text models').
+# LFM2-VL's chat template, byte for byte (434 characters): LiquidAI/LFM2-VL-450M's chat_template.jinja (as vendored
+# in github.com/varun00391/local-finetuned-model, LiquidAI:LFM2-VL-450M/lfm2-450m/), the string transformers'
+# tests/models/lfm2_vl/test_processing_lfm2_vl.py sets on LiquidAI/LFM2-VL-1.6B's processor, and LFM2-VL-3B's (its
+# tokenizer_config.json). It writes <|startoftext|> itself; a turn ends in <|im_end|> and a newline. TRL ships no
+# training variant of it (its lfm2 templates are the text models'). The tiny model (demo/tiny/lfm2_vl.py) takes it.
 LFM2_VL_CHAT_TEMPLATE = (
     "{{bos_token}}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

@@ -10,20 +10,9 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
+from vlm_recipes.families.lfm2_vl import LFM2_VL_CHAT_TEMPLATE
 
 MIRRORS = "LiquidAI/LFM2-VL-1.6B"
-
-# LFM2-VL's chat template, byte for byte (434 characters): LiquidAI/LFM2-VL-450M's chat_template.jinja as
-# vendored in github.com/varun00391/local-finetuned-model (LiquidAI:LFM2-VL-450M/lfm2-450m/), the string
-# transformers' tests/models/lfm2_vl/test_processing_lfm2_vl.py sets on LiquidAI/LFM2-VL-1.6B's processor, and
-# LFM2-VL-3B's (its tokenizer_config.json). It writes <|startoftext|> itself; a turn ends in <|im_end|> + newline.
-LFM2_VL_CHAT_TEMPLATE = (
-    "{{bos_token}}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<image>' }}"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # LFM2's pre-tokenizer: Llama 3's split (llama.cpp's llama-vocab.cpp maps tokenizer_pre "lfm2" to LLAMA3)
 LFM2_PATTERN = (
@@ -89,7 +78,7 @@ def lfm2_tokenizer(corpus: list[str]):
 
 
 def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
-    """With the published checkpoint's chat template (LFM2_VL_CHAT_TEMPLATE)."""
+    """With the published checkpoint's chat template (the family module's LFM2_VL_CHAT_TEMPLATE)."""
     import transformers
 
     tok = lfm2_tokenizer(corpus)
