@@ -10,7 +10,6 @@ from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
 from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, TINY_VISION_DIMS, tiny_text_config, tiny_vision_config
-from vlm_recipes.families.lfm2_vl import LFM2_VL_CHAT_TEMPLATE
 
 MIRRORS = "LiquidAI/LFM2-VL-1.6B"
 
@@ -80,6 +79,9 @@ def lfm2_tokenizer(corpus: list[str]):
 def build_tiny_lfm2_vl(out: Path, dims: dict, corpus: list[str]) -> None:
     """With the published checkpoint's chat template (the family module's LFM2_VL_CHAT_TEMPLATE)."""
     import transformers
+
+    # imported here, not at the top: the family package imports torch, and `--list` reads this module
+    from vlm_recipes.families.lfm2_vl import LFM2_VL_CHAT_TEMPLATE
 
     tok = lfm2_tokenizer(corpus)
     tok.chat_template = LFM2_VL_CHAT_TEMPLATE
