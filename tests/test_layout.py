@@ -76,7 +76,7 @@ def test_every_module_is_in_a_room_on_a_floor():
     homeless = sorted(
         m for m in import_graph() if m != "vlm_recipes" and not any(room_of(m) in r for r in FLOORS)
     )
-    assert not homeless, f"give these a room in FLOORS (and README's map): {homeless}"
+    assert not homeless, f"give these a room in FLOORS (and a line in docs/architecture.md's map): {homeless}"
 
 
 def test_arrows_run_downward_only():
