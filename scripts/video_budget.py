@@ -1,7 +1,7 @@
 """Tokens and memory of one video sample at Qwen2-VL-7B's dimensions, for a few frame settings: computed
 from the frame plan the length check uses (data/video.py), nothing run.
 
-    python scripts/video_budget.py            # prints the Markdown table docs/recipes.md shows
+    python scripts/video_budget.py            # prints the Markdown table in docs/results/video-budget.md
 
 Memory is what grows with the video, per sample, on a GPU in bf16 (the weights are the same for every
 row: about 5.5 GB for the 4-bit language model plus the bf16 vision tower of r1):
