@@ -1,8 +1,8 @@
 """The generic role finder over every model type transformers maps to AutoModelForImageTextToText: each
 type's default config built on the meta device (no weights, no download), its roles found or the reason
-not, as the Markdown table in docs/families.md ("Every image-text-to-text model type in transformers").
+not, as the Markdown table in docs/results/model-types.md, which docs/families.md links to.
 
-    python scripts/vlm_types_table.py            # write the table into docs/families.md
+    python scripts/vlm_types_table.py            # write the table into docs/results/model-types.md
     python scripts/vlm_types_table.py --check    # exit 1 if the table there is not what this gives
     python scripts/vlm_types_table.py --print    # print it, the doc untouched
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vlm_recipes.families.generic_table import markdown_table, table_in, type_rows, with_table
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "results" / "model-types.md"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,13 +124,13 @@ def test_meta_models_hold_no_memory():
 
 
 def test_the_doc_table_is_what_the_finder_gives():
-    """docs/families.md's table of every image-text-to-text type equals the one built now: all ~100 types
-    on meta, ~20 s on 2 cores (scripts/vlm_types_table.py --check does the same). The table names the
+    """docs/results/model-types.md's table of every image-text-to-text type equals the one built now: all ~100
+    types on meta, ~20 s on 2 cores (scripts/vlm_types_table.py --check does the same). The table names the
     transformers version it was made with; under another the types themselves differ, and the test says so
     rather than fail."""
     import transformers
 
-    document = (REPO / "docs" / "families.md").read_text()
+    document = (REPO / "docs" / "results" / "model-types.md").read_text()
     written = table_in(document)
     if not written.startswith(f"transformers {transformers.__version__}:"):
         pytest.skip(f"the table was made with {written.split(':')[0]}; run python scripts/vlm_types_table.py")
@@ -144,7 +144,7 @@ def test_the_script_writes_the_table_and_check_fails_on_a_stale_one(tmp_path, mo
     main = script["main"]
     few = ["llava", "florence2"]
     monkeypatch.setitem(main.__globals__, "type_rows", lambda: type_rows(few))
-    doc = tmp_path / "families.md"
+    doc = tmp_path / "model-types.md"
     doc.write_text(f"# Families\n\n{START}\nold\n{END}\n\nafter\n")
     assert main(["--check", "--doc", str(doc)]) == 1
     assert main(["--doc", str(doc)]) == 0

@@ -1,6 +1,6 @@
 """What the generic role finder (generic.py) makes of every model type transformers maps to
 AutoModelForImageTextToText, each built from its default config on the meta device: the Markdown table in
-docs/families.md ("Every image-text-to-text model type in transformers"), written and checked by
+docs/results/model-types.md, written and checked by
 `scripts/vlm_types_table.py`.
 
 A default config is transformers' own (`AutoConfig.for_model(model_type)`): the architecture as its
@@ -96,7 +96,7 @@ def _roles_cell(found: FoundRoles) -> str:
 
 
 def markdown_table(rows: list[TypeRow]) -> str:
-    """The summary line and the table, as docs/families.md holds them between the markers."""
+    """The summary line and the table, as docs/results/model-types.md holds them between the markers."""
     import transformers
 
     kinds = Counter(row.kind for row in rows)
