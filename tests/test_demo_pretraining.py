@@ -178,7 +178,7 @@ def test_a_seed_recipe_teaches_the_pretrained_demo_model(
     4.83, 0.062 -> 0.062 / 0.062.
     r2 trains the tower under a frozen language model, which keeps answering the either-or questions in its
     pretraining's yes/no: its loss falls, its exact match does not rise. Every family: scripts/demo_learns.py
-    (docs/families.md)."""
+    (docs/results/demo-learns.md)."""
     monkeypatch.setenv(WEIGHTS_ENV, "pretrained")
     start, trained, _ = taught_runs(recipe, model)
     taught = teaching(start, trained)
@@ -241,9 +241,10 @@ def test_compare_marks_r1_above_r2_beyond_the_seeds_spread_on_the_benchmarks_met
 )
 def test_r1_teaches_every_familys_pretrained_demo_model(model, tmp_path, monkeypatch, private_demo_cache):
     """The teaching test on all 13 families (run with --every-family: their pretraining is 20-30 min on 2 cores,
-    beyond CI's budget; `vlm-recipes demo-learns --precision fp32` prints the same per family, docs/families.md
-    its table), scored as demo-learns scores: on demo:teaching-eval's 144 rows, where the weakest towers' rise
-    stands clear of the seeds' spread (on demo:eval's 48, one row decided it)."""
+    beyond CI's budget; `vlm-recipes demo-learns --precision fp32` prints the same per family,
+    docs/results/demo-learns.md its table), scored as demo-learns scores: on demo:teaching-eval's 144 rows,
+    where the weakest towers' rise stands clear of the seeds' spread (on demo:eval's 48, one row decided
+    it)."""
     monkeypatch.setenv(WEIGHTS_ENV, "pretrained")
     start, trained = start_and_seeds("r1-llm-only", model, tmp_path, TEACHING_EVAL)
     taught = teaching(start, trained)

@@ -1,6 +1,7 @@
-"""The documentation names real tests: every `test_file::test_name` in README.md and docs/ is a test function
-in tests/ (the family table's cells, each backed by the test it names, stay true when a test is renamed). And
-docs/architecture.md's map names every module of the package, and only modules that exist."""
+"""The documentation names real tests: every `test_file::test_name` in README.md and docs/ (its folders
+too) is a test function in tests/ (the family table's cells, each backed by the test it names, stay true when
+a test is renamed). And docs/architecture.md's map names every module of the package, and only modules that
+exist."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ TEST_REFERENCE = re.compile(r"`(test_[a-z0-9_]+)::(test_[a-z0-9_]+)")
 
 
 def test_every_test_the_docs_name_exists():
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/families/, docs/results/ too
     named = {(page.name, *ref) for page in pages for ref in TEST_REFERENCE.findall(page.read_text())}
     assert len(named) > 50, "the family table alone names more"
     missing = []

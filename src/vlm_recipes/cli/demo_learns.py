@@ -1,7 +1,7 @@
 """`vlm-recipes demo-learns` (= python scripts/demo_learns.py): does the demo teach? For each demo model: its
 pretraining (once, cached), then one seed recipe from that model at its start (learning rate ~0: the
 pretrained model, through the same load and eval) and trained with each seed. Prints the Markdown table
-docs/families.md shows.
+docs/results/demo-learns.md shows.
 
     python scripts/demo_learns.py                                   # every demo:tiny-* model, r1, seeds 0,1
     python scripts/demo_learns.py --models demo:tiny-qwen2-vl --recipe r2-vision-only

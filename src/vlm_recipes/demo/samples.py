@@ -106,8 +106,8 @@ def shape_question_sample(rng: random.Random) -> tuple[Image.Image, str, str, li
     of them its own, and those two options as the question lists them (None for the kind question). What a
     pretrained demo model sees (colours surely, kinds less), in forms its pretraining never asked: "Is the
     shape red or blue?" it answers yes or no before fine-tuning, a colour after it. The counts and places of
-    shapes_sample are beyond the demo's 32-wide towers (docs/families.md), so a fine-tune on them could teach
-    their form only."""
+    shapes_sample are beyond the demo's 32-wide towers (docs/results/demo-learns.md), so a fine-tune on them
+    could teach their form only."""
     img, _, name = one_shape_sample(rng, "name")  # "a red circle"
     _, colour, kind = name.split()
     question = rng.choice(SHAPE_QUESTIONS)
