@@ -1,5 +1,5 @@
 """The benchmark's code: its baseline runs, its arithmetic is right, its committed results and the tables in
-docs/performance.md are what the script writes. Speed itself is measured by scripts/benchmark.py, never by a
+docs/results/sft-vs-trl.md are what the script writes. Speed itself is measured by scripts/benchmark.py, never by a
 test."""
 
 from __future__ import annotations
@@ -144,11 +144,11 @@ def test_committed_results_have_the_keys_the_script_writes(results):
 
 @pytest.mark.parametrize("results", TABLED_RESULTS, ids=lambda path: path.stem)
 def test_readme_tables_are_generated_from_the_committed_results(results):
-    readme, report = (REPO / "docs" / "performance.md").read_text(), json.loads(results.read_text())
+    readme, report = (REPO / sft_tables.TABLES_DOC).read_text(), json.loads(results.read_text())
     first, last = sft_tables.readme_markers(report)
     block = readme[readme.index(first) + len(first) : readme.index(last)]
     assert block.strip() == sft_tables.render_tables(report).strip(), (
-        f"docs/performance.md's benchmark tables differ from {results.relative_to(REPO)}: "
+        f"{sft_tables.TABLES_DOC}'s benchmark tables differ from {results.relative_to(REPO)}: "
         f"run `python scripts/benchmark.py --readme {results.relative_to(REPO)}`"
     )
 
@@ -386,7 +386,7 @@ def test_step_times_include_loading_the_batch(tmp_path):
 
 
 def test_the_overhead_check_alone_has_its_own_tables_and_a_like_for_like_baseline():
-    """`--ways trl,off --scenarios first-epoch`: the runner's own cost, in its own block of docs/performance.md;
+    """`--ways trl,off --scenarios first-epoch`: the runner's own cost, in its own block of docs/results/sft-vs-trl.md;
     in fp32 TRL's QLoRA adapters are kept in fp32 as ours are, and the table says so."""
     report = synthetic_report(
         list(sft_vs_trl.RECIPES), ["first-epoch"], ways=[sft_tables.BASELINE, sft_tables.OURS]

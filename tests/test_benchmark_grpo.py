@@ -1,5 +1,5 @@
 """The GRPO benchmark's code (`vlm-recipes bench-grpo`): its plain-TRL baseline runs, its prompts are what it
-says, its arithmetic is right, and the table in docs/performance.md is what the script writes from the
+says, its arithmetic is right, and the table in docs/results/grpo-vs-trl.md is what the script writes from the
 committed results. Speed itself is measured by the benchmark, never by a test."""
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def test_the_docs_tables_are_generated_from_the_committed_results(results):
     assert report["about"]["git_sha"] and "-dirty" not in report["about"]["git_sha"]
     precision = "bf16" if "-bf16" in results.stem else "fp32"
     assert report["about"]["repeats"] >= 3 and report["about"]["precision"] == precision
-    assert grpo_vs_trl.render(report) in (REPO / "docs" / "performance.md").read_text(), (
-        f"docs/performance.md's GRPO table differs from {results.relative_to(REPO)}: paste "
+    assert grpo_vs_trl.render(report) in (REPO / "docs" / "results" / "grpo-vs-trl.md").read_text(), (
+        f"docs/results/grpo-vs-trl.md's GRPO table differs from {results.relative_to(REPO)}: paste "
         f"`vlm-recipes bench-grpo`'s table (grpo_vs_trl.render of that file)"
     )
 

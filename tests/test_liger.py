@@ -2,7 +2,7 @@
 tiny model patched on the CPU, nothing run (Triton needs CUDA; tests/test_on_a_gpu.py trains with them), and
 every RMSNorm, LayerNorm, MLP and expert bank of its language model then runs Liger's kernel, counted against
 the model's own modules; a family whose type and parts Liger's table lacks is left as it is, saying so.
-docs/performance.md's "Liger's kernels by family" is what the code prints.
+docs/results/liger-kernels.md's "Liger's kernels by family" is what the code prints.
 
 Liger patches transformers' modeling modules for the whole process (classes and functions, besides the
 model's own modules), so the patching runs in a process of its own (one for all the families), which prints
@@ -122,15 +122,18 @@ def test_every_norm_and_mlp_of_every_familys_decoder_runs_a_liger_kernel(every_f
 
 
 def test_the_docs_table_is_what_the_code_prints(every_family):
-    """docs/performance.md's "Liger's kernels by family" is `python -m vlm_recipes.benchmarking.liger_table`'s output."""
+    """docs/results/liger-kernels.md's "Liger's kernels by family" is `python -m vlm_recipes.benchmarking.liger_table`'s output."""
     lines = (
-        (REPO / "docs" / "performance.md").read_text().split("Liger's kernels by family", 1)[1].splitlines()
+        (REPO / "docs" / "results" / "liger-kernels.md")
+        .read_text()
+        .split("Liger's kernels by family", 1)[1]
+        .splitlines()
     )
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     printed = every_family["markdown"]
     assert "".join(f"{line}\n" for line in lines[start:end]) == printed, (
-        "docs/performance.md's table differs from the code's; paste `python -m vlm_recipes.benchmarking.liger_table`:\n"
+        "docs/results/liger-kernels.md's table differs from the code's; paste `python -m vlm_recipes.benchmarking.liger_table`:\n"
         + printed
     )
 

@@ -128,7 +128,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def render(report: dict) -> str:
-    """The markdown table docs/performance.md shows."""
+    """The markdown table docs/results/grpo-vs-trl.md shows, its caption in short sentences as the docs' prose."""
     about, medians, versus = report["about"], report["summary"]["medians"], report["summary"]["versus_trl"]
     runs = report.get("runs", {})
 
@@ -143,10 +143,10 @@ def render(report: dict) -> str:
         f"{about['image_side']}x{about['image_side']}" if about["image_side"] else "as the demo drew them"
     )
     lines = [
-        f"{about['machine']}, {about['threads']} threads, {about['precision']}; {about['model']}; "
+        f"{about['machine']}, {about['threads']} threads, {about['precision']}. Model: {about['model']}. "
         f"{about['rows']} prompts x {about['num_generations']} completions of at most "
-        f"{about['max_completion_length']} tokens, images {images}; seed {about['seed']}, median of "
-        f"{about['repeats']} (min-max beside it); git {about['git_sha']}",
+        f"{about['max_completion_length']} tokens, images {images}. Seed {about['seed']}, median of "
+        f"{about['repeats']} (min-max beside it); git {about['git_sha']}.",
         f"Regenerate: `{about['command']}`",
         "",
         "| way | samples/s | vs TRL | wall s | peak RSS GB | vs TRL | mean reward |",

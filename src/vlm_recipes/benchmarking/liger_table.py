@@ -1,4 +1,4 @@
-"""What Liger's kernels reach in each family: the table of docs/performance.md's "Liger's kernels by family",
+"""What Liger's kernels reach in each family: the table of docs/results/liger-kernels.md's "Liger's kernels by family",
 printed by `python -m vlm_recipes.benchmarking.liger_table` from each family's tiny demo model on the meta
 device (speedups/liger.py patches them as a stage would; tests/test_liger.py checks the docs' copy)."""
 
@@ -56,7 +56,7 @@ def _cell(counts: dict[str, int]) -> str:
 
 
 def markdown(rows: list[tuple[str, PreTrainedModel, LigerPatch | NoLigerKernels]]) -> str:
-    """The table of docs/performance.md's "Liger's kernels by family"."""
+    """The table of docs/results/liger-kernels.md's "Liger's kernels by family"."""
     lines = [
         "| family | model type | language model | vision side | rotary | how |",
         "|---|---|---|---|---|---|",

@@ -1,5 +1,5 @@
 """The benchmark's arithmetic and its tables: medians per way, ratios against plain TRL, and the markdown
-tables in docs/performance.md (`vlm-recipes bench --readme FILE` rewrites them from a results file)."""
+tables in docs/results/sft-vs-trl.md (`vlm-recipes bench --readme FILE` rewrites them from a results file)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ MEASURED = (  # what every run reports; summaries are medians of these
 )
 README_BEGIN, README_END = "<!-- benchmark table: begin -->", "<!-- benchmark table: end -->"
 TABLES_DOC = (
-    Path("docs") / "performance.md"
+    Path("docs") / "results" / "sft-vs-trl.md"
 )  # in the checkout the command runs in (`--readme` keeps its old name)
 
 
 def readme_markers(report: dict) -> tuple[str, str]:
-    """Where a results file's tables go in docs/performance.md: one block per precision (fp32's unnamed),
+    """Where a results file's tables go in TABLES_DOC: one block per precision (fp32's unnamed),
     bench model (the first bench model's unnamed) and, for the overhead check alone (no way with the
     speed-ups on), "speed-ups off"."""
     precision, model = report["about"]["precision"], report["about"]["model"]["name"]
@@ -154,15 +154,17 @@ def fmt(value: float | None, digits: int = 3) -> str:
 
 
 def render_tables(report: dict) -> str:
-    """docs/performance.md's block: what was run where, the headline table, the details table."""
+    """TABLES_DOC's block: what was run where (short sentences, as the docs' prose), the headline table, the
+    details table."""
     about = report["about"]
     machine, model = about["machine"], about["model"]
     libraries = ", ".join(f"{name} {v}" for name, v in about["libraries"].items())
     lines = [
-        f"Measured on {machine['description']}, {machine['processor']}, {machine['threads']} threads; "
-        f"{model['name']} ({model['parameters'] / 1e6:.1f}M parameters, random weights), "
-        f"{about['rows']} bench rows per epoch, batch {about['batch_size']}, {about['precision']}, "
-        f"median of {about['repeats']} run(s) per way (min-max beside it); git {about['git_sha']}; {libraries}.",
+        f"Measured on {machine['description']}, {machine['processor']}, {machine['threads']} threads. "
+        f"Model: {model['name']} ({model['parameters'] / 1e6:.1f}M parameters, random weights). "
+        f"{about['rows']} bench rows per epoch, batch {about['batch_size']}, {about['precision']}. "
+        f"Median of {about['repeats']} run(s) per way, min-max beside it; git {about['git_sha']}. "
+        f"Libraries: {libraries}.",
         f"Regenerate: `{about['command']}`, then `python scripts/benchmark.py --readme FILE`.",
         *(
             [

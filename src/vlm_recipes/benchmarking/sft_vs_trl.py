@@ -2,7 +2,7 @@
 
     vlm-recipes bench --precision bf16 --scenarios first-epoch --repeats 3   # ~50 min on 2 cores
     vlm-recipes bench --model demo:bench-qwen2-vl --repeats 3   # the small model, every scenario
-    vlm-recipes bench --readme benchmarks/results/cpu-2-cores-bf16-wide.json   # docs/performance.md's tables
+    vlm-recipes bench --readme benchmarks/results/cpu-2-cores-bf16-wide.json   # docs/results/sft-vs-trl.md's tables
     vlm-recipes bench --model demo:qwen2-vl-2b-shaped                # on a GPU: real dimensions
 
 The default model, `demo:bench-qwen2-vl-wide`, has Qwen2-VL-2B's widths with its depth and vocabulary cut
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None, prog: str = "vlm-recipes bench") -> int:
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU")
     parser.add_argument("--out", type=Path, default=Path("benchmark.json"))
     parser.add_argument(
-        "--readme", type=Path, help="rewrite docs/performance.md's tables from this results file; no run"
+        "--readme",
+        type=Path,
+        help="rewrite docs/results/sft-vs-trl.md's tables from this results file; no run",
     )
     args = parser.parse_args(argv)
     if args.readme:

@@ -30,7 +30,7 @@ code still calls. A name Liger sets that no code there reads any more (Qwen2-VL'
 `apply_multimodal_rotary_pos_emb`, gone from transformers 5.24) does nothing, and is named as such.
 
 Off, with the reason logged, on a CPU (Triton compiles for CUDA) or without the `liger-kernel` package;
-`python -m vlm_recipes.benchmarking.liger_table` prints what each family's tiny model gets (docs/performance.md's
+`python -m vlm_recipes.benchmarking.liger_table` prints what each family's tiny model gets (docs/results/liger-kernels.md's
 "Liger's kernels by family", checked by tests/test_liger.py).
 """
 
