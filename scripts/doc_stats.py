@@ -98,15 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--longest", type=int, default=0, help="print each page's N longest sentences")
     parser.add_argument("--check", action="store_true", help="exit 1 where a page is over a limit")
     args = parser.parse_args(argv)
-    pages = [p.resolve() for p in args.pages] or [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    print(f"{'page':<24} {'KB':>6} {'limit':>6} {'sentences':>9} {'median':>6} {'longest':>7}  over")
+    pages = [p.resolve() for p in args.pages] or [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    print(f"{'page':<32} {'KB':>6} {'limit':>6} {'sentences':>9} {'median':>6} {'longest':>7}  over")
     failed = False
     for path in pages:
         stats = page_stats(path)
         problems = over_limits(stats)
         failed |= bool(problems)
         print(
-            f"{stats['page']:<24} {stats['kb']:6.1f} {stats['limit_kb']:6d} {stats['sentences']:9d} "
+            f"{stats['page']:<32} {stats['kb']:6.1f} {stats['limit_kb']:6d} {stats['sentences']:9d} "
             f"{stats['median']:6g} {stats['longest']:7d}  {'; '.join(problems) or '-'}"
         )
         for sentence in stats["longest_sentences"][: args.longest]:

@@ -6,7 +6,9 @@ exist."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+from pathlib import Path
 
 from conftest import REPO
 
@@ -48,3 +50,68 @@ def test_the_architecture_map_names_every_module_and_only_modules_that_exist():
     unmapped, gone = sorted(modules - named), sorted(n for n in named if not (PACKAGE / n).is_file())
     assert not unmapped, f"give these a line in docs/architecture.md's map: {unmapped}"
     assert not gone, f"docs/architecture.md's map names modules that do not exist: {gone}"
+
+
+def doc_stats():
+    """scripts/doc_stats.py as a module (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("doc_stats", REPO / "scripts" / "doc_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def test_every_page_is_within_the_houses_limits():
+    """README at most 15 KB, a docs page 30 KB; prose sentences a median of 20 words or fewer, none over 45
+    (`python scripts/doc_stats.py --longest 3` shows the offenders)."""
+    stats = doc_stats()
+    over = {str(page.relative_to(REPO)): stats.over_limits(stats.page_stats(page)) for page in PAGES}
+    assert len(over) > 10
+    assert not {page: problems for page, problems in over.items() if problems}
+
+
+def test_the_sentence_counter_sees_a_long_sentence_and_leaves_code_and_tables_out():
+    stats = doc_stats()
+    long = " ".join(["word"] * 50) + ". Short one."
+    text = f"# A heading of many words\n\n{long}\n\n```\n{'code ' * 80}\n```\n\n| {'cell ' * 80} |\n- An item. Two.\n"
+    assert [stats.words(s) for s in stats.sentences(text)] == [50, 2, 2, 1]
+
+
+def anchors_of(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens; a repeat
+    gets -1, -2, ..."""
+    found: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not (heading := re.match(r"#{1,6} (.+)", line)):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in found:
+            n += 1
+            anchor = f"{slug}-{n}"
+        found.add(anchor)
+    return found
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_link_between_the_pages_finds_its_page_and_heading():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors_of(linked):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
