@@ -109,7 +109,7 @@ class StageReader:
             limit,
             "report",
             data.allow_remote_images,
-            self.method.row_format,
+            self.method.parts().row_format,
             self.video,
             resolve_data_source(source, self.video.factor is not None),
             EVAL_COLUMNS if split == "eval" else (),
@@ -121,7 +121,7 @@ class StageReader:
         from vlm_recipes.caches.token_counts import remembered_token_counts
         from vlm_recipes.data.lengths import refuse_too_long
 
-        rows, lengths, refused = self.method.check_lengths(
+        rows, lengths, refused = self.method.parts().check_lengths(
             rows,
             self.processor,
             self.family,

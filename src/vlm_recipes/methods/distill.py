@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.fields import ABOVE_0, AT_LEAST_1, Range, doc
 from vlm_recipes.recipes.schema import Stage
 from vlm_recipes.recipes.validate import Problem, did_you_mean, model_source_problem
@@ -29,9 +29,6 @@ from vlm_recipes.recipes.validate import Problem, did_you_mean, model_source_pro
 if TYPE_CHECKING:
     from trl import DistillationConfig
 
-    from vlm_recipes.data.lengths import LengthCheck
-    from vlm_recipes.data.rows import RowFormat
-    from vlm_recipes.methods.distill_trainer import RecipeDistillationTrainer
     from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
 
 
@@ -83,25 +80,11 @@ class Distill(TrainingMethod):
         "eval_teacher_agreement": ("teacher's token", True),
     }
 
-    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
-
-    @property
-    def row_format(self) -> RowFormat:
-        from vlm_recipes.data.prompts import PROMPTS
-
-        return PROMPTS
-
-    @property
-    def check_lengths(self) -> LengthCheck:
-        from vlm_recipes.data.prompts import check_prompt_lengths
-
-        return check_prompt_lengths
-
-    @property
-    def trainer_class(self) -> type[RecipeDistillationTrainer]:
+    def parts(self) -> StageParts:
+        from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
         from vlm_recipes.methods.distill_trainer import RecipeDistillationTrainer
 
-        return RecipeDistillationTrainer
+        return StageParts(PROMPTS, check_prompt_lengths, RecipeDistillationTrainer)
 
     def frozen_copies(self, stage: Stage) -> int:
         return 1  # the teacher, counted at the student's size

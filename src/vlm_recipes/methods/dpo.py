@@ -9,17 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
 
 if TYPE_CHECKING:
     from trl import DPOConfig
 
-    from vlm_recipes.data.lengths import LengthCheck
-    from vlm_recipes.data.rows import RowFormat
     from vlm_recipes.decisions import Decision
-    from vlm_recipes.methods.preference_trainers import RecipeDPOTrainer
     from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
     from vlm_recipes.model.build import BuiltModel
 
@@ -111,25 +108,11 @@ class DPO(PreferenceMethod):
     measures = {"eval_reward_accuracy": ("reward acc", True), "eval_reward_margin": ("reward margin", True)}
     measured_before = ("eval_reward_accuracy",)
 
-    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
-
-    @property
-    def row_format(self) -> RowFormat:
-        from vlm_recipes.data.preference import PREFERENCE
-
-        return PREFERENCE
-
-    @property
-    def check_lengths(self) -> LengthCheck:
-        from vlm_recipes.data.preference import check_preference_lengths
-
-        return check_preference_lengths
-
-    @property
-    def trainer_class(self) -> type[RecipeDPOTrainer]:
+    def parts(self) -> StageParts:
+        from vlm_recipes.data.preference import PREFERENCE, check_preference_lengths
         from vlm_recipes.methods.preference_trainers import RecipeDPOTrainer
 
-        return RecipeDPOTrainer
+        return StageParts(PREFERENCE, check_preference_lengths, RecipeDPOTrainer)
 
     def build_config(self, inputs: ConfigInputs) -> DPOConfig:
         from trl import DPOConfig

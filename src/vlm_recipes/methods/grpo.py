@@ -15,18 +15,15 @@ from typing import TYPE_CHECKING, Literal
 
 from vlm_recipes.errors import GuardError
 from vlm_recipes.methods.sampling_settings import SampledCompletionSettings, sampling_problems
-from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.fields import doc
 from vlm_recipes.recipes.schema import Stage
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
 
-    from vlm_recipes.data.lengths import LengthCheck
-    from vlm_recipes.data.rows import RowFormat
     from vlm_recipes.decisions import Decision, Environment
     from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
-    from vlm_recipes.methods.sampling_trainers import RecipeGRPOTrainer
     from vlm_recipes.model.build import BuiltModel
 
 # The keys of a `grpo:` or `rloo:` section that TRL's GRPOConfig and RLOOConfig take under the same name.
@@ -78,20 +75,6 @@ class SamplingMethod(TrainingMethod):
     loss_kind = "policy"
     measures = {"eval_reward": ("reward", True)}
     measured_before = ("eval_reward",)
-
-    # its rows' format and length check: the data modules, imported when asked
-
-    @property
-    def row_format(self) -> RowFormat:
-        from vlm_recipes.data.prompts import PROMPTS
-
-        return PROMPTS
-
-    @property
-    def check_lengths(self) -> LengthCheck:
-        from vlm_recipes.data.prompts import check_prompt_lengths
-
-        return check_prompt_lengths
 
     def has_reference(self, stage: Stage) -> bool:
         """A reference pass only with a KL term (beta > 0)."""
@@ -235,11 +218,11 @@ class GRPO(SamplingMethod):
     name = "grpo"
     settings = GrpoSettings
 
-    @property
-    def trainer_class(self) -> type[RecipeGRPOTrainer]:  # TRL, imported when asked
+    def parts(self) -> StageParts:
+        from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
         from vlm_recipes.methods.sampling_trainers import RecipeGRPOTrainer
 
-        return RecipeGRPOTrainer
+        return StageParts(PROMPTS, check_prompt_lengths, RecipeGRPOTrainer)
 
     def build_config(self, inputs: ConfigInputs) -> GRPOConfig:
         from trl import GRPOConfig

@@ -9,15 +9,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from vlm_recipes.methods.dpo import PreferenceMethod
-from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts, TrainerInputs
 from vlm_recipes.recipes.fields import ABOVE_0, doc, longest_in_tokens
 from vlm_recipes.recipes.schema import Stage
 
 if TYPE_CHECKING:
     from trl import KTOConfig
 
-    from vlm_recipes.data.lengths import LengthCheck
-    from vlm_recipes.data.rows import RowFormat
     from vlm_recipes.data.stage_data import StageData
     from vlm_recipes.methods.preference_trainers import RecipeKTOTrainer
 
@@ -65,25 +63,11 @@ class KTO(PreferenceMethod):
     settings = KtoSettings
     measures = {"eval_reward_margin": ("reward margin", True)}
 
-    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
-
-    @property
-    def row_format(self) -> RowFormat:
-        from vlm_recipes.data.preference import UNPAIRED
-
-        return UNPAIRED
-
-    @property
-    def check_lengths(self) -> LengthCheck:
-        from vlm_recipes.data.preference import check_unpaired_lengths
-
-        return check_unpaired_lengths
-
-    @property
-    def trainer_class(self) -> type[RecipeKTOTrainer]:
+    def parts(self) -> StageParts:
+        from vlm_recipes.data.preference import UNPAIRED, check_unpaired_lengths
         from vlm_recipes.methods.preference_trainers import RecipeKTOTrainer
 
-        return RecipeKTOTrainer
+        return StageParts(UNPAIRED, check_unpaired_lengths, RecipeKTOTrainer)
 
     def build_config(self, inputs: ConfigInputs) -> KTOConfig:
         from trl import KTOConfig

@@ -12,13 +12,11 @@ from typing import TYPE_CHECKING
 
 from vlm_recipes.methods.grpo import SamplingMethod
 from vlm_recipes.methods.sampling_settings import SampledCompletionSettings
-from vlm_recipes.methods.trainer import ConfigInputs
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts
 from vlm_recipes.recipes.fields import AT_LEAST_0, doc
 
 if TYPE_CHECKING:
     from trl import RLOOConfig
-
-    from vlm_recipes.methods.sampling_trainers import RecipeRLOOTrainer
 
 
 @dataclass
@@ -44,11 +42,11 @@ class RLOO(SamplingMethod):
     name = "rloo"
     settings = RlooSettings
 
-    @property
-    def trainer_class(self) -> type[RecipeRLOOTrainer]:  # TRL, imported when asked
+    def parts(self) -> StageParts:
+        from vlm_recipes.data.prompts import PROMPTS, check_prompt_lengths
         from vlm_recipes.methods.sampling_trainers import RecipeRLOOTrainer
 
-        return RecipeRLOOTrainer
+        return StageParts(PROMPTS, check_prompt_lengths, RecipeRLOOTrainer)
 
     def build_config(self, inputs: ConfigInputs) -> RLOOConfig:
         from trl import RLOOConfig

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vlm_recipes.methods.trainer import ConfigInputs, TrainerInputs, TrainingMethod
+from vlm_recipes.methods.trainer import ConfigInputs, StageParts, TrainerInputs, TrainingMethod
 from vlm_recipes.recipes.schema import Stage
 
 if TYPE_CHECKING:
     from trl import SFTConfig
 
-    from vlm_recipes.data.lengths import LengthCheck
-    from vlm_recipes.data.rows import RowFormat
     from vlm_recipes.decisions import Decision
     from vlm_recipes.methods.sft_trainer import RecipeTrainer
 
@@ -85,25 +83,12 @@ class SFT(TrainingMethod):
     takes_loss_positions_cut = True  # its loss reads the labelled positions only (speedups/loss_positions.py)
     takes_streamed_rows = True  # data/streaming.py reads `messages` rows
 
-    # its rows' format and length check, and its trainer: the data modules and TRL, imported when asked
-
-    @property
-    def row_format(self) -> RowFormat:
-        from vlm_recipes.data.rows import MESSAGES
-
-        return MESSAGES
-
-    @property
-    def check_lengths(self) -> LengthCheck:
+    def parts(self) -> StageParts:
         from vlm_recipes.data.lengths import check_lengths
-
-        return check_lengths
-
-    @property
-    def trainer_class(self) -> type[RecipeTrainer]:
+        from vlm_recipes.data.rows import MESSAGES
         from vlm_recipes.methods.sft_trainer import RecipeTrainer
 
-        return RecipeTrainer
+        return StageParts(MESSAGES, check_lengths, RecipeTrainer)
 
     def max_length(self, stage: Stage) -> int | None:
         """Longest conversation: data.max_length."""

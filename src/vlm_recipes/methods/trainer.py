@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,9 +19,9 @@ from vlm_recipes.recipes.validate import Problem
 from vlm_recipes.roles import ROLES
 
 if TYPE_CHECKING:  # the training stack, imported where a stage is built (above)
-    import datasets
     from transformers import TrainingArguments
 
+    from vlm_recipes.data.lengths import LengthCheck
     from vlm_recipes.data.rows import RowFormat
     from vlm_recipes.data.stage_data import StageData
     from vlm_recipes.decisions import Decision, Environment
@@ -97,6 +96,17 @@ class ConfigInputs:
         )
 
 
+@dataclass(frozen=True)
+class StageParts:
+    """What a stage of a method is built from that needs the data modules or TRL (TrainingMethod.parts)."""
+
+    row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
+    # data/'s length check of the rows: (rows, processor, family, max_length, source, on_bad_sample, video,
+    # remember) -> (rows, tokens per row, rows skipped per reason); nothing is ever cut
+    check_lengths: LengthCheck
+    trainer_class: type[RecipeTrainerMixin]  # TRL's trainer with the recipe's mixins in front
+
+
 @dataclass
 class TrainerInputs:
     """What a stage's trainer is built from (TrainingMethod.make_trainer)."""
@@ -128,11 +138,6 @@ class TrainingMethod(ABC):
 
     name: str  # the recipe's `method:`
     settings: type | None = None  # the dataclass of the recipe's section named after the method; None: none
-    row_format: RowFormat  # the rows' check and kept columns (data.rows.load_split)
-    # data/'s length check of the rows, a staticmethod: (rows, processor, family, max_length, source,
-    # on_bad_sample, video, remember) -> (rows, tokens per row, rows skipped per reason); nothing is ever cut
-    check_lengths: Callable[..., tuple[datasets.Dataset, list[int], dict[str, int]]]
-    trainer_class: type[RecipeTrainerMixin]  # TRL's trainer with the recipe's mixins in front
     eval_at_start: bool = (
         False  # eval_metrics measured before step 1 too (evaluation/metrics.evaluate_at_start)
     )
@@ -195,8 +200,13 @@ class TrainingMethod(ABC):
         ]
 
     @abstractmethod
+    def parts(self) -> StageParts:
+        """Its rows' format, their length check and its trainer class, imported here: only a stage being built
+        needs them (reading a recipe, `--list` and `--schema` do not)."""
+
+    @abstractmethod
     def max_length(self, stage: Stage) -> int | None:
-        """The longest row check_lengths lets through, in tokens, image tokens included; None: no limit."""
+        """The longest row its length check lets through, in tokens, image tokens included; None: no limit."""
 
     @abstractmethod
     def build_config(self, inputs: ConfigInputs) -> TrainingArguments:
@@ -225,12 +235,12 @@ class TrainingMethod(ABC):
         return {}
 
     def construct_trainer(self, inputs: TrainerInputs, **method_arguments) -> RecipeTrainerMixin:
-        """trainer_class on the stage's model, config (DataParallel refused first), splits, processor and
-        callbacks, with what the method adds (DPO's `ref_model`, GRPO's `reward_funcs`)."""
+        """The method's trainer class on the stage's model, config (DataParallel refused first), splits,
+        processor and callbacks, with what the method adds (DPO's `ref_model`, GRPO's `reward_funcs`)."""
         from vlm_recipes.model.guards import apply_parallelism
 
         apply_parallelism(inputs.args)
-        return self.trainer_class(
+        return self.parts().trainer_class(
             model=inputs.built.model,
             args=inputs.args,
             train_dataset=inputs.data.train,

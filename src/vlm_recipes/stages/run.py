@@ -139,7 +139,7 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
     family = ctx.family
     processor = load_processor(ctx.source, stage.data, family, ctx.recipe.trust_remote_code)
     video = video_rules(stage, family, processor, method.takes_video)
-    data = load_stage_data(stage.data, method.row_format, video, ctx.data_paths)
+    data = load_stage_data(stage.data, method.parts().row_format, video, ctx.data_paths)
     policy, max_length = stage.data.on_bad_sample, method.max_length(stage)
     splits = {"train": (data.train, data.train_source)}
     if stage.data.streaming:  # checked as it is trained on (data/streaming.py)
@@ -158,7 +158,7 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
         splits["eval"] = (data.eval, data.eval_source or "")
 
     def measure(rows, source: str):
-        return method.check_lengths(
+        return method.parts().check_lengths(
             rows, processor, family, max_length, source, policy, video.sampling, remembered_token_counts
         )
 
