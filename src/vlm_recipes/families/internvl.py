@@ -34,12 +34,12 @@ second) cannot share a batch.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry, count_expanded_tokens
+from vlm_recipes.families.pixel_units import fewest_units, most_units
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +123,13 @@ class InternVLFamily(Family):
         tile = image_processor.size["height"] * image_processor.size["width"]
         side = f"{image_processor.size['height']}x{image_processor.size['width']} px"
         if max_pixels is not None:
-            if max_pixels < tile:
-                raise ValueError(
-                    f"{self.name}: data.max_pixels={max_pixels} is under one tile ({side}, {tile} pixels): every "
-                    f"image is at least one tile. Set data.max_pixels to {tile} or more (or null: the model's own)"
-                )
-            image_processor.max_patches = max_pixels // tile
-            log.info("%s: data.max_pixels=%d -> max_patches %d", self.name, max_pixels, max_pixels // tile)
+            image_processor.max_patches = most_units(self.name, max_pixels, tile, f"tile of {side}")
+            log.info(
+                "%s: data.max_pixels=%d -> max_patches %d", self.name, max_pixels, image_processor.max_patches
+            )
         if min_pixels is not None:
-            fewest = math.ceil(min_pixels / tile)
-            if fewest > image_processor.max_patches:
-                raise ValueError(
-                    f"{self.name}: data.min_pixels={min_pixels} needs {fewest} tiles of {side}, more than "
-                    f"max_patches {image_processor.max_patches}: lower data.min_pixels or raise data.max_pixels"
-                )
+            most = ("max_patches", image_processor.max_patches)
+            fewest = fewest_units(self.name, min_pixels, tile, f"tiles of {side}", most)
             image_processor.min_patches = fewest
             log.info("%s: data.min_pixels=%d -> min_patches %d", self.name, min_pixels, fewest)
 

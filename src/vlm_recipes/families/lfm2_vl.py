@@ -32,7 +32,6 @@ counts are refused (see FLOPS_REFUSAL). No video: Lfm2VlProcessor takes images o
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -44,6 +43,7 @@ from vlm_recipes.families.base import (
     VisionGeometry,
     count_expanded_tokens,
 )
+from vlm_recipes.families.pixel_units import fewest_units, most_units
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +156,7 @@ class Lfm2VlFamily(Family):
         ip = image_processor
         token = (ip.encoder_patch_size * ip.downsample_factor) ** 2  # pixels of one image token
         if max_pixels is not None:
-            if max_pixels < token:
-                raise ValueError(
-                    f"{self.name}: data.max_pixels={max_pixels} is under one image token ({token} pixels). Set "
-                    f"data.max_pixels to {token} or more (or null: the model's own)"
-                )
-            ip.max_image_tokens = max_pixels // token
+            ip.max_image_tokens = most_units(self.name, max_pixels, token, "image token")
             ip.min_image_tokens = min(ip.min_image_tokens, ip.max_image_tokens)
             tiles = max_pixels // ip.tile_size**2
             if tiles < ip.min_tiles:
@@ -180,12 +175,8 @@ class Lfm2VlFamily(Family):
                 f"max_tiles {tiles}" if ip.do_image_splitting else "no image cut into tiles",
             )
         if min_pixels is not None:
-            fewest = math.ceil(min_pixels / token)
-            if fewest > ip.max_image_tokens:
-                raise ValueError(
-                    f"{self.name}: data.min_pixels={min_pixels} needs {fewest} image tokens, more than "
-                    f"max_image_tokens {ip.max_image_tokens}: lower data.min_pixels or raise data.max_pixels"
-                )
+            most = ("max_image_tokens", ip.max_image_tokens)
+            fewest = fewest_units(self.name, min_pixels, token, "image tokens", most)
             ip.min_image_tokens = fewest
             log.info("%s: data.min_pixels=%d -> min_image_tokens %d", self.name, min_pixels, fewest)
 
