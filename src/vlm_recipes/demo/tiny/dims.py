@@ -7,6 +7,8 @@ from __future__ import annotations
 TINY_TEXT_DIMS = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 # and its vision tower: 32 wide, 2 layers of 2 heads
 TINY_VISION_DIMS = {"vision_layers": 2, "vision_dim": 32, "vision_intermediate": 64, "vision_heads": 2}
+# and a mixture-of-experts model's experts: 4 routed, 2 of them per token, each 32 wide
+TINY_MOE_DIMS = {"experts": 4, "experts_per_token": 2, "expert_intermediate": 32}
 
 
 def tiny_text_config(tok, dims: dict, **fields) -> dict:
@@ -23,6 +25,22 @@ def tiny_text_config(tok, dims: dict, **fields) -> dict:
         "num_key_value_heads": dims["kv_heads"],
         "max_position_embeddings": 4096,
         **fields,
+    }
+
+
+def deepseek_moe_fields(dims: dict) -> dict:
+    """DeepSeek-V3's mixture-of-experts config fields, routed as GLM-4.5V and Kimi K2.5 publish it: the first
+    `dense_layers` layers dense, then `dims`' routed experts beside one shared expert, one group, the top-k
+    renormalized."""
+    return {
+        "first_k_dense_replace": dims["dense_layers"],
+        "n_routed_experts": dims["experts"],
+        "num_experts_per_tok": dims["experts_per_token"],
+        "moe_intermediate_size": dims["expert_intermediate"],
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
     }
 
 

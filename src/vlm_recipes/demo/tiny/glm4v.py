@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
-from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
+from vlm_recipes.demo.tiny.dims import TINY_MOE_DIMS, TINY_TEXT_DIMS, deepseek_moe_fields, tiny_text_config
 
 # GLM-4's special tokens, in the order the GLM-4.1V tokenizer numbers them after its BPE vocab (151329 to
 # 151344; the model config's image_token_id 151343 and video_token_id 151344). The added tokens after them
@@ -93,17 +93,7 @@ def build_tiny_glm4v(out: Path, dims: dict, corpus: list[str]) -> None:
     )
     moe = "experts" in dims
     if moe:  # GLM-4.5-Air's: the first layers' MLP dense (intermediate_size), then routed and shared experts
-        text |= {
-            "first_k_dense_replace": dims["dense_layers"],
-            "n_routed_experts": dims["experts"],
-            "num_experts_per_tok": dims["experts_per_token"],
-            "moe_intermediate_size": dims["expert_intermediate"],
-            "n_shared_experts": 1,
-            "n_group": 1,  # GLM-4.5V's: one group of experts, sigmoid scores, the top-k renormalized
-            "topk_group": 1,
-            "norm_topk_prob": True,
-            "attention_bias": True,  # GLM-4.5-Air's biased q, k, v
-        }
+        text |= deepseek_moe_fields(dims) | {"attention_bias": True}  # GLM-4.5-Air's biased q, k, v
     config_class, model_class = (
         (transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration)
         if moe
@@ -157,11 +147,9 @@ TINY = {
 # a dense first layer, then two MoE layers (the real: 1 dense, 45 MoE), so the last layer is routed
 TINY_MOE = {
     **TINY,
+    **TINY_MOE_DIMS,  # beside one shared expert (the real: 128 routed, eight per token)
     "layers": 3,
     "dense_layers": 1,
-    "experts": 4,  # routed experts, two of them per token (the real: 128, eight), and one shared expert
-    "experts_per_token": 2,
-    "expert_intermediate": 32,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel, byte_level_bpe, generation_ids, save_tiny_model
-from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
+from vlm_recipes.demo.tiny.dims import TINY_MOE_DIMS, TINY_TEXT_DIMS, deepseek_moe_fields, tiny_text_config
 
 MIRRORS = "moonshotai/Kimi-K2.5"  # the published checkpoint this tiny build mirrors
 
@@ -185,10 +185,8 @@ def build_tiny_kimi_k25(out: Path, dims: dict, corpus: list[str]) -> None:
         model_type="deepseek_v3",
         **dims["mla"],
         v_head_dim=dims["v_head_dim"],
-        **dims["moe"],
-        moe_intermediate_size=dims["expert_intermediate"],
         # the published routing (sigmoid scores, one group, top-k renormalized and scaled), no MTP layer
-        **{"n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
+        **deepseek_moe_fields(dims),
         routed_scaling_factor=2.827,
         num_mtp_layers=0,
         max_position_embeddings=262144,  # the published YaRN: x64 over 4096 positions
@@ -226,9 +224,9 @@ TINY = {
     # 4 heads of 16 + 8 rotary dims, latents of 32 and 16 (the real: 64 of 128 + 64, latents of 1536, 512)
     "mla": {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8},
     "v_head_dim": 16,
-    # a dense first layer, then one of 4 routed experts, 2 a token (the real: 1 dense, then 60 of 384, 8)
-    "moe": {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2},
-    "expert_intermediate": 32,
+    # a dense first layer, then 4 routed experts, 2 a token (the real: 1 dense, then 60 of 384, 8)
+    **TINY_MOE_DIMS,
+    "dense_layers": 1,
     "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2},
     "pos_grid": 8,  # the real tower: 27 layers of 1152, a 64x64 position grid
     # at most 256 patches, 16 a side (the real 16384, 512): 128 px pads to 140, 10x10 patches, 25 tokens

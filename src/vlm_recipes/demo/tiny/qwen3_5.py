@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vlm_recipes.demo.tiny import TinyModel
+from vlm_recipes.demo.tiny.dims import TINY_MOE_DIMS
 from vlm_recipes.demo.tiny.qwen2_vl import save_qwen_vl
 from vlm_recipes.demo.tiny.qwen3_vl import qwen3_text_config, qwen3_vision_config, qwen3_vl_processor
 
@@ -83,12 +84,7 @@ TINY = {
 }
 
 
-TINY_MOE = {
-    **TINY,
-    "experts": 4,  # routed experts, two of them per token (the real: 256, eight), and one shared expert
-    "experts_per_token": 2,
-    "expert_intermediate": 32,
-}
+TINY_MOE = {**TINY, **TINY_MOE_DIMS}  # beside one shared expert (the real: 256 routed, eight per token)
 
 
 # The demo models this module builds: demo id -> what it builds (demo/models.py finds them here)

@@ -16,7 +16,7 @@ from vlm_recipes.demo.tiny import (
     save_tiny_model,
     train_qwen_bpe,
 )
-from vlm_recipes.demo.tiny.dims import TINY_TEXT_DIMS, tiny_text_config
+from vlm_recipes.demo.tiny.dims import TINY_MOE_DIMS, TINY_TEXT_DIMS, tiny_text_config
 from vlm_recipes.demo.tiny.qwen2_vl import QWEN_VL_SPECIAL_TOKENS
 from vlm_recipes.demo.tiny.qwen3_vl import QWEN3_ADDED_TOKENS, qwen3_vision_config
 
@@ -162,7 +162,7 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
             head_dim=dims["hidden"] // dims["heads"],
             num_experts=dims["experts"],
             num_experts_per_tok=dims["experts_per_token"],
-            moe_intermediate_size=dims["moe_intermediate"],
+            moe_intermediate_size=dims["expert_intermediate"],
             decoder_sparse_step=1,  # every layer sparse, as published
             norm_topk_prob=True,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": dims["mrope"]}
@@ -206,9 +206,7 @@ def build_tiny_qwen3_omni(out: Path, dims: dict, corpus: list[str]) -> None:
 TINY = {
     **TINY_TEXT_DIMS,
     "mrope": [4, 2, 2],  # 8 rotary frequencies, interleaved t/h/w: the published [24, 20, 20] of 64, scaled
-    "experts": 4,  # the published: 128 experts, 8 per token, 768 wide
-    "experts_per_token": 2,
-    "moe_intermediate": 32,
+    **TINY_MOE_DIMS,  # the published: 128 experts, 8 per token, 768 wide
     "vision_depth": 2,
     "vision_dim": 32,
     "vision_intermediate": 64,
