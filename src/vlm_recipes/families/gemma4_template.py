@@ -28,6 +28,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from vlm_recipes.families.training_templates import cut_at
+
 _THINKING = "{#- Render reasoning/reasoning_content as thinking channel -#}"
 _TOOL_RESPONSES = "{%- set ns_tr_out = namespace(flag=false) -%}"
 _CONTENT = "{{- captured_content -}}"
@@ -74,21 +76,11 @@ def _in_loss(output: str) -> str:
     )
 
 
-def _split_at(text: str, anchors: tuple[str, ...]) -> list[str] | None:
-    """The text cut at each anchor in turn, each there exactly once after the last (None: one is not)."""
-    pieces = []
-    for anchor in anchors:
-        if text.count(anchor) != 1:
-            return None
-        before, text = text.split(anchor)
-        pieces.append(before)
-    return [*pieces, text]
-
-
 def _with_markers(template: str) -> str | None:
     """The published template with generation markers at its anchors (None: an anchor is missing)."""
-    pieces = _split_at(template, (_THINKING, _TOOL_RESPONSES, _CONTENT, _GENERATION_PROMPT))
-    if pieces is None:
+    try:
+        pieces = cut_at(template, _THINKING, _TOOL_RESPONSES, _CONTENT, _GENERATION_PROMPT)
+    except ValueError:  # an anchor missing or repeated: not a text this knows how to mark
         return None
     # model_output: the thinking channel and the tool calls (empty in a user's turn), captured, then written
     # in the loss

@@ -40,6 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlm_recipes.families.base import LLAVA_STYLE_ROLES, Family, VisionGeometry, count_expanded_tokens
 from vlm_recipes.families.pixel_units import fewest_units, most_units
+from vlm_recipes.families.training_templates import turn_bodies_in_the_loss
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +56,12 @@ INTERNVL_CHAT_TEMPLATE = (
     "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{'<|im_end|>\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
 )
-_TURN_START = "{{'<|im_start|>' + message['role'] + '\\n'}}"
-_CONTENT = INTERNVL_CHAT_TEMPLATE.split(_TURN_START, 1)[1].split("{% endfor %}{% if add_generation_prompt")[0]
 # The training variant: the same text, an assistant turn's content and its <|im_end|>\n inside {% generation %}
-# (the stop token trained, as TRL's qwen2_5_vl training template does).
-INTERNVL_TRAINING_CHAT_TEMPLATE = INTERNVL_CHAT_TEMPLATE.replace(
-    _TURN_START + _CONTENT,
-    _TURN_START
-    + "{% if message['role'] == 'assistant' %}{% generation %}"
-    + _CONTENT
-    + "{% endgeneration %}{% else %}"
-    + _CONTENT
-    + "{% endif %}",
+INTERNVL_TRAINING_CHAT_TEMPLATE = turn_bodies_in_the_loss(
+    INTERNVL_CHAT_TEMPLATE,
+    "{{'<|im_start|>' + message['role'] + '\\n'}}",
+    "{% endfor %}{% if add_generation_prompt",
 )
-assert INTERNVL_TRAINING_CHAT_TEMPLATE.count("{% generation %}") == 1, "the turn is where it was"
 
 
 def tiles_per_image(processor, sizes: list[tuple[int, int]]) -> list[int]:

@@ -44,6 +44,7 @@ from vlm_recipes.families.base import (
     count_expanded_tokens,
 )
 from vlm_recipes.families.pixel_units import fewest_units, most_units
+from vlm_recipes.families.training_templates import turn_bodies_in_the_loss
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,12 @@ LFM2_VL_CHAT_TEMPLATE = (
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
 )
-# The turn's body (its content and <|im_end|>) between its header and the loop's end; each split finds its
-# anchor exactly once (else ValueError: the published text changed)
-_HEADER = "{{'<|im_start|>' + message['role'] + '\n'}}"
-_LOOP_END = "{% endfor %}{% if add_generation_prompt %}"
-_BEFORE, _FROM_BODY = LFM2_VL_CHAT_TEMPLATE.split(_HEADER)
-_BODY, _AFTER = _FROM_BODY.split(_LOOP_END)
 # The same text, each assistant turn's body marked for the loss: the answer, <|im_end|> and the newline after
 # it (as TRL's lfm2 training template marks LFM2's turns)
-LFM2_VL_TRAINING_CHAT_TEMPLATE = (
-    f"{_BEFORE}{_HEADER}{{% if message['role'] == 'assistant' %}}{{% generation %}}{_BODY}{{% endgeneration %}}"
-    f"{{% else %}}{_BODY}{{% endif %}}{_LOOP_END}{_AFTER}"
+LFM2_VL_TRAINING_CHAT_TEMPLATE = turn_bodies_in_the_loss(
+    LFM2_VL_CHAT_TEMPLATE,
+    "{{'<|im_start|>' + message['role'] + '\n'}}",
+    "{% endfor %}{% if add_generation_prompt %}",
 )
 
 PACKING_REFUSAL = (

@@ -14,6 +14,8 @@ trains the answer and the stop token and renders exactly what the published temp
 
 from __future__ import annotations
 
+from vlm_recipes.families.training_templates import cut_at
+
 MISTRAL3_CHAT_TEMPLATE = (
     '{%- set today = strftime_now("%Y-%m-%d") %}\n'
     '{%- set default_system_message = "You are Mistral Small 3, a Large Language Model (LLM)'
@@ -74,12 +76,10 @@ MISTRAL3_CHAT_TEMPLATE = (
     "{%- endfor %}"
 )
 
-# The assistant turn runs from its branch to the next one; each split finds its anchor exactly once (else it
-# raises ValueError: the published text changed)
+# The assistant turn runs from its branch to the next one
 _ASSISTANT_BRANCH = "    {%- elif message['role'] == 'assistant' %}\n"
 _NEXT_BRANCH = "    {%- else %}\n        {{- raise_exception('Only user, system and assistant roles"
-_BEFORE, _FROM_TURN = MISTRAL3_CHAT_TEMPLATE.split(_ASSISTANT_BRANCH)
-_ASSISTANT_TURN, _AFTER = _FROM_TURN.split(_NEXT_BRANCH)
+_BEFORE, _ASSISTANT_TURN, _AFTER = cut_at(MISTRAL3_CHAT_TEMPLATE, _ASSISTANT_BRANCH, _NEXT_BRANCH)
 MISTRAL3_TRAINING_CHAT_TEMPLATE = (
     _BEFORE
     + _ASSISTANT_BRANCH
