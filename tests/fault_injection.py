@@ -10,6 +10,7 @@ $VLM_RECIPES_FAULT, as a crash, a lost node or the OOM killer would:
 
 The hooks are installed here, from outside the package, so production code carries no test switches.
 Launched process groups rerun this file (the launcher relaunches argv[0]), so the faults reach them too.
+A fault strikes once: a group torchrun's elastic agent restarted (TORCHELASTIC_RESTART_COUNT > 0) runs on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ current_stage = [0]
 
 
 def kill_at(point: str) -> None:
-    if FAULT in (point, f"{point}@rank{os.environ.get('RANK')}"):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if FAULT in (point, f"{point}@rank{os.environ.get('RANK')}") and not restarted:
         print(f"fault injection: SIGKILL at {point}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

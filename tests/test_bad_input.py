@@ -166,6 +166,7 @@ CASES = {
         lambda t: ["--master-port", "70000"],
         "--master-port 70000: must be at least 1 and at most 65535",
     ),
+    "negative restarts": (lambda t: ["--max-restarts", "-1"], "--max-restarts -1: must be at least 0"),
     "until-stage zero": (lambda t: ["--until-stage", "0"], "--until-stage 0: must be at least 1"),
     "until-stage past the stages": (
         lambda t: ["--until-stage", "3"],

@@ -127,7 +127,10 @@ def test_a_launched_stage_relaunches_the_module(monkeypatch):
     for argv0 in (str(CONSOLE_SCRIPT), "python -m vlm_recipes"):  # what each entry leaves in sys.argv[0]
         monkeypatch.setattr(sys, "argv", [argv0, "--recipe", "r1-llm-only"])
         command = launch_command(
-            ParallelPlan("ddp", 2), ["--resume", "runs/x/y", "--until-stage", "1"], NodeSettings()
+            ParallelPlan("ddp", 2),
+            ["--resume", "runs/x/y", "--until-stage", "1"],
+            NodeSettings(),
+            "r-y-stage1",
         )
         assert command[-6:] == ["-m", "vlm_recipes", "--resume", "runs/x/y", "--until-stage", "1"]
 

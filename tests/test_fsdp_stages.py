@@ -197,6 +197,32 @@ def test_a_stage_killed_on_four_ranks_resumes_on_two_with_the_same_global_batch(
     assert moved > 1e-5 and distance < 4e-8, (distance, moved)
 
 
+# Measured on a 2-core AMD EPYC: the restarted run ends bit for bit where the uninterrupted run's first
+# stage ends (floor 0, as for the kill-and-resume above); training moved its weights 1.2e-3. Before the
+# launcher unshared torchrun's store, the restarted group failed in gloo's first connection.
+def test_a_rank_killed_with_a_restart_allowed_heals_by_itself_to_where_the_uninterrupted_run_ends(
+    tmp_path, uninterrupted
+):
+    """r3's first stage as r2 with `--max-restarts 1`: rank 1 SIGKILLed after step 3. torchrun's elastic
+    agent (under accelerate launch, through c10d) restarts the group, which resumes from the step-2
+    checkpoint by itself: the one command ends with exit 0, says it restarted, and its stage ends where the
+    uninterrupted run's does."""
+    flags = [*FSDP_R3, "--run-name", "run", "--max-restarts", "1"]
+    flags[flags.index("--recipe") + 1] = "r2-vision-only"
+    healed = run_fsdp_r3(tmp_path, *flags, fault="stage1:step3@rank1")
+    assert healed.returncode == 0, healed.stderr[-4000:]
+    assert "fault injection: SIGKILL at stage1:step3" in healed.stderr
+    assert "restart 1 of at most 1: torchrun's elastic agent restarted the process group" in healed.stderr
+    run_dir = tmp_path / "r2-vision-only" / "run"
+    assert f"resuming from {run_dir / STAGES[0] / 'checkpoints' / 'checkpoint-2'}" in healed.stderr
+    assert read_json(run_dir / "run.json")["status"] == "finished"
+
+    source = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
+    reference, final = saved(uninterrupted / STAGES[0]), saved(run_dir / STAGES[0])
+    moved = max((reference[k] - source[k]).abs().max().item() for k in source)
+    assert moved > 1e-5 and all(torch.equal(final[k], reference[k]) for k in reference), moved
+
+
 def test_dry_run_states_per_rank_memory_as_the_sharded_run_held_it(uninterrupted, tmp_path, capsys):
     """`--dry-run` of the same command states each sharded stage's memory per rank; the run's own step-2
     checkpoint holds, whole, what the ranks held in halves: the trainable tensors (gradients are their

@@ -18,7 +18,7 @@ from vlm_recipes.decisions import Environment
 from vlm_recipes.demo.models import ensure_demo_model
 from vlm_recipes.errors import GuardError
 from vlm_recipes.files import read_json
-from vlm_recipes.launch.launcher import CONFIGS_DIR, launch_command
+from vlm_recipes.launch.launcher import CONFIGS_DIR, launch_command, launch_environment
 from vlm_recipes.model.guards import apply_parallelism
 from vlm_recipes.plan import ModelFootprint, ParallelPlan, decide_parallel
 from vlm_recipes.runs.layout import NodeSettings
@@ -451,29 +451,50 @@ def test_the_launching_process_leaves_the_training_libraries_to_the_ranks(tmp_pa
 
 
 def test_launch_commands_for_one_and_several_nodes():
-    single = launch_command(ParallelPlan("ddp", 2), ["--resume", "runs/x/y"], NodeSettings())
-    assert (
-        single[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"] and "--standalone" in single
-    )
-    multi = launch_command(
-        ParallelPlan("ddp", 8, 2), ["--resume", "r"], NodeSettings(2, 1, "10.0.0.1", 29500)
-    )
-    assert multi[5:13] == [
+    """torchrun and accelerate both meet through c10d: on one node at a free local port, on several at node
+    0's address; the rendezvous id and the restarts torchrun's elastic agent may make go with them."""
+    single = launch_command(ParallelPlan("ddp", 2), ["--resume", "runs/x/y"], NodeSettings(), "r-run-stage1")
+    assert single[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    assert single[5:15] == [
+        "--nnodes",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        "--rdzv_id",
+        "r-run-stage1",
+        "--max_restarts",
+        "0",
+    ]
+    node = NodeSettings(2, 1, "10.0.0.1", 29500, max_restarts=3)
+    multi = launch_command(ParallelPlan("ddp", 8, 2), ["--resume", "r"], node, "r-run-stage2")
+    assert multi[5:15] == [
         "--nnodes",
         "2",
-        "--node_rank",
-        "1",
-        "--master_addr",
-        "10.0.0.1",
-        "--master_port",
-        "29500",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "10.0.0.1:29500",
+        "--rdzv_id",
+        "r-run-stage2",
+        "--max_restarts",
+        "3",
     ]
-    fsdp = launch_command(ParallelPlan("fsdp", 8), [], NodeSettings())
+    fsdp = launch_command(ParallelPlan("fsdp", 8, 2), [], node, "r-run-stage2")
     assert fsdp[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS_DIR / "fsdp.yaml")]
-    zero3 = launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero3"))
+    assert fsdp[fsdp.index("--rdzv_backend") :][:4] == ["--rdzv_backend", "c10d", "--max_restarts", "3"]
+    # accelerate's parser takes no rendezvous id: torchrun's parser reads it from PET_RDZV_ID
+    assert launch_environment(ParallelPlan("fsdp", 8, 2), node, "r-run-stage2") == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PET_RDZV_ID": "r-run-stage2",
+        "PET_RDZV_ENDPOINT": "10.0.0.1:29500",
+        "PET_NNODES": "2",
+    }
+    zero3 = launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero3"), "r")
     assert zero3[4] == str(CONFIGS_DIR / "zero3.yaml")
     with pytest.raises(GuardError, match="not one of ddp, fsdp, zero2, zero3"):
-        launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero4"))
+        launch_command(ParallelPlan("deepspeed", 8), [], NodeSettings(accelerate_config="zero4"), "r")
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3"])

@@ -33,3 +33,12 @@ def gather_from_ranks(state: PartialState, value) -> list:
 def launched() -> bool:
     """True inside a process that torchrun or accelerate started (it must not launch again)."""
     return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def restarts() -> tuple[int, int]:
+    """(this group's restart, the most allowed): what torchrun's elastic agent tells the processes it
+    restarts after a failure (0, 0 outside one)."""
+    return (
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )

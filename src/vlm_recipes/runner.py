@@ -19,10 +19,17 @@ from accelerate import PartialState
 from vlm_recipes.decisions import Decision
 from vlm_recipes.demo.models import resolve_model_source
 from vlm_recipes.files import discard_dir, read_json, write_json
-from vlm_recipes.launch.launcher import launch_command, run_launched, wait_for
+from vlm_recipes.launch.launcher import (
+    launch_command,
+    launch_environment,
+    rendezvous_id,
+    run_launched,
+    wait_for,
+)
+from vlm_recipes.logs import is_main_process
 from vlm_recipes.machine import detect_environment
 from vlm_recipes.plan import ParallelPlan, plan_parallel
-from vlm_recipes.ranks import broadcast_from_main, launched, process_state
+from vlm_recipes.ranks import broadcast_from_main, launched, process_state, restarts
 from vlm_recipes.recipes.data_sources import source_paths
 from vlm_recipes.recipes.learning_rates import stage_learning_rates
 from vlm_recipes.recipes.schema import Recipe, Stage
@@ -52,6 +59,14 @@ def run_recipe(recipe: Recipe, options: RunOptions) -> Path:
     process holds the run directory's lock until it returns (its children share it)."""
     try:
         if launched():  # a child of the launcher: train the stages it was given
+            restart, most = restarts()
+            if restart and is_main_process():  # its arguments hold --resume: it continues the run
+                log.warning(
+                    "restart %d of at most %d: torchrun's elastic agent restarted the process group after a "
+                    "process failed; the run continues from its last complete checkpoint",
+                    restart,
+                    most,
+                )
             return train_stages(recipe, options, process_state())
         # a demo model is built (and pretrained) here, once, before any child
         resolve_model_source(recipe.model)
@@ -72,30 +87,44 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
         write_manifest(recipe, run_dir, options, detect_environment())
     else:  # other nodes continue the run node 0 creates (the output dir is on a shared filesystem)
         wait_for(run_dir / "run.json", seconds=600)
-    groups: list[tuple[int, ParallelPlan, Decision]] = []  # (last stage index, plan, decision)
-    until = options.until_stage or len(plans)  # --until-stage: the later stages' groups are not started
-    for index, (plan, decision) in enumerate(plans[:until], start=1):
-        if groups and groups[-1][1] == plan:
-            groups[-1] = (index, plan, decision)
-        else:
-            groups.append((index, plan, decision))
     try:
-        for last, plan, decision in groups:
+        for last, plan, decision in stage_groups(plans, options.until_stage):
             log.info("stages up to %d: %s", last, decision)
             resumed = dataclasses.replace(options, resume=True, until_stage=last)
             if not plan.launches_processes:
                 if node.node_rank == 0:
                     train_stages(recipe, resumed, process_state(), plans)
                 continue
-            command = launch_command(plan, ["--resume", str(run_dir), "--until-stage", str(last)], node)
+            rendezvous = rendezvous_id(run_dir, last)
+            command = launch_command(
+                plan, ["--resume", str(run_dir), "--until-stage", str(last)], node, rendezvous
+            )
             log.info("launching %d process(es) on this node: %s", plan.processes_per_node, " ".join(command))
-            run_launched(command, run_dir, {PARALLEL_ENV: f"{plan.mode}:{decision.choice}"})
+            env = {
+                PARALLEL_ENV: f"{plan.mode}:{decision.choice}",
+                **launch_environment(plan, node, rendezvous),
+            }
+            run_launched(command, run_dir, env)
     except BaseException as exc:
         if node.node_rank == 0:  # what a child recorded (the error itself) is kept: it knows more
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             mark_run_ended(run_dir, status, exc, keep_recorded=True)
         raise
     return run_dir
+
+
+def stage_groups(
+    plans: list[tuple[ParallelPlan, Decision]], until_stage: int | None = None
+) -> list[tuple[int, ParallelPlan, Decision]]:
+    """(last stage index, plan, decision): consecutive stages planned alike run as one group, one launch.
+    --until-stage: the later stages' groups are not started."""
+    groups: list[tuple[int, ParallelPlan, Decision]] = []
+    for index, (plan, decision) in enumerate(plans[: until_stage or len(plans)], start=1):
+        if groups and groups[-1][1] == plan:
+            groups[-1] = (index, plan, decision)
+        else:
+            groups.append((index, plan, decision))
+    return groups
 
 
 def train_stages(

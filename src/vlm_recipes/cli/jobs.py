@@ -12,6 +12,7 @@ FLAG_RANGES = [
     ("nnodes", "--nnodes", 1, None),
     ("node_rank", "--node-rank", 0, None),  # and below --nnodes
     ("master_port", "--master-port", 1, 65535),
+    ("max_restarts", "--max-restarts", 0, None),
     ("until_stage", "--until-stage", 1, None),  # and at most the number of stages
 ]
 
@@ -54,7 +55,9 @@ def check_flags(args) -> None:
         if value is not None and (value < low or (high is not None and value > high)):
             bound = f"at least {low}" + (f" and at most {high}" if high is not None else "")
             problems.append(Problem(f"{flag} {value}", f"must be {bound}"))
-    if args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
+    # both given here; a number from SLURM or Kubernetes is checked where it is read (launch/cluster.py)
+    both = args.nnodes is not None and args.node_rank is not None
+    if both and args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
         problems.append(
             Problem(
                 f"--node-rank {args.node_rank}", f"with --nnodes {args.nnodes}, give 0 to {args.nnodes - 1}"

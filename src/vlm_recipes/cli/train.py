@@ -67,10 +67,20 @@ def build_parser(prog: str = "train_recipe.py") -> argparse.ArgumentParser:
         "--accelerate-config",
         help="fsdp/deepspeed: a shipped accelerate config (fsdp, zero2, zero3) or a path",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="machines in a multi-node run")
-    parser.add_argument("--node-rank", type=int, default=0, help="this machine's index in a multi-node run")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (multi-node)")
-    parser.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    # Under SLURM (srun) or Kubernetes (PyTorchJob, Kubeflow's PET_ variables) these four are read from the
+    # scheduler's variables; a flag given wins (launch/cluster.py)
+    parser.add_argument(
+        "--nnodes", type=int, help="machines in a multi-node run (default: 1, or the scheduler's)"
+    )
+    parser.add_argument("--node-rank", type=int, help="this machine's index in a multi-node run (default: 0)")
+    parser.add_argument("--master-addr", help="rendezvous host: node 0's address (default: 127.0.0.1)")
+    parser.add_argument("--master-port", type=int, help="rendezvous port on node 0 (default: 29500)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        help="times torchrun's elastic agent restarts a failed process group, which resumes from its last "
+        "complete checkpoint (default: 0)",
+    )
     parser.add_argument("--until-stage", type=int, help=argparse.SUPPRESS)  # the launcher's children
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
     return parser
@@ -115,29 +125,32 @@ def _main(argv: list[str] | None, prog: str) -> int:
     from vlm_recipes.comparison.run_table import format_summary
     from vlm_recipes.launch.launcher import LaunchFailed
     from vlm_recipes.runner import run_recipe
-    from vlm_recipes.runs.layout import NodeSettings, RunOptions
+    from vlm_recipes.runs.layout import RunOptions
 
     run_dirs: list[Path] = []
     try:
         if args.gpu is not None:
             select_gpus(args.gpu)
-        if args.nnodes > 1 and not (args.run_name or args.resume):
+        placement = place_this_node(args)
+        node, nproc_per_node = placement.node, placement.nproc_per_node
+        if node.nnodes > 1 and not (args.run_name or args.resume):
             raise GuardError(
                 "a multi-node run needs the same --run-name on every node (a timestamp would differ)"
             )
-        node = NodeSettings(
-            args.nnodes, args.node_rank, args.master_addr, args.master_port, args.accelerate_config
-        )
         if args.dry_run:  # planned for the processes the command asks for (per-rank memory)
+            from vlm_recipes.launch.cluster import format_placement
             from vlm_recipes.plan import format_plan, plan_recipe
 
+            ids = []
             for recipe, run_name in jobs:
-                options = RunOptions(args.output_dir, run_name, nproc_per_node=args.nproc_per_node, node=node)
+                options = RunOptions(args.output_dir, run_name, nproc_per_node=nproc_per_node, node=node)
                 print(format_plan(recipe, plan_recipe(recipe, options)))
+                ids += launched_groups(recipe, options)
+            print(format_placement(placement, ids))
             return 0
         for recipe, run_name in jobs:
             options = RunOptions(
-                args.output_dir, run_name, bool(args.resume), args.until_stage, args.nproc_per_node, node
+                args.output_dir, run_name, bool(args.resume), args.until_stage, nproc_per_node, node
             )
             run_dirs.append(run_recipe(recipe, options))
             if args.until_stage is None and is_main_process():
@@ -174,3 +187,51 @@ def _main(argv: list[str] | None, prog: str) -> int:
         print("\n" + format_comparison(comparison))
         print(f"\nComparison: {markdown}\nPlot:       {png}\nPage:       {page}")
     return 0
+
+
+def place_this_node(args):
+    """The nodes, this node's index, the rendezvous, processes per node and restarts: from the flags, else
+    the scheduler's variables, else defaults (launch/cluster.py); logged where any is not a default. A
+    launched child takes none of them: its launcher placed it."""
+    import logging
+    import os
+
+    from vlm_recipes.launch.cluster import Placement, Requested, resolve_placement
+    from vlm_recipes.ranks import launched
+    from vlm_recipes.runs.layout import NodeSettings
+
+    if launched():
+        return Placement(NodeSettings(accelerate_config=args.accelerate_config), args.nproc_per_node, ())
+    flags = ("nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node", "max_restarts")
+    requested = Requested(
+        **{name: getattr(args, name) for name in flags}, accelerate_config=args.accelerate_config
+    )
+    placement = resolve_placement(requested, os.environ)
+    for variable in placement.read_as_pods:  # a pod's count, not this process's: accelerate would misread it
+        os.environ.pop(variable, None)
+    if not placement.all_defaults:
+        for decision in placement.decisions:
+            logging.getLogger(__name__).info("launch: %s", decision)
+    return placement
+
+
+def launched_groups(recipe, options) -> list[str]:
+    """What the dry run says of each group of stages it would launch: its stages and rendezvous id."""
+    from vlm_recipes.errors import GuardError
+    from vlm_recipes.launch.launcher import rendezvous_id
+    from vlm_recipes.machine import detect_environment
+    from vlm_recipes.plan import plan_parallel
+    from vlm_recipes.runner import stage_groups
+    from vlm_recipes.runs.layout import run_dir_for
+
+    try:
+        groups = stage_groups(plan_parallel(recipe, detect_environment(), options))
+    except GuardError:  # the plan above says why
+        return []
+    run_dir, first, described = run_dir_for(recipe, options), 1, []
+    for last, plan, _ in groups:
+        if plan.launches_processes:
+            stages = f"stage {last}" if first == last else f"stages {first}-{last}"
+            described.append(f"{rendezvous_id(run_dir, last)} ({recipe.name} {stages}, {plan.mode})")
+        first = last + 1
+    return described

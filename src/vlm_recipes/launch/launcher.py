@@ -4,6 +4,10 @@ with the configs shipped in the repository's configs/) and wait for it.
 Never torch.nn.DataParallel: a stage that needs several devices either shards the model in one process
 (model-parallel) or runs one process per device, launched here. What each stage needs is decided in
 `plan.py`; the children continue the same run directory, sharing its lock (runs/lock.py).
+
+Both launchers meet through torchrun's c10d rendezvous, and its elastic agent restarts a failed group
+(--max-restarts): the children are given --resume, so a restarted group continues from the last complete
+checkpoint. No supervisor of our own. Where the numbers come from (flags, SLURM, Kubernetes): cluster.py.
 """
 
 from __future__ import annotations
@@ -50,32 +54,42 @@ def accelerate_config_path(mode: str, choice: str | None) -> Path:
     return named
 
 
-def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSettings) -> list[str]:
-    """The command that starts one process per device on this node running `train_recipe.py script_args`."""
+def rendezvous_id(run_dir: Path, last_stage: int) -> str:
+    """The same on every node (recipe and run name), and new for each launched group of stages: a node
+    that starts the next group early never joins the previous group's closed rendezvous."""
+    return f"{run_dir.parent.name}-{run_dir.name}-stage{last_stage}"
+
+
+def rendezvous_endpoint(node: NodeSettings) -> str:
+    """Node 0's address on several nodes; on one, a free port on this machine (as torchrun --standalone)."""
+    return f"{node.master_addr}:{node.master_port}" if node.nnodes > 1 else "localhost:0"
+
+
+def launch_command(
+    plan: ParallelPlan, script_args: list[str], node: NodeSettings, rendezvous: str
+) -> list[str]:
+    """The command that starts one process per device on this node running `train_recipe.py script_args`,
+    through torchrun's c10d rendezvous (id `rendezvous`) and its elastic agent, which restarts a failed
+    group up to `node.max_restarts` times (the group resumes: its arguments hold --resume)."""
     script = str(Path(sys.argv[0]).resolve()) if sys.argv and sys.argv[0].endswith(".py") else "-m"
     target = [script] if script != "-m" else ["-m", "vlm_recipes"]
     if plan.mode == "ddp":
-        rendezvous = (
-            ["--standalone"]
-            if node.nnodes == 1
-            else [
-                "--nnodes",
-                str(node.nnodes),
-                "--node_rank",
-                str(node.node_rank),
-                "--master_addr",
-                node.master_addr,
-                "--master_port",
-                str(node.master_port),
-            ]
-        )
         return [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
             str(plan.processes_per_node),
-            *rendezvous,
+            "--nnodes",
+            str(node.nnodes),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            rendezvous_endpoint(node),
+            "--rdzv_id",
+            rendezvous,
+            "--max_restarts",
+            str(node.max_restarts),
             *target,
             *script_args,
         ]
@@ -96,9 +110,31 @@ def launch_command(plan: ParallelPlan, script_args: list[str], node: NodeSetting
         node.master_addr,
         "--main_process_port",
         str(node.master_port),
+        "--rdzv_backend",
+        "c10d",
+        "--max_restarts",
+        str(node.max_restarts),
         *target,
         *script_args,
     ]
+
+
+def launch_environment(plan: ParallelPlan, node: NodeSettings, rendezvous: str) -> dict[str, str]:
+    """The launcher's environment. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the agent's store shared, a
+    restarted group reads the failed group's addresses from it, and gloo's first connection is refused
+    (measured on torch 2.14; pytorch#135712, #167288); unshared, rank 0 of each group hosts a store of its
+    own, new at each restart. Accelerate launch has no flag for the rendezvous id, nor on one machine for
+    the endpoint: it hands its arguments to torchrun's parser, which reads each flag it is not given from
+    PET_<FLAG> (torch.distributed.argparse_util); set here, they also override a pod's own PET_ values."""
+    shared_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if plan.mode == "ddp":
+        return shared_store
+    return {
+        **shared_store,
+        "PET_RDZV_ID": rendezvous,
+        "PET_RDZV_ENDPOINT": rendezvous_endpoint(node),
+        "PET_NNODES": str(node.nnodes),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,10 +145,10 @@ def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None
     """Run a launcher command (torchrun / accelerate) to its end. The children are one writer with this
     process: they are told this process holds the run's lock, and inherit the locked file, so the lock
     stays held while any of them lives (even if this process is killed)."""
-    child_env = {**os.environ, **env}
+    # Every node's children are told: c10d ranks nodes by host and process id, so rank 0 (the writer) may
+    # run on a node whose launcher does not hold the lock (node 0's does, for the whole group).
+    child_env = {**os.environ, **env, LOCK_HELD_ENV: str(run_dir.resolve())}
     lock_fd = held_lock_fd(run_dir)
-    if lock_fd is not None:
-        child_env[LOCK_HELD_ENV] = str(run_dir.resolve())
     process = subprocess.Popen(command, env=child_env, pass_fds=(lock_fd,) if lock_fd is not None else ())
     try:
         code = process.wait()

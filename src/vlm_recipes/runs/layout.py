@@ -151,6 +151,7 @@ class NodeSettings:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     accelerate_config: str | None = None  # a shipped config name (zero3, in configs/) or a path
+    max_restarts: int = 0  # times torchrun's elastic agent restarts a failed group (launch/cluster.py)
 
 
 @dataclass
