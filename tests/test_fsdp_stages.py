@@ -1,6 +1,6 @@
 """FSDP2 stages on 2 CPU ranks (gloo) through the user's command (issue 32): r3-two-stage end to end, and a
-rank killed mid-stage, resumed from the sharded run's checkpoint, ending where the uninterrupted run ends.
-One uninterrupted run is shared by both tests."""
+rank killed mid-stage, resumed from the sharded run's checkpoint (by hand, or by torchrun's elastic agent:
+issue 77), ending where the uninterrupted run ends. One uninterrupted run is shared by these tests."""
 
 from __future__ import annotations
 
