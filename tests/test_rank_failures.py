@@ -56,9 +56,9 @@ def final_message(stderr: str) -> str:
 
 @pytest.mark.e2e
 def test_a_streamed_bad_row_met_mid_training_by_one_rank_stops_every_rank_with_exit_2(tmp_path):
-    """Rank 0 reads the stream for both ranks (accelerate dispatches an IterableDataset's batches): the bad
-    row, past the rows checked before the model loads, stops it inside Trainer while rank 1 waits in the
-    batch's broadcast. Before: the same exit code, but the launcher said nothing of the rank or its host."""
+    """The bad row, past the rows checked before the model loads, stops training inside Trainer. The rank
+    whose record came first is named (either may read it first: seen both ways). Before: the same exit
+    code, but the launcher said nothing of the rank or its host."""
     rows = colour_rows(tmp_path, 200)
     rows[180]["images"] = ["missing.png"]  # past the first 128 rows read (2 blocks of 64) before loading
     path = write_rows(tmp_path, rows)
@@ -68,12 +68,12 @@ def test_a_streamed_bad_row_met_mid_training_by_one_rank_stops_every_rank_with_e
     ended = time.time()
     run_dir = tmp_path / "stream" / "bad"
     assert result.returncode == 2, result.stderr[-4000:]
-    message = final_message(result.stderr)
-    assert message.startswith("rank 0 (host ") and "train.jsonl:line 181: image not found" in message
-    cause = root_cause(run_dir)
+    message, cause = final_message(result.stderr), root_cause(run_dir)
+    assert message.startswith(f"rank {cause.place.rank} (host ") and "failed (exit 2): DataError" in message
+    assert "train.jsonl:line 181: image not found" in message
     assert ended - cause.at < STOPS_WITHIN and not left_running(run_dir)
     manifest = read_json(run_dir / "run.json")
-    assert manifest["exit_code"] == 2 and manifest["failed_rank"]["rank"] == 0
+    assert manifest["exit_code"] == 2 and manifest["failed_rank"]["rank"] == cause.place.rank
     assert manifest["error"].startswith("DataError") and "line 181" in manifest["error"]
 
 
