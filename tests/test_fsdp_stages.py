@@ -158,7 +158,7 @@ def test_a_rank_killed_in_each_fsdp_stage_resumes_to_where_the_uninterrupted_run
     assert f"resuming from {run_dir / STAGES[1] / 'checkpoints' / 'checkpoint-2'}" in resumed.stderr
     assert f"`{STAGES[0].split('-', 2)[2]}`: already done" in resumed.stderr
     manifest = read_json(run_dir / "run.json")
-    assert manifest["status"] == "finished" and [r["restart"] for r in manifest["restarts"]] == [1]
+    assert manifest["status"] == "finished" and not manifest.get("restarts")  # --resume by hand: no restart
 
     source = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
     for stage in STAGES:
