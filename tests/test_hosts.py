@@ -92,10 +92,10 @@ def two_hosts(tmp_path) -> Iterator[Hosts]:
     if probe.returncode != 0:
         pytest.skip(f"`ip netns add` is impossible here: {probe.stderr.strip()}")
     try:
-        steps = [
-            ["ip", "netns", "add", namespaces[1]],
-            ["ip", "link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1]],
-        ]
+        veth = run_quietly("ip", "link", "add", interfaces[0], "type", "veth", "peer", "name", interfaces[1])
+        if veth.returncode != 0:
+            pytest.skip(f"a veth pair is impossible here: {veth.stderr.strip()}")
+        steps = [["ip", "netns", "add", namespaces[1]]]
         for namespace, interface, address in zip(namespaces, interfaces, ADDRESSES, strict=True):
             steps += [
                 ["ip", "link", "set", interface, "netns", namespace],
@@ -265,6 +265,18 @@ class Slurm:
             **kwargs,
         )
 
+    def wait_for_job(self, job: str, seconds: float) -> str:
+        """`scontrol show job` once the job has ended. Polled each second: `sbatch --wait` polls ever
+        more slowly, and returned 19 s after this job had ended."""
+        deadline = time.time() + seconds
+        while not re.search(
+            r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)\b",
+            shown := self.run("scontrol", "show", "job", job).stdout,
+        ):
+            assert time.time() < deadline, f"job {job} still running after {seconds:.0f} s:\n{shown}"
+            time.sleep(1.0)
+        return shown
+
 
 def slurm_conf(root: Path) -> str:
     """One controller on node1, a node in each namespace. The container has no systemd and no cgroup
@@ -356,25 +368,26 @@ def slurm(two_hosts, tmp_path) -> Iterator[Slurm]:
 
 @pytest.mark.e2e
 def test_the_shipped_sbatch_example_runs_on_two_slurm_nodes_to_where_one_host_ends(slurm, one_host, tmp_path):
-    """`sbatch --wait configs/slurm/train.sbatch` on the 2 nodes: srun starts the runner on each, which
+    """`sbatch configs/slurm/train.sbatch` on the 2 nodes: srun starts the runner on each, which
     reads the nodes, its node's index and the rendezvous host (node1, the first of node[1-2]) from SLURM.
     The job completes, the run finishes, and both stages end bit for bit where one host's 2 processes do."""
     folder = folder_like_a_clone(tmp_path / "job")
     submitted = slurm.run(
         "sbatch",
-        "--wait",
+        "--parsable",
         str(REPO / "configs" / "slurm" / "train.sbatch"),
         *QUICK,
         cwd=folder,
         env={**ONE_THREAD, "OUTPUT_DIR": str(tmp_path / "runs")},
-        timeout=900,
     )
-    job = re.search(r"Submitted batch job (\d+)", submitted.stdout)
-    log = (folder / f"vlm-recipes-{job[1]}.out").read_text() if job else ""
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr + log[-4000:]
-    shown = slurm.run("scontrol", "show", "job", job[1]).stdout
-    assert "JobState=COMPLETED" in shown and "ExitCode=0:0" in shown and " NodeList=node[1-2]" in shown
-    port = 29500 + int(job[1]) % 1000
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]  # JOBID[;CLUSTER]
+    shown = slurm.wait_for_job(job, seconds=900)
+    log_file = folder / f"vlm-recipes-{job}.out"  # the script's --output=%x-%j.out
+    log = log_file.read_text() if log_file.exists() else ""
+    assert "JobState=COMPLETED" in shown and "ExitCode=0:0" in shown, shown + log[-4000:]
+    assert " NodeList=node[1-2]" in shown
+    port = 29500 + int(job) % 1000
     for host in (0, 1):
         assert f"launch: node-rank: {host} (SLURM_NODEID)" in log
         assert f"--local_addr {ADDRESSES[host]}" in log
@@ -382,8 +395,8 @@ def test_the_shipped_sbatch_example_runs_on_two_slurm_nodes_to_where_one_host_en
     assert (
         log.count(
             f"launch: rendezvous: c10d at node1:{port} (host: the first host of SLURM_STEP_NODELIST=node[1-2]; "
-            f"port: 29500 + SLURM_JOB_ID {job[1]} mod 1000)"
+            f"port: 29500 + SLURM_JOB_ID {job} mod 1000)"
         )
         == 2
     )
-    assert_ends_where_one_host_ends(tmp_path / "runs" / "r3-two-stage" / f"slurm-{job[1]}", one_host)
+    assert_ends_where_one_host_ends(tmp_path / "runs" / "r3-two-stage" / f"slurm-{job}", one_host)
