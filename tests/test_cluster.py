@@ -208,5 +208,8 @@ def test_on_several_nodes_node_0_hosts_the_store_and_each_node_advertises_its_ad
     one = NodeSettings()
     assert "--rdzv_conf" not in launch_command(ddp, [], one, "r")
     assert "GLOO_SOCKET_IFNAME" not in launch_environment(ddp, one, "r")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stays
-    assert "GLOO_SOCKET_IFNAME" not in launch_environment(ddp, NodeSettings(2, 1, "127.0.0.1", 29400), "r")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choices stay
+    monkeypatch.setenv("PET_LOCAL_ADDR", "10.9.9.9")
+    node = NodeSettings(2, 1, "127.0.0.1", 29400)
+    assert "--local_addr 10.9.9.9" in " ".join(launch_command(ddp, [], node, "r"))
+    assert "GLOO_SOCKET_IFNAME" not in launch_environment(ddp, node, "r")

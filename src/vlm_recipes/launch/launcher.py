@@ -77,9 +77,12 @@ def this_node_address(node: NodeSettings) -> str | None:
     would advertise `socket.getfqdn()`, and gloo bind to what the host name resolves to. Both fail where the
     name resolves to a loopback address (Debian's /etc/hosts: 127.0.1.1), or names no reachable address
     (containers, network namespaces: seen in tests/test_hosts.py). None on one node, or where node 0's
-    address does not resolve here (a dry run off the cluster)."""
+    address does not resolve here (a dry run off the cluster). PET_LOCAL_ADDR, torchrun's own variable for
+    --local-addr, wins where the user set it."""
     if node.nnodes == 1:
         return None
+    if given := os.environ.get("PET_LOCAL_ADDR"):
+        return given
     try:
         family, kind, _, _, address = socket.getaddrinfo(
             node.master_addr, node.master_port, type=socket.SOCK_DGRAM
