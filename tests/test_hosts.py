@@ -77,15 +77,35 @@ def run_quietly(*command: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
+def why_no_two_hosts() -> str | None:
+    if os.geteuid() != 0:
+        return "two hosts need root: ip netns and veth pairs"
+    if missing := [tool for tool in ("ip", "nsenter", "unshare") if not shutil.which(tool)]:
+        return f"two hosts need iproute2 and util-linux: {missing} not found"
+    return None
+
+
+def why_no_slurm() -> str | None:
+    if missing := [tool for tool in SLURM_TOOLS if not shutil.which(tool)]:
+        return (
+            f"SLURM is not installed ({', '.join(missing)}): apt-get install slurm-wlm munge (.ci/run does)"
+        )
+    return None
+
+
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+# skipped before the shared one-host run starts, where the machine cannot run them
+needs_two_hosts = pytest.mark.skipif(bool(why_no_two_hosts()), reason=why_no_two_hosts() or "")
+needs_slurm = pytest.mark.skipif(bool(why_no_slurm()), reason=why_no_slurm() or "")
+
+
 @pytest.fixture
 def two_hosts(tmp_path) -> Iterator[Hosts]:
     """Two namespaces joined by a veth pair, loopback up, named uniquely per run (leftovers never
     collide). Torn down always: every process still inside is killed first, or its namespace outlives
     `ip netns del`."""
-    if os.geteuid() != 0:
-        pytest.skip("two hosts need root: ip netns and veth pairs")
-    if missing := [tool for tool in ("ip", "nsenter", "unshare") if not shutil.which(tool)]:
-        pytest.skip(f"two hosts need iproute2 and util-linux: {missing} not found")
+    if why := why_no_two_hosts():
+        pytest.skip(why)
     tag = f"vr77{secrets.token_hex(3)}"
     namespaces, interfaces = (f"{tag}-a", f"{tag}-b"), (f"{tag}a", f"{tag}b")
     probe = run_quietly("ip", "netns", "add", namespaces[0])
@@ -167,6 +187,7 @@ def assert_ends_where_one_host_ends(run_dir: Path, one_host: Path) -> list[float
 # Two hosts by hand
 
 
+@needs_two_hosts
 def test_in_a_namespace_the_launcher_names_the_store_host_and_its_own_address(two_hosts):
     """The fix that made two hosts meet. There torchrun's own guesses miss: node 0 does not recognise
     10.77.0.1 as its own (the host name resolves elsewhere), so no node served the rendezvous store ("The
@@ -201,6 +222,7 @@ def test_in_a_namespace_the_launcher_names_the_store_host_and_its_own_address(tw
 
 
 @pytest.mark.e2e
+@needs_two_hosts
 def test_two_hosts_end_where_two_processes_on_one_host_end(two_hosts, one_host, tmp_path):
     """2 nodes x 1 process, node 0 in one namespace and node 1 in the other (`ip netns exec`), meeting at
     node 0's address through the runner's c10d rendezvous; the run directory on the /tmp both see."""
@@ -245,7 +267,6 @@ def test_two_hosts_end_where_two_processes_on_one_host_end(two_hosts, one_host, 
 # ---------------------------------------------------------------------------------------------
 # A real SLURM on the two hosts
 
-SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
 SLURMCTLD_PORT, SLURMD_PORT = 16817, 16818  # inside the namespaces: no other SLURM there
 
 
@@ -316,10 +337,8 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 def slurm(two_hosts, tmp_path) -> Iterator[Slurm]:
     """munged with a key of its own, slurmctld on node1, a slurmd in each namespace (`slurmd -N`), every
     file under tmp_path; the daemons killed at teardown, then the namespaces with anything left inside."""
-    if missing := [tool for tool in SLURM_TOOLS if not shutil.which(tool)]:
-        pytest.skip(
-            f"SLURM is not installed ({', '.join(missing)}): apt-get install slurm-wlm munge (.ci/run does)"
-        )
+    if why := why_no_slurm():
+        pytest.skip(why)
     root = tmp_path / "slurm"
     root.mkdir(mode=0o700)
     (root / "state").mkdir()
@@ -367,6 +386,8 @@ def slurm(two_hosts, tmp_path) -> Iterator[Slurm]:
 
 
 @pytest.mark.e2e
+@needs_two_hosts
+@needs_slurm
 def test_the_shipped_sbatch_example_runs_on_two_slurm_nodes_to_where_one_host_ends(slurm, one_host, tmp_path):
     """`sbatch configs/slurm/train.sbatch` on the 2 nodes: srun starts the runner on each, which
     reads the nodes, its node's index and the rendezvous host (node1, the first of node[1-2]) from SLURM.
