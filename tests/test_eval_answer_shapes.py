@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_recipes.benchmark_metrics.vqa_accuracy import vqa_accuracy
+from vlm_recipes.benchmark_metrics.vqa_accuracy import exact_match_score, vqa_accuracy
 from vlm_recipes.demo.dataset import ensure_demo_dataset
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.benchmarks import answer_scores, choose_eval_metrics, exact_match_score
+from vlm_recipes.evaluation.benchmarks import answer_scores, choose_eval_metrics
 from vlm_recipes.evaluation.generation import (
     eval_targets,
     evaluate_generation,

@@ -157,7 +157,8 @@ def test_a_rank_killed_in_each_fsdp_stage_resumes_to_where_the_uninterrupted_run
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resuming from {run_dir / STAGES[1] / 'checkpoints' / 'checkpoint-2'}" in resumed.stderr
     assert f"`{STAGES[0].split('-', 2)[2]}`: already done" in resumed.stderr
-    assert read_json(run_dir / "run.json")["status"] == "finished"
+    manifest = read_json(run_dir / "run.json")
+    assert manifest["status"] == "finished" and [r["restart"] for r in manifest["restarts"]] == [1]
 
     source = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
     for stage in STAGES:
@@ -215,7 +216,8 @@ def test_a_rank_killed_with_a_restart_allowed_heals_by_itself_to_where_the_unint
     assert "restart 1 of at most 1: torchrun's elastic agent restarted the process group" in healed.stderr
     run_dir = tmp_path / "r2-vision-only" / "run"
     assert f"resuming from {run_dir / STAGES[0] / 'checkpoints' / 'checkpoint-2'}" in healed.stderr
-    assert read_json(run_dir / "run.json")["status"] == "finished"
+    manifest = read_json(run_dir / "run.json")
+    assert manifest["status"] == "finished" and [r["restart"] for r in manifest["restarts"]] == [1]
 
     source = load_file(ensure_demo_model("demo:tiny-qwen2-vl") / "model.safetensors")
     reference, final = saved(uninterrupted / STAGES[0]), saved(run_dir / STAGES[0])

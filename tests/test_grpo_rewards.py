@@ -68,6 +68,18 @@ def test_exact_match_normalizes_as_the_eval(form):
     assert trl_call(reward, completions, solution="red") == [1.0, 1.0, 0.0, 0.0, 1.0]
 
 
+def test_exact_match_takes_the_best_over_a_rows_few_accepted_answers_as_the_eval_does():
+    """A DocVQA-shaped prompt row: its solution and a few accepted `answers`. Before, the reward read only the
+    solution and gave the eval's perfect answer "1 May 2012" 0.0. Ten annotators' answers (VQAv2) are not
+    each accepted: there the solution alone counts, as in the eval's exact match."""
+    reward = built(name="exact_match")
+    completions = ["1 May 2012", "May 1, 2012", "May 2012"]
+    accepted = [["May 1, 2012", "1 May 2012"]] * 3
+    assert trl_call(reward, completions, solution="May 1, 2012", answers=accepted) == [1.0, 1.0, 0.0]
+    ten = [["1 May 2012"] * 10] * 3
+    assert trl_call(reward, completions, solution="May 1, 2012", answers=ten) == [0.0, 1.0, 0.0]
+
+
 def test_exact_match_does_not_apply_without_a_solution_value():
     assert trl_call(built(name="exact_match"), ["red", "red"], solution=["red", None]) == [1.0, None]
 

@@ -133,3 +133,39 @@ def test_unpaired_rows_load_and_a_bad_label_is_a_clear_error(tmp_path, capsys, p
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "kto.jsonl:line 1" in err and "`label` must be true (a good answer) or false" in err
+
+
+def test_unpairing_pairs_on_a_full_disk_names_the_cache_with_exit_4(
+    tmp_path, monkeypatch, private_demo_cache
+):
+    """The unpairing map writes datasets' cache file beside the rows' table: a full disk there is the data
+    cache's DiskFull (exit 4, the folder and VLM_RECIPES_CACHE named), as in every other read of the rows.
+    Before: datasets' OSError, a traceback. The full disk is datasets' writer raising what a full disk gave it
+    (tests/test_data_disk_full.py fills a real tmpfs for the same writer)."""
+    from test_data_disk_full import fill_at_datasets_map
+    from transformers import AutoProcessor
+
+    from vlm_recipes.data import arrow_rows
+    from vlm_recipes.data.preference import check_unpaired_lengths
+    from vlm_recipes.demo.models import resolve_model_source
+    from vlm_recipes.errors import DiskFull
+    from vlm_recipes.families import family_for_model_type
+
+    monkeypatch.setenv("VLM_RECIPES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(arrow_rows, "_directory", None)
+    (tmp_path / "images").mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(tmp_path / "images" / "0.png")
+    pair = {"prompt": PROMPT, "chosen": answer("red"), "rejected": answer("blue"), "images": ["images/0.png"]}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({**pair, "id": str(i)}) + "\n" for i in range(4)))
+    pairs, _ = load_split(str(data), "train", None, row_format=UNPAIRED)
+    processor = AutoProcessor.from_pretrained(resolve_model_source("demo:tiny-qwen2-vl"))
+    fill_at_datasets_map("raised", tmp_path / "cache" / "rows", data, monkeypatch)
+    with pytest.raises(DiskFull) as raised:
+        check_unpaired_lengths(pairs, processor, family_for_model_type("qwen2_vl"), 1024, str(data))
+    assert raised.value.exit_code == 4
+    assert "writing a dataset's cache files failed" in str(raised.value) and "VLM_RECIPES_CACHE" in str(
+        raised.value
+    )

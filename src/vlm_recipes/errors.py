@@ -6,8 +6,9 @@
   saved), TrainingDiverged (3: NaN/inf with on_nan: stop), DiskFull (4) or OutOfMemory (5: the host's
   MemoryError or the GPU's torch.OutOfMemoryError). The CLI prints the message and the --resume command.
 
-The CLI catches these two bases. A launched process group (torchrun, accelerate) records the failing
-child's error and exit code in run.json; the launcher returns that code (`exit_code_of`).
+The CLI catches these two bases. In a launched process group (torchrun, accelerate) the failing rank
+records its error and exit code; the launcher returns that code (launch/rank_failures.py). A rank that
+stopped answering (its host lost) ends the others with EXIT_RANK_LOST.
 Everything else is a bug and keeps its traceback.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 # What the command line returns for bad input: every command's refusal, caught BadInput or not (an
 # unknown command, a missing file, a dataset with problems)
 EXIT_BAD_INPUT = 2
+# What the ranks of a group return when one of them stopped answering: its host down, its network cut
+EXIT_RANK_LOST = 6
 
 
 class BadInput(Exception):

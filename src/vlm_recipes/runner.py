@@ -26,6 +26,7 @@ from vlm_recipes.launch.launcher import (
     run_launched,
     wait_for,
 )
+from vlm_recipes.launch.rank_failures import PeerWatch, record_in_run_json
 from vlm_recipes.logs import is_main_process
 from vlm_recipes.machine import detect_environment
 from vlm_recipes.plan import ParallelPlan, plan_parallel
@@ -104,9 +105,12 @@ def launch_stages(recipe: Recipe, options: RunOptions, plans: list[tuple[Paralle
                 PARALLEL_ENV: f"{plan.mode}:{decision.choice}",
                 **launch_environment(plan, node, rendezvous),
             }
-            run_launched(command, run_dir, env)
+            run_launched(command, run_dir, env, node.node_rank)
     except BaseException as exc:
-        if node.node_rank == 0:  # what a child recorded (the error itself) is kept: it knows more
+        cause = getattr(exc, "cause", None)  # LaunchFailed: the first rank that failed, as it recorded it
+        if node.node_rank == 0 and cause is not None:
+            record_in_run_json(run_dir, cause)
+        elif node.node_rank == 0:  # what a child recorded (the error itself) is kept: it knows more
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             mark_run_ended(run_dir, status, exc, keep_recorded=True)
         raise
@@ -140,32 +144,50 @@ def train_stages(
     state.wait_for_everyone()
     dirs = stage_dirs(recipe, run_dir)
     manifest = write_manifest(recipe, run_dir, options, env) if state.is_main_process else {"stages": []}
+    watch = PeerWatch.start(run_dir, state.num_processes)  # None in one process
     try:
         _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest)
     except BaseException as exc:
-        if state.is_main_process:
-            from vlm_recipes.errors import StageInterrupted
-
-            interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
-            try:
-                from vlm_recipes.full_disk import full_filesystem
-                from vlm_recipes.stages.disk_full import disk_full
-                from vlm_recipes.stages.out_of_memory import memory_error_in, out_of_memory
-            except ImportError:  # what failed may be an import these need too (a package missing at
-                full_filesystem = memory_error_in = None  # import): the run must still say it failed
-            # memory first: out of memory is never a full disk (full_disk.py), but its message must win
-            if not interrupted and memory_error_in and memory_error_in(exc):
-                oom = out_of_memory(exc, run_dir, recipe, dirs, env)  # half-written removed, one message
-                mark_run_ended(run_dir, "failed", oom)
-                raise oom from None
-            # the run's disk (half-written removed: room for the record), another one, or shared memory
-            if not interrupted and full_filesystem and full_filesystem(exc, run_dir):
-                full = disk_full(exc, run_dir, recipe, dirs)
-                mark_run_ended(run_dir, "failed", full)
-                raise full from None
-            mark_run_ended(run_dir, "interrupted" if interrupted else "failed", exc)
-        raise
+        error = _recorded_failure(exc, state, watch, recipe, run_dir, dirs, env)
+        if error is exc:
+            raise
+        raise error from None
+    if watch is not None:
+        watch.finished()
     return run_dir
+
+
+def _recorded_failure(exc, state, watch, recipe, run_dir, dirs, env) -> BaseException:
+    """The error this rank ends with, recorded: rank 0 writes it into run.json, and each rank of a group
+    records its own failure for the others and the launcher (launch/rank_failures.py). A rank whose error
+    came from a peer's failure (a broken collective, its agent's SIGTERM) ends here, silently, with the
+    peer's exit code (SystemExit)."""
+    from vlm_recipes.errors import BadInput, StageInterrupted, StageStopped
+
+    interrupted = isinstance(exc, KeyboardInterrupt | StageInterrupted)
+    try:
+        from vlm_recipes.full_disk import full_filesystem
+        from vlm_recipes.stages.disk_full import disk_full
+        from vlm_recipes.stages.out_of_memory import memory_error_in, out_of_memory
+    except ImportError:  # what failed may be an import these need too (a package missing at
+        full_filesystem = memory_error_in = None  # import): the run must still say it failed
+    # memory first: out of memory is never a full disk (full_disk.py), but its message must win
+    memory = not interrupted and memory_error_in is not None and memory_error_in(exc) is not None
+    # the run's disk (half-written removed: room for the record), another one, or shared memory
+    full = not (interrupted or memory) and full_filesystem is not None and bool(full_filesystem(exc, run_dir))
+    own = memory or full or (isinstance(exc, BadInput | StageStopped) and not interrupted)
+    if watch is not None and not own:
+        watch.stop_if_a_peer_failed(interrupted)
+    error = exc
+    if memory:
+        error = out_of_memory(exc, run_dir, recipe, dirs, env)  # half-written removed, one message
+    elif full:
+        error = disk_full(exc, run_dir, recipe, dirs)
+    if state.is_main_process:
+        mark_run_ended(run_dir, "interrupted" if interrupted else "failed", error)
+    if watch is not None and not interrupted:
+        watch.record_own(error)
+    return error
 
 
 def _stage_by_stage(recipe, options, state, plans, env, run_dir, dirs, manifest) -> None:

@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from vlm_recipes.benchmark_metrics.metric import BenchmarkMetric, Targets, references_of
+from vlm_recipes.scoring import exact_match
 
 # VQA accuracy: the VQA challenge server's scorer, Cloud-CV/VQA-Challenge (EvalAI's VQA Real Image Challenge)
 # PythonEvaluationTools/vqaEvaluation/vqaEval.py at 35c770312739aa8037c004e2f710bd005e173e48 (the file last
@@ -158,3 +159,18 @@ VQA_ACCURACY = BenchmarkMetric(
     mark="D",
     advice=_few_answers_advice,
 )
+
+
+def accepted_answers(targets: Targets) -> tuple[str, ...]:
+    """The answers exact match accepts: the row's answer, and each of a few accepted `answers` (fewer than
+    VQA_ANSWERS, DocVQA's). Ten annotators' answers are not each accepted: VQA accuracy gives one annotator's
+    answer 1/3, so exact match stays against the row's answer there."""
+    few = 0 < len(targets.references) < VQA_ANSWERS
+    return (targets.reference, *targets.references) if few else (targets.reference,)
+
+
+def exact_match_score(answer: str, targets: Targets | None, reference: str) -> float:
+    """Exact match (scoring.exact_match) of `answer`: the best over the row's accepted answers, or against
+    `reference` for a row without targets."""
+    candidates = accepted_answers(targets) if targets is not None else (reference,)
+    return max(exact_match(answer, candidate) for candidate in candidates)

@@ -161,10 +161,16 @@ def _main(argv: list[str] | None, prog: str) -> int:
     except BadInput as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except LaunchFailed as exc:  # the launched processes printed their own error
-        # torchrun reports any failed child as its own failure (exit 1): the exit code a child recorded
-        # in run.json is the one a single process would have returned
-        return exc.recorded_exit_code()
+    except LaunchFailed as exc:  # torchrun reports any failed child as its own failure (exit 1)
+        # one line: the first failing rank, its host and its error; the exit code a single process returns
+        code = exc.recorded_exit_code()
+        then = (
+            ""
+            if code == EXIT_BAD_INPUT
+            else f" Continue with:\n  {resume_command(args, base_name, exc.resume_overrides)}"
+        )
+        print(f"\nerror: {str(exc).rstrip('.')}.{then}", file=sys.stderr)
+        return code
     except (StageInterrupted, KeyboardInterrupt) as exc:
         detail = f"{exc}\n" if isinstance(exc, StageInterrupted) else ""
         print(

@@ -217,7 +217,9 @@ class LengthCheck:
         def lengths_of(rows: datasets.Dataset) -> list[int]:
             return self.measure(undecoded(rows), processor, family, video, remember)
 
-        return lengths_within(self.rows(ds), lengths_of, max_length, source, on_bad_sample, self.too_long)
+        with cache_writes():  # a method's own map of the rows (KTO's unpairing) writes datasets' cache files
+            rows = self.rows(ds)
+        return lengths_within(rows, lengths_of, max_length, source, on_bad_sample, self.too_long)
 
 
 # SFT's: cutting through image tokens breaks the model ("image features and image tokens do not match"), and

@@ -28,7 +28,7 @@ from vlm_recipes.benchmark_metrics.metric import Box, Targets, references_of
 from vlm_recipes.benchmark_metrics.vqa_accuracy import VQA_ANSWERS
 from vlm_recipes.data.formats import EVAL_COLUMNS
 from vlm_recipes.errors import DataError
-from vlm_recipes.scoring import exact_match, first_box, normalize_text
+from vlm_recipes.scoring import first_box, normalize_text
 
 LETTERS = tuple(c for c in EVAL_COLUMNS if len(c) == 1)  # A-Z
 # a number standing alone (not the 2 of `bbox_2d`)
@@ -125,21 +125,6 @@ def _box(row: Mapping, reference: str) -> tuple[Box | None, bool]:
 def scored_by(metric: str, targets: Targets) -> bool:
     """Whether a row is scored by a metric: whether it carries what the metric needs (its scores_row)."""
     return METRICS[metric].scores_row(targets)
-
-
-def accepted_answers(targets: Targets) -> tuple[str, ...]:
-    """The answers exact match accepts: the row's answer, and each of a few accepted `answers` (fewer than
-    VQA_ANSWERS, DocVQA's). Ten annotators' answers are not each accepted: VQA accuracy gives one annotator's
-    answer 1/3, so exact match stays against the row's answer there."""
-    few = 0 < len(targets.references) < VQA_ANSWERS
-    return (targets.reference, *targets.references) if few else (targets.reference,)
-
-
-def exact_match_score(answer: str, targets: Targets | None, reference: str) -> float:
-    """Exact match (scoring.exact_match) of `answer`: the best over the row's accepted answers, or against
-    `reference` for a row without targets."""
-    candidates = accepted_answers(targets) if targets is not None else (reference,)
-    return max(exact_match(answer, candidate) for candidate in candidates)
 
 
 def choose_eval_metrics(

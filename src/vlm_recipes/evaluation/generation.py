@@ -18,17 +18,13 @@ from tqdm.auto import tqdm
 
 from vlm_recipes.benchmark_metrics import METRICS
 from vlm_recipes.benchmark_metrics.metric import Box, Targets
+from vlm_recipes.benchmark_metrics.vqa_accuracy import exact_match_score
 from vlm_recipes.data.collate import attach_videos
 from vlm_recipes.data.images import upright_rgb
 from vlm_recipes.data.mixture import MIXTURE_SOURCE_COLUMN
 from vlm_recipes.data.video import VideoLoader
 from vlm_recipes.errors import DataError
-from vlm_recipes.evaluation.benchmarks import (
-    answer_scores,
-    choose_eval_metrics,
-    exact_match_score,
-    row_targets,
-)
+from vlm_recipes.evaluation.benchmarks import answer_scores, choose_eval_metrics, row_targets
 from vlm_recipes.methods.grounding import in_image_pixels, resized_size
 from vlm_recipes.scoring import THINK_END, final_answer, first_box, score_predictions, text_of
 

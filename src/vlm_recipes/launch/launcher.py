@@ -27,6 +27,7 @@ from pathlib import Path
 
 from vlm_recipes.errors import GuardError, RunExistsError
 from vlm_recipes.files import read_json
+from vlm_recipes.launch.rank_failures import NODE_RANK_ENV, clear_records, root_cause
 from vlm_recipes.plan import ParallelPlan
 from vlm_recipes.runs.layout import NodeSettings
 from vlm_recipes.runs.lock import LOCK_HELD_ENV, held_lock_fd
@@ -218,10 +219,13 @@ def gloo_interface(node: NodeSettings) -> dict[str, str]:
 # Inside a launched process: accelerate's process state (the one Trainer uses too)
 
 
-def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None:
+def run_launched(command: list[str], run_dir: Path, env: dict[str, str], node_rank: int = 0) -> None:
     """Run a launcher command (torchrun / accelerate) to its end. The children are one writer with this
     process: they are told this process holds the run's lock, and inherit the locked file, so the lock
-    stays held while any of them lives (even if this process is killed)."""
+    stays held while any of them lives (even if this process is killed). A failed group raises
+    LaunchFailed with the first failing rank's record (launch/rank_failures.py)."""
+    clear_records(run_dir)  # the records of a group launched before
+    env = {**env, NODE_RANK_ENV: str(node_rank)}  # each rank's record names its node
     # Every node's children are told: c10d ranks nodes by host and process id, so rank 0 (the writer) may
     # run on a node whose launcher does not hold the lock (node 0's does, for the whole group).
     child_env = {**os.environ, **env, LOCK_HELD_ENV: str(run_dir.resolve())}
@@ -246,16 +250,23 @@ def run_launched(command: list[str], run_dir: Path, env: dict[str, str]) -> None
 
 
 class LaunchFailed(RuntimeError):
-    """A launched process group failed; its processes printed why, and rank 0 recorded it in run.json."""
+    """A launched process group failed. Its message is the first failing rank's record: the rank, its host
+    and node, and its error (or the rank that was lost); torchrun alone says only which process exited."""
 
     def __init__(self, code: int, run_dir: Path):
-        super().__init__(f"the launched processes exited with code {code}")
+        self.cause = root_cause(run_dir)
+        super().__init__(
+            self.cause.message() if self.cause else f"the launched processes exited with code {code}"
+        )
         self.code = code
         self.run_dir = run_dir
+        self.resume_overrides = self.cause.resume_overrides if self.cause else ()
 
     def recorded_exit_code(self) -> int:
-        """The exit code the failing child recorded in run.json (bad input 2, diverged 3, ...), else the
-        launcher's own."""
+        """The exit code of the failing rank's error (bad input 2, diverged 3, ...), from its record, else
+        from run.json, else the launcher's own."""
+        if self.cause is not None:
+            return self.cause.exit_code
         try:
             return int(read_json(self.run_dir / "run.json").get("exit_code") or self.code)
         except (OSError, ValueError, TypeError):

@@ -22,13 +22,14 @@ from collections.abc import Callable
 from transformers import TrainerState
 from trl.trainer.utils import get_callable_name, is_async_callable
 
+from vlm_recipes.benchmark_metrics.metric import Targets, references_of
+from vlm_recipes.benchmark_metrics.vqa_accuracy import exact_match_score
 from vlm_recipes.errors import BadInput
 from vlm_recipes.methods.grounding import BOX_FORMATS, iou_reward
 from vlm_recipes.methods.sampling_settings import RewardSettings
 from vlm_recipes.recipes.schema import EvaluationSettings
 from vlm_recipes.recipes.validate import did_you_mean, key_path
 from vlm_recipes.scoring import (
-    exact_match,
     final_answer,
     json_field_counts,
     parse_json_object,
@@ -81,12 +82,18 @@ def _solutions(kwargs: dict, name: str) -> list:
 
 def exact_match_reward(completions: list, **kwargs) -> list[float | None]:
     """1.0 when the completion's answer (after any `</think>`, as the eval reads it) equals the row's solution
-    after the eval's normalization (`Red.` = `red`)."""
+    after the eval's normalization (`Red.` = `red`), or one of a few accepted `answers` where the row has
+    them (DocVQA's), as the eval's exact match takes the best over them."""
     solutions = _solutions(kwargs, "exact_match")
-    return [
-        None if solution is None else exact_match(final_answer(completion_text(completion)), str(solution))
-        for completion, solution in zip(completions, solutions, strict=True)
-    ]
+    answers = kwargs.get("answers") or [None] * len(solutions)
+    scores = []
+    for completion, solution, accepted in zip(completions, solutions, answers, strict=True):
+        if solution is None:
+            scores.append(None)
+            continue
+        targets = Targets(str(solution), tuple(references_of(accepted)) if accepted else ())
+        scores.append(exact_match_score(final_answer(completion_text(completion)), targets, str(solution)))
+    return scores
 
 
 def json_f1_reward(tolerance: float = TOLERANCE) -> Callable:

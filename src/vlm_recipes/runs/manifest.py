@@ -123,6 +123,15 @@ def write_manifest(recipe: Recipe, run_dir: Path, options: RunOptions, env: Envi
         earlier = read_json(previous)
         manifest["started_at"] = earlier.get("started_at", manifest["started_at"])
         manifest["command"] = earlier.get("command", manifest["command"])
+        manifest["restarts"] = earlier.get("restarts", [])
+    from vlm_recipes.ranks import restarts  # imports torch: this module stays light for the CLI
+
+    restart, most = restarts()
+    if restart:  # torchrun's elastic agent restarted the group: the run records each restart
+        manifest["restarts"] = [
+            *manifest.get("restarts", []),
+            {"restart": restart, "of_at_most": most, "at": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        ]
     write_json(previous, manifest)
     return manifest
 
