@@ -291,6 +291,20 @@ def run_train(
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def folder_like_a_clone(folder: Path) -> Path:
+    """A folder the shipped sbatch example runs from as from a clone: it runs `.venv/bin/python
+    scripts/train_recipe.py`. Here .venv is this interpreter's environment (a git worktree has none of its
+    own) and scripts/ the repository's."""
+    folder.mkdir(parents=True)
+    (folder / "scripts").symlink_to(REPO / "scripts")
+    if sys.prefix != sys.base_prefix:  # a virtual environment: the whole of it (pyvenv.cfg beside bin/)
+        (folder / ".venv").symlink_to(sys.prefix)
+    else:
+        (folder / ".venv" / "bin").mkdir(parents=True)
+        (folder / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    return folder
+
+
 def demo_split(source: str, split: str, n: int | None = None):
     """A demo data id's rows (`demo:train`, ...) without its video rows, loaded and checked as a stage loads
     them: the id resolved to its file first, as the runner does when it plans a stage."""

@@ -11,10 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import folder_like_a_clone
 
 from vlm_recipes.cli.train import main
 from vlm_recipes.errors import GuardError
 from vlm_recipes.launch.cluster import Requested, expand_hostlist, resolve_placement
+from vlm_recipes.launch.launcher import launch_command, launch_environment
+from vlm_recipes.plan import ParallelPlan
 from vlm_recipes.runs.layout import NodeSettings
 
 # As Slurm 22.05's `scontrol show hostnames` (Debian 12) expands each, checked by hand
@@ -169,7 +172,12 @@ def test_the_shipped_sbatch_example_plans_its_nodes_with_a_stand_in_srun(tmp_pat
     }
     sbatch = repo / "configs" / "slurm" / "train.sbatch"
     result = subprocess.run(
-        ["bash", str(sbatch), "--dry-run"], cwd=repo, env=env, capture_output=True, text=True, timeout=300
+        ["bash", str(sbatch), "--dry-run"],
+        cwd=folder_like_a_clone(tmp_path / "clone"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     launch = result.stdout.split("launch (every node runs this same command):\n")[1]
@@ -178,3 +186,30 @@ def test_the_shipped_sbatch_example_plans_its_nodes_with_a_stand_in_srun(tmp_pat
     assert "restarts            1  (--max-restarts" in launch
     assert "rendezvous id       r3-two-stage-slurm-4321-stage2 (r3-two-stage stages 1-2, ddp)" in launch
     assert not (tmp_path / "runs").exists()  # planned, nothing written
+
+
+def test_on_several_nodes_node_0_hosts_the_store_and_each_node_advertises_its_address(monkeypatch):
+    """torchrun guesses whether it hosts the rendezvous store from the host name, and advertises the host
+    name's address; gloo binds to that address. Where the name resolves elsewhere (a second interface, a
+    loopback address, a network namespace: tests/test_hosts.py) no node served the store. Node 0 hosts it,
+    the others are told they do not (else one on node 0's machine could take its port first), and each
+    advertises, and gloo binds to, the address it reaches node 0 from (here the loopback)."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    ddp, fsdp = ParallelPlan("ddp", 1), ParallelPlan("fsdp", 1)
+    for rank in (0, 1):
+        node = NodeSettings(2, rank, "127.0.0.1", 29400)
+        flags = ["--rdzv_conf", f"is_host={int(rank == 0)}", "--local_addr", "127.0.0.1"]
+        command = " ".join(launch_command(ddp, [], node, "r"))
+        assert " ".join(flags) in command
+        assert launch_environment(ddp, node, "r")["GLOO_SOCKET_IFNAME"] == "lo"
+        # accelerate launch: its own --rdzv_conf; the address through torchrun's PET_LOCAL_ADDR
+        assert " ".join(flags[:2]) in " ".join(launch_command(fsdp, [], node, "r"))
+        assert launch_environment(fsdp, node, "r")["PET_LOCAL_ADDR"] == "127.0.0.1"
+    one = NodeSettings()
+    assert "--rdzv_conf" not in launch_command(ddp, [], one, "r")
+    assert "GLOO_SOCKET_IFNAME" not in launch_environment(ddp, one, "r")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choices stay
+    monkeypatch.setenv("PET_LOCAL_ADDR", "10.9.9.9")
+    node = NodeSettings(2, 1, "127.0.0.1", 29400)
+    assert "--local_addr 10.9.9.9" in " ".join(launch_command(ddp, [], node, "r"))
+    assert "GLOO_SOCKET_IFNAME" not in launch_environment(ddp, node, "r")

@@ -484,8 +484,11 @@ def test_launch_commands_for_one_and_several_nodes():
     fsdp = launch_command(ParallelPlan("fsdp", 8, 2), [], node, "r-run-stage2")
     assert fsdp[1:5] == ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS_DIR / "fsdp.yaml")]
     assert fsdp[fsdp.index("--rdzv_backend") :][:4] == ["--rdzv_backend", "c10d", "--max_restarts", "3"]
-    # accelerate's parser takes no rendezvous id: torchrun's parser reads it from PET_RDZV_ID
-    assert launch_environment(ParallelPlan("fsdp", 8, 2), node, "r-run-stage2") == {
+    assert multi[15:17] == ["--rdzv_conf", "is_host=0"]  # node 1: node 0 hosts the store (test_hosts.py)
+    # accelerate's parser takes no rendezvous id: torchrun's parser reads it from PET_RDZV_ID. This node's
+    # address toward 10.0.0.1 and its interface, where this machine has a route (test_cluster.py)
+    environment = launch_environment(ParallelPlan("fsdp", 8, 2), node, "r-run-stage2")
+    assert {k: v for k, v in environment.items() if k not in ("PET_LOCAL_ADDR", "GLOO_SOCKET_IFNAME")} == {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PET_RDZV_ID": "r-run-stage2",
         "PET_RDZV_ENDPOINT": "10.0.0.1:29500",

@@ -8,6 +8,8 @@ Never torch.nn.DataParallel: a stage that needs several devices either shards th
 Both launchers meet through torchrun's c10d rendezvous, and its elastic agent restarts a failed group
 (--max-restarts): the children are given --resume, so a restarted group continues from the last complete
 checkpoint. No supervisor of our own. Where the numbers come from (flags, SLURM, Kubernetes): cluster.py.
+On several nodes, node 0 hosts the rendezvous store, and each node advertises the address it reaches node 0
+from, rather than torchrun's guesses from the host name (tests/test_hosts.py: two hosts, a real SLURM).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
+from fcntl import ioctl
 from pathlib import Path
 
 from vlm_recipes.errors import GuardError, RunExistsError
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CONFIGS_DIR = shipped_dir("configs")  # the repository's configs/, or the installed package's copy
 DEFAULT_ACCELERATE_CONFIG = {"fsdp": "fsdp", "deepspeed": "zero2"}  # names of files in CONFIGS_DIR
+SIOCGIFADDR = 0x8915  # Linux's ioctl: an interface's IPv4 address
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +72,56 @@ def rendezvous_endpoint(node: NodeSettings) -> str:
     return f"{node.master_addr}:{node.master_port}" if node.nnodes > 1 else "localhost:0"
 
 
+def this_node_address(node: NodeSettings) -> str | None:
+    """On several nodes, the address this node reaches node 0 from (node 0's own address on node 0): the
+    kernel's choice of route, read from a UDP socket connected to node 0, which sends nothing. torchrun
+    would advertise `socket.getfqdn()`, and gloo bind to what the host name resolves to. Both fail where the
+    name resolves to a loopback address (Debian's /etc/hosts: 127.0.1.1), or names no reachable address
+    (containers, network namespaces: seen in tests/test_hosts.py). None on one node, or where node 0's
+    address does not resolve here (a dry run off the cluster). PET_LOCAL_ADDR, torchrun's own variable for
+    --local-addr, wins where the user set it."""
+    if node.nnodes == 1:
+        return None
+    if given := os.environ.get("PET_LOCAL_ADDR"):
+        return given
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            node.master_addr, node.master_port, type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_with_address(address: str) -> str | None:
+    """The network interface holding an IPv4 address (Linux's SIOCGIFADDR), else None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                request = ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address, or not Linux
+                continue
+        if socket.inet_ntoa(request[20:24]) == address:
+            return name
+    return None
+
+
+def rendezvous_flags(node: NodeSettings) -> list[str]:
+    """On several nodes: which node hosts the rendezvous store, and the address this node advertises.
+    torchrun guesses the host by comparing node 0's address with this machine's name and addresses; a miss
+    (an address on a second interface, a name resolving to 127.0.1.1) leaves every node a client of a store
+    nobody serves ("The connection to the C10d store has failed"). Node 0 hosts it, by definition of the
+    rendezvous address; the others are told they do not, or one on node 0's machine could take its port."""
+    if node.nnodes == 1:
+        return []
+    flags = ["--rdzv_conf", f"is_host={int(node.node_rank == 0)}"]
+    if address := this_node_address(node):
+        flags += ["--local_addr", address]
+    return flags
+
+
 def launch_command(
     plan: ParallelPlan, script_args: list[str], node: NodeSettings, rendezvous: str
 ) -> list[str]:
@@ -91,6 +147,7 @@ def launch_command(
             rendezvous,
             "--max_restarts",
             str(node.max_restarts),
+            *rendezvous_flags(node),
             *target,
             *script_args,
         ]
@@ -115,6 +172,7 @@ def launch_command(
         "c10d",
         "--max_restarts",
         str(node.max_restarts),
+        *rendezvous_flags(node)[:2],  # accelerate's own --rdzv_conf; --local_addr: PET_LOCAL_ADDR below
         *target,
         *script_args,
     ]
@@ -126,16 +184,35 @@ def launch_environment(plan: ParallelPlan, node: NodeSettings, rendezvous: str) 
     (measured on torch 2.14; pytorch#135712, #167288); unshared, rank 0 of each group hosts a store of its
     own, new at each restart. Accelerate launch has no flag for the rendezvous id, nor on one machine for
     the endpoint: it hands its arguments to torchrun's parser, which reads each flag it is not given from
-    PET_<FLAG> (torch.distributed.argparse_util); set here, they also override a pod's own PET_ values."""
-    shared_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    PET_<FLAG> (torch.distributed.argparse_util); set here, they also override a pod's own PET_ values.
+    On several nodes: gloo's interface (gloo_interface), and for accelerate this node's address."""
+    common = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **gloo_interface(node)}
     if plan.mode == "ddp":
-        return shared_store
+        return common
+    local = {"PET_LOCAL_ADDR": address} if (address := this_node_address(node)) else {}
     return {
-        **shared_store,
+        **common,
+        **local,
         "PET_RDZV_ID": rendezvous,
         "PET_RDZV_ENDPOINT": rendezvous_endpoint(node),
         "PET_NNODES": str(node.nnodes),
     }
+
+
+def gloo_interface(node: NodeSettings) -> dict[str, str]:
+    """On several nodes, gloo binds to the interface holding this node's address toward node 0
+    (GLOO_SOCKET_IFNAME), unless the user chose one. Left alone, gloo binds to the address the host name
+    resolves to, and falls back to the loopback interface, which no other node reaches."""
+    if node.nnodes == 1 or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    address = this_node_address(node)
+    interface = interface_with_address(address) if address else None
+    if not interface:
+        return {}
+    log.info(
+        "gloo binds to %s, the interface holding %s (this node's address toward node 0)", interface, address
+    )
+    return {"GLOO_SOCKET_IFNAME": interface}
 
 
 # ---------------------------------------------------------------------------------------------
