@@ -3,20 +3,18 @@ ends; what cannot be split is refused at load, with the reason."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import REPO
 from safetensors.torch import load_file
 
 from vlm_recipes.cli.train import main as train_main
-from vlm_recipes.demo.samples import write_clip
+from vlm_recipes.demo.long_rows import long_video_rows
 from vlm_recipes.files import read_json
 
 FIRST_GRADIENTS = [sys.executable, str(REPO / "tests" / "first_gradients.py")]  # saves step 1's gradients
@@ -39,29 +37,6 @@ PROOF = [
     "--max-steps",
     "2",
 ]
-
-
-def long_video_rows(directory: Path, n: int = 4) -> Path:
-    """`n` rows of one 16 s clip each (32 frames of 448x448 px at 2 fps: 16 pairs of frames x 256 tokens =
-    4,096 video tokens, 4,135 in the row): a square crossing the frame, asked which way it moves."""
-    (directory / "videos").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(n):
-        background = rng.integers(0, 255, size=3).astype(np.uint8)
-        frames = []
-        for t in range(32):
-            frame = np.zeros((448, 448, 3), np.uint8) + background
-            frame[200:248, 20 + 12 * t : 68 + 12 * t] = 255 - background
-            frames.append(frame)
-        write_clip(directory / "videos" / f"clip{i}.mp4", frames, fps=2)
-        question = [{"type": "video"}, {"type": "text", "text": "Which way does the square move?"}]
-        answer = [{"type": "text", "text": "to the right" if i % 2 else "right, slowly, across the frame"}]
-        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        rows.append({"messages": messages, "videos": [f"videos/clip{i}.mp4"]})
-    path = directory / "long-video.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def trained(run_dir: Path) -> dict:
@@ -215,7 +190,8 @@ def test_ranks_that_do_not_form_whole_sequence_groups_are_refused():
         ("demo:tiny-qwen2-vl", 2, None),
         ("demo:tiny-qwen2-vl", 4, "its 4 query heads and 2 key/value heads must both divide"),
         ("demo:tiny-qwen3.5", 2, "linear-attention layers (Gated DeltaNet)"),
-        ("demo:tiny-gemma3", 2, "not proven equal to one process yet"),
+        ("demo:tiny-gemma3", 2, "attend to each other both ways"),
+        ("demo:tiny-llama4", 2, "not proven equal to one process yet"),
     ],
 )
 def test_a_family_or_head_count_that_cannot_be_split_is_refused_with_its_reason(model, size, why):
@@ -228,3 +204,28 @@ def test_a_family_or_head_count_that_cannot_be_split_is_refused_with_its_reason(
     config = AutoConfig.from_pretrained(config_source(model))
     refusal = sequence_parallel_refusal(family_for_config(config), config.get_text_config(), size)
     assert (refusal is None) if why is None else (why in refusal), refusal
+
+
+def test_the_dry_run_states_each_ranks_share_of_the_longest_row(capsys):
+    flags = ["--recipe", "r1-llm-only", "stages.1.sequence_parallel_size=2", "data.max_length=8191"]
+    assert train_main([*flags, "--parallel", "ddp", "--nproc-per-node", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "2 data group(s) x 2 sequence ranks: the longest row data.max_length allows, 8,191 tokens, is 4,096 per "
+        "rank (padded to 8,192); per rank the language model's activations are 1/2"
+    ) in out
+    assert "global batch" not in out or "/ 2 sequence ranks" in out
+
+
+def test_data_check_measures_the_longest_row_as_the_group_holds_it(tmp_path, capsys):
+    from vlm_recipes.cli.data_check import main as data_main
+    from vlm_recipes.speedups.sequence_parallel import group_share
+
+    rows = long_video_rows(tmp_path, n=1)
+    overrides = ["data.max_length=8192", "data.video_max_pixels=200704", "stages.1.sequence_parallel_size=2"]
+    assert data_main(["check", str(rows), *overrides]) == 0
+    assert (
+        "sequence_parallel_size 2: the longest row, 4,139 tokens, is 2,070 per rank (padded to 4,140); within "
+        "data.max_length 8,192, which the group holds as 4,096 per rank"
+    ) in capsys.readouterr().out
+    assert "over data.max_length 4,096, which the group holds as 2,048 per rank" in group_share(4139, 2, 4096)

@@ -35,6 +35,7 @@ from vlm_recipes.recipes.learning_rates import learning_rate_scale
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
 from vlm_recipes.runs.layout import RunOptions, describe_source, run_dir_for, stage_dirs
+from vlm_recipes.speedups.sequence_parallel import sequence_plan
 
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 
@@ -296,6 +297,9 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 if isinstance(launch, ParallelPlan)
                 else f"ERROR: {launch}",
                 "memory": memory,
+                "sequence": sequence_plan(stage, launch.world_size)
+                if isinstance(launch, ParallelPlan)
+                else None,
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
                 "experts": describe_experts(model, family, stage, lora_roles),
                 "data": f"{describe_sources(stage.data.train)} → eval {describe_sources(stage.data.eval or '-')}",
@@ -340,7 +344,17 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
             lines.append(
                 f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})"
             )
-        keys = ("quantization", "precision", "parallel", "memory", "lora", "experts", "data", "training")
+        keys = [
+            "quantization",
+            "precision",
+            "parallel",
+            "sequence",
+            "memory",
+            "lora",
+            "experts",
+            "data",
+            "training",
+        ]
         for key in (*keys, "output_dir"):
             if p.get(key) is not None:
                 lines.append(f"    {key:<13} " + str(p[key]).replace("\n", "\n" + " " * 18))

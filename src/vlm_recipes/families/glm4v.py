@@ -39,7 +39,7 @@ and GLM-4.5-Air's language model (transformers' models/glm4v_moe):
 from __future__ import annotations
 
 from vlm_recipes.families import glm4v_masks
-from vlm_recipes.families.base import DecoderLayer, Family, VisionGeometry
+from vlm_recipes.families.base import DecoderLayer, VisionGeometry
 from vlm_recipes.families.glm4v_template import GLM4V_CHAT_TEMPLATE, GLM4V_TRAINING_CHAT_TEMPLATE
 from vlm_recipes.families.qwen2_vl import Qwen2VLFamily
 
@@ -60,8 +60,6 @@ name_the_experts_as_trl_reads_them()
 
 class Glm4vFamily(Qwen2VLFamily):
     """GLM-4.1V / GLM-4.6V-Flash: Qwen2-VL's layout and feature outputs, GLM's processor, tower and layer."""
-
-    sequence_parallel_refusal = Family.sequence_parallel_refusal  # not proven yet (Qwen2-VL's base is)
 
     # why no lmms-eval 0.7.3 class loads a stage's final/ (cli/lmms_eval.py)
     lmms_eval_models = {}  # none (Qwen2-VL's class is not GLM's)

@@ -74,6 +74,10 @@ def token_grid(processor, height: int, width: int) -> tuple[int, int]:
 class Mistral3Family(Family):
     """Mistral 3: a Pixtral tower (2-D RoPE), a patch-merger projector, [IMG] rows ended by [IMG_BREAK]."""
 
+    sequence_parallel_refusal = (
+        None  # its merged embeddings reach `language_model` (speedups/sequence_parallel.py)
+    )
+
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
     lmms_eval_models = {"mistral3": "mistral3_vl"}
 

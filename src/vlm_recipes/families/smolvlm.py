@@ -77,6 +77,10 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int]:
 class SmolVLMFamily(Family):
     """SmolVLM / Idefics3: tiles of a fixed size through a SigLIP tower, pixel-shuffled by the connector."""
 
+    sequence_parallel_refusal = (
+        None  # its merged embeddings reach `text_model` (speedups/sequence_parallel.py)
+    )
+
     # why no lmms-eval 0.7.3 class loads a stage's final/ (cli/lmms_eval.py)
     no_lmms_eval_model = {
         "smolvlm": "no SmolVLM class; idefics2's counts the image tokens wrong",

@@ -84,6 +84,34 @@ def sequence_parallel_refusal(family, text_config, size: int) -> str | None:
     return None if text_config is None else heads_refusal(text_config, size)
 
 
+def group_share(
+    longest: int | None, size: int, limit: int | None = None, what: str = "the longest row"
+) -> str:
+    """What each rank of a sequence group holds of a row (`longest`: the longest row's tokens, or the limit's),
+    for --dry-run and `data check`."""
+    if longest is None:
+        return f"{size} ranks per row; no data.max_length, so no longest row to state"
+    row = padded_length(longest, size)
+    held = f"{what}, {longest:,} tokens, is {row // size:,} per rank (padded to {row:,})"
+    if limit is not None:
+        verdict = "within" if longest <= limit else "over"
+        held += f"; {verdict} data.max_length {limit:,}, which the group holds as {padded_length(limit, size) // size:,} per rank"
+    return (
+        f"{held}; per rank the language model's activations are 1/{size} (its tokens, attention's heads after "
+        "the all-to-all, the LM head's log-probabilities); the tower's are whole (every rank of a group encodes "
+        "the row's images)"
+    )
+
+
+def sequence_plan(stage, world_size: int) -> str | None:
+    """--dry-run's line: the grid of ranks and what each holds of the longest row data.max_length allows."""
+    size = stage.sequence_parallel_size
+    if size == 1:
+        return None
+    share = group_share(stage.data.max_length, size, what="the longest row data.max_length allows")
+    return f"{world_size // size} data group(s) x {size} sequence ranks: {share}"
+
+
 def padded_length(length: int, size: int) -> int:
     return -(-length // size) * size
 
@@ -153,6 +181,9 @@ class SequenceShard:
         kwargs["inputs_embeds"] = self.piece(kwargs["inputs_embeds"], 1)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = self.piece(kwargs["position_ids"])
+        else:  # the language model would count 0.. on its piece: the whole row's positions, this piece's share
+            embeds = kwargs["inputs_embeds"]
+            kwargs["position_ids"] = self.piece(torch.arange(self.length, device=embeds.device))[None]
         kwargs["attention_mask"] = None  # the whole row's is in the switch's RowMask
         if (visual := kwargs.get("visual_pos_masks")) is not None:  # Qwen3-VL's DeepStack
             # the features of the visual tokens in this rank's piece: their ranks among the row's visual tokens
