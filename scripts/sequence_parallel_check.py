@@ -2,7 +2,8 @@
 first step's loss and the final weights of what trained, beside the floor (one process with the same global
 batch as 2 accumulated micro-batches: summation order only) and how far training moved the weights.
 
-    python scripts/sequence_parallel_check.py demo:tiny-qwen2.5-vl demo:tiny-smolvlm --precision fp32 bf16
+    python scripts/sequence_parallel_check.py --models demo:tiny-qwen2.5-vl demo:tiny-smolvlm --precision fp32 bf16
+    python scripts/sequence_parallel_check.py --parallel fsdp training.gradient_checkpointing=true
 
 Prints one Markdown row per model and precision (docs/parallel.md's family table), then the families that
 refuse `sequence_parallel_size` with their reasons. The Qwen line trains on 4,135-token video rows
@@ -58,7 +59,7 @@ def apart(one: dict, other: dict) -> float:
     return max((one[k] - other[k]).abs().max().item() for k in one)
 
 
-def check(model: str, precision: str, root: Path) -> str:
+def check(model: str, precision: str, root: Path, parallel: str = "ddp", overrides: tuple = ()) -> str:
     from vlm_recipes.demo.long_rows import long_video_rows
     from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
 
@@ -70,7 +71,15 @@ def check(model: str, precision: str, root: Path) -> str:
             "data.max_length=8192",
             "data.video_max_pixels=200704",
         ]
-    common = [*STAGE, f"model={model}", f"precision={precision}", *data, "--output-dir", str(root)]
+    common = [
+        *STAGE,
+        f"model={model}",
+        f"precision={precision}",
+        *data,
+        *overrides,
+        "--output-dir",
+        str(root),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, flags in RUNS.items():
         result = subprocess.run(
@@ -89,7 +98,7 @@ def check(model: str, precision: str, root: Path) -> str:
     }
     moved = apart(weights["one"], {k: start[k] for k in weights["one"]})
     return (
-        f"| {model} | {precision} | {abs(loss['one'] - loss['split']):.1e} | {apart(weights['one'], weights['split']):.1e}"
+        f"| {model} | {precision} {parallel} {' '.join(overrides)} | {abs(loss['one'] - loss['split']):.1e} | {apart(weights['one'], weights['split']):.1e}"
         f" | {abs(loss['one'] - loss['floor']):.1e} | {apart(weights['one'], weights['floor']):.1e} | {moved:.1e} |"
     )
 
@@ -105,15 +114,26 @@ def refusals() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=["demo:tiny-qwen2-vl"])
+    parser.add_argument("--models", nargs="+", default=["demo:tiny-qwen2-vl"])
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--parallel", default="ddp", choices=["ddp", "fsdp"], help="how the 2 split ranks run"
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        default=[],
+        help="key=value for every run, e.g. training.gradient_checkpointing=true",
+    )
     args = parser.parse_args()
-    print("| model | precision | loss, split | weights, split | loss, floor | weights, floor | moved |")
+    print(
+        "| model | precision, split as, overrides | loss, split | weights, split | loss, floor | weights, floor | moved |"
+    )
     print("|---|---|---|---|---|---|---|")
     for model in args.models:
         for precision in args.precision:
             with tempfile.TemporaryDirectory() as root:
-                print(check(model, precision, Path(root)), flush=True)
+                print(check(model, precision, Path(root), args.parallel, tuple(args.overrides)), flush=True)
     print()
     print("\n".join(refusals()))
 

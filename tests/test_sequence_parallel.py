@@ -185,16 +185,23 @@ def test_ranks_that_do_not_form_whole_sequence_groups_are_refused():
 
 
 @pytest.mark.parametrize(
-    ("model", "size", "why"),
+    ("model", "size", "changed", "why"),
     [
-        ("demo:tiny-qwen2-vl", 2, None),
-        ("demo:tiny-qwen2-vl", 4, "its 4 query heads and 2 key/value heads must both divide"),
-        ("demo:tiny-qwen3.5", 2, "linear-attention layers (Gated DeltaNet)"),
-        ("demo:tiny-gemma3", 2, "attend to each other both ways"),
-        ("demo:tiny-llama4", 2, "not proven equal to one process yet"),
+        ("demo:tiny-qwen2-vl", 2, {}, None),
+        ("demo:tiny-qwen2-vl", 4, {}, "its 4 query heads and 2 key/value heads must both divide"),
+        ("demo:tiny-qwen3-vl", 2, {"num_experts": 4}, "a mixture-of-experts language model is not proven"),
+        (
+            "demo:tiny-qwen2-vl",
+            2,
+            {"use_sliding_window": True, "sliding_window": 64},
+            "sliding-window layers",
+        ),
+        ("demo:tiny-qwen3.5", 2, {}, "linear-attention layers (Gated DeltaNet)"),
+        ("demo:tiny-gemma3", 2, {}, "attend to each other both ways"),
+        ("demo:tiny-llama4", 2, {}, "not proven equal to one process yet"),
     ],
 )
-def test_a_family_or_head_count_that_cannot_be_split_is_refused_with_its_reason(model, size, why):
+def test_a_family_or_head_count_that_cannot_be_split_is_refused_with_its_reason(model, size, changed, why):
     from transformers import AutoConfig
 
     from vlm_recipes.demo.models import config_source
@@ -202,7 +209,10 @@ def test_a_family_or_head_count_that_cannot_be_split_is_refused_with_its_reason(
     from vlm_recipes.speedups.sequence_parallel import sequence_parallel_refusal
 
     config = AutoConfig.from_pretrained(config_source(model))
-    refusal = sequence_parallel_refusal(family_for_config(config), config.get_text_config(), size)
+    text_config = config.get_text_config()
+    for key, value in changed.items():  # what a real model of the family may have and the demo model lacks
+        setattr(text_config, key, value)
+    refusal = sequence_parallel_refusal(family_for_config(config), text_config, size)
     assert (refusal is None) if why is None else (why in refusal), refusal
 
 

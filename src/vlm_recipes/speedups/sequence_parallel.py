@@ -27,6 +27,7 @@ from torch import nn
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
+from vlm_recipes.families.parameters import routed_experts
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,17 @@ def sequence_parallel_refusal(family, text_config, size: int) -> str | None:
     the family's own reason (not proven, or a layer Ulysses does not reach), else its head counts."""
     if family.sequence_parallel_refusal:
         return f"{family.name}: {family.sequence_parallel_refusal}"
-    return None if text_config is None else heads_refusal(text_config, size)
+    if text_config is None:
+        return None
+    if routed_experts(text_config):
+        return (
+            f"{family.name}: a mixture-of-experts language model is not proven: each rank's router would balance "
+            "its load over its piece of the row, not over the whole row as one process does"
+        )
+    window = getattr(text_config, "sliding_window", None)
+    if window and getattr(text_config, "use_sliding_window", True):
+        return f"{family.name}: its sliding-window layers ({window} tokens) need a mask the split's attention does not build"
+    return heads_refusal(text_config, size)
 
 
 def group_share(
