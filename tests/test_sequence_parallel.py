@@ -239,3 +239,65 @@ def test_data_check_measures_the_longest_row_as_the_group_holds_it(tmp_path, cap
         "data.max_length 8,192, which the group holds as 4,096 per rank"
     ) in capsys.readouterr().out
     assert "over data.max_length 4,096, which the group holds as 2,048 per rank" in group_share(4139, 2, 4096)
+
+
+def _attend_split(rank: int, init: str, out: str) -> None:
+    """Rank `rank` of 2: its half of a left-padded batch through the Ulysses exchange and sdpa."""
+    import torch
+    from torch import distributed as dist
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlm_recipes.speedups.ulysses_attention import RowMask, ulysses_attention
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, :3] = 0  # the second row left-padded by 3
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 1, True, False
+
+    piece = slice(4 * rank, 4 * rank + 4)
+    local = [t[:, :, piece].detach().requires_grad_() for t in (q, k, v)]
+    group = dist.new_group([0, 1])
+    output, _ = ulysses_attention(sdpa_attention_forward, group, 2, RowMask(padding), Layer(), *local)
+    output.sum().backward()
+    torch.save({"output": output.detach(), "grads": [t.grad for t in local]}, f"{out}-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ulysses_attention_over_two_ranks_equals_attention_over_the_whole_padded_row(tmp_path):
+    """The all-to-all around sdpa, with a left-padded row (the whole row's mask built by the exchange's side):
+    each rank's output and the gradients of its q, k, v equal those of sdpa over the whole row, on every
+    real token."""
+    import torch
+    from torch import multiprocessing
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = str(tmp_path / "rank")
+    multiprocessing.spawn(_attend_split, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, :3] = 0
+
+    class Layer(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 1, True, False
+
+    real = padding.bool()
+    # causal over real keys; a padded query attends to itself only (it would attend to nothing: NaN)
+    mask = (torch.ones(8, 8, dtype=torch.bool).tril() & real[:, None, None, :]) | torch.eye(
+        8, dtype=torch.bool
+    )
+    whole, _ = sdpa_attention_forward(Layer(), q, k, v, mask)
+    whole.sum().backward()
+    for rank in range(2):
+        got = torch.load(f"{out}-{rank}.pt")
+        piece = slice(4 * rank, 4 * rank + 4)
+        kept = real[:, piece]
+        assert torch.allclose(got["output"][kept], whole[:, piece][kept], atol=1e-6)
+        for grad, full in zip(got["grads"], (q.grad, k.grad, v.grad), strict=True):
+            assert torch.allclose(
+                grad.transpose(1, 2)[kept], full[:, :, piece].transpose(1, 2)[kept], atol=1e-6
+            )

@@ -29,7 +29,7 @@ class RowMask:
     when every token is real (causal attention needs no mask), else [batch, length] with 1 on real tokens."""
 
     padding: torch.Tensor | None = None
-    built: dict = field(default_factory=dict)  # the 4-D mask, built once per forward, by dtype-free key
+    built: dict = field(default_factory=dict)  # the 4-D mask, built once per forward (every layer reads it)
 
     def full_mask(self) -> torch.Tensor | None:
         """[batch, 1, length, length] booleans: causal, real keys only, and each query its own key (a padded
@@ -41,7 +41,7 @@ class RowMask:
             length = keys.shape[-1]
             causal = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
             eye = torch.eye(length, dtype=torch.bool, device=keys.device)
-            self.built["mask"] = ((causal & keys[:, None, None, :]) | eye)[:, :, :, :]
+            self.built["mask"] = (causal & keys[:, None, None, :]) | eye
         return self.built["mask"]
 
 
