@@ -35,6 +35,7 @@ from vlm_recipes.recipes.learning_rates import learning_rate_scale
 from vlm_recipes.recipes.schema import Recipe
 from vlm_recipes.roles import ROLES
 from vlm_recipes.runs.layout import RunOptions, describe_source, run_dir_for, stage_dirs
+from vlm_recipes.speedups.sequence_parallel import sequence_plan
 
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")
 
@@ -74,6 +75,7 @@ def decide_parallel(
     nproc_per_node: int | None = None,
     nnodes: int = 1,
     max_memory_per_gpu: str | None = None,
+    sequence_parallel_size: int = 1,
 ) -> tuple[ParallelPlan, Decision]:
     """Pick how a stage runs. `auto`: one device → single; several GPUs → DDP when the model fits one
     GPU (with 30% headroom for activations), else model-parallel sharding."""
@@ -114,9 +116,26 @@ def decide_parallel(
         plan = ParallelPlan(mode, 1, 1)
     else:
         plan = ParallelPlan("single", 1, 1)
+    if sequence_parallel_size > 1:
+        check_sequence_groups(plan, sequence_parallel_size)
     return plan, Decision(
         "launch", describe_plan(plan, env), _reason(requested, plan, env, footprint, gpu_memory_gb)
     )
+
+
+def check_sequence_groups(plan: ParallelPlan, size: int) -> None:
+    """The ranks must form whole groups of `size` sequence ranks, one process per rank."""
+    if plan.mode not in ("ddp", "fsdp"):
+        raise GuardError(
+            f"sequence_parallel_size {size} splits a row over processes: run the stage with --parallel ddp or "
+            f"fsdp and --nproc-per-node a multiple of {size} (it would run as {plan.mode})"
+        )
+    if plan.world_size % size:
+        raise GuardError(
+            f"sequence_parallel_size {size} does not divide the {plan.world_size} processes: set "
+            f"--nproc-per-node (times --nnodes) to a multiple of {size}, or stages.N.sequence_parallel_size to a "
+            f"divisor of {plan.world_size}"
+        )
 
 
 def describe_plan(plan: ParallelPlan, env: Environment) -> str:
@@ -151,20 +170,23 @@ def batch_decision(
     lr: float,
     scheduler: str,
     warmup: float,
+    sequence_parallel_size: int = 1,
 ) -> Decision:
     """What a user comparing 1 GPU and N GPUs must know: the global batch and the steps it gives (`rows`
-    None: a stream's, not counted)."""
-    global_batch = per_device * accumulation * plan.world_size
+    None: a stream's, not counted). The N ranks of a sequence group share their rows."""
+    data_groups = plan.world_size // sequence_parallel_size
+    global_batch = per_device * accumulation * data_groups
     if rows is None:  # data.streaming: no row count; validation requires max_steps
         length = f"rows streamed → {max_steps} steps (training.max_steps)"
     else:
-        steps_per_epoch = max(1, -(-rows // (per_device * plan.world_size)) // accumulation)
+        steps_per_epoch = max(1, -(-rows // (per_device * data_groups)) // accumulation)
         steps = max_steps if max_steps > 0 else int(steps_per_epoch * epochs)
         length = f"{rows} rows → {steps_per_epoch} steps/epoch, {steps} steps"
     return Decision(
         "batch",
         f"global batch {global_batch} = {per_device} per device × {accumulation} accumulation × "
-        f"{plan.world_size} process(es)",
+        f"{plan.world_size} process(es)"
+        + (f" / {sequence_parallel_size} sequence ranks" if sequence_parallel_size > 1 else ""),
         f"{length}; {scheduler} schedule, peak lr {lr:g}, warm-up {warmup:g} of the steps",
     )
 
@@ -190,6 +212,7 @@ def plan_parallel(
                 options.nproc_per_node,
                 options.node.nnodes,
                 stage.training.max_memory_per_gpu,
+                stage.sequence_parallel_size,
             )
         )
     return plans
@@ -274,6 +297,9 @@ def plan_recipe(recipe: Recipe, options: RunOptions, env: Environment | None = N
                 if isinstance(launch, ParallelPlan)
                 else f"ERROR: {launch}",
                 "memory": memory,
+                "sequence": sequence_plan(stage, launch.world_size)
+                if isinstance(launch, ParallelPlan)
+                else None,
                 "lora": f"rank {stage.lora.rank}, alpha {stage.lora.alpha}" if lora_roles else "-",
                 "experts": describe_experts(model, family, stage, lora_roles),
                 "data": f"{describe_sources(stage.data.train)} → eval {describe_sources(stage.data.eval or '-')}",
@@ -318,7 +344,17 @@ def format_plan(recipe: Recipe, plans: list[dict]) -> str:
             lines.append(
                 f"    {role:<10} {r['mode']:<7} trainable {r['trainable']:>14,} of {r['total']:>14,} ({share})"
             )
-        keys = ("quantization", "precision", "parallel", "memory", "lora", "experts", "data", "training")
+        keys = [
+            "quantization",
+            "precision",
+            "parallel",
+            "sequence",
+            "memory",
+            "lora",
+            "experts",
+            "data",
+            "training",
+        ]
         for key in (*keys, "output_dir"):
             if p.get(key) is not None:
                 lines.append(f"    {key:<13} " + str(p[key]).replace("\n", "\n" + " " * 18))

@@ -175,6 +175,11 @@ def check_dataset(reader: StageReader, path: str, split: str = "train", label: s
     rows, problems, _ = reader.read(path, split)
     measured = reader.measure(rows, path)
     print(f"{label}{length_line(measured.lengths)}")
+    if (size := reader.stage.sequence_parallel_size) > 1 and measured.lengths:
+        from vlm_recipes.speedups.sequence_parallel import group_share
+
+        limit = reader.method.max_length(reader.stage)
+        print(f"{label}sequence_parallel_size {size}: {group_share(max(measured.lengths), size, limit)}")
     return dict(Counter(problems) + Counter(measured.problems))
 
 

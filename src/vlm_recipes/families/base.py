@@ -201,6 +201,7 @@ class Family:
     # Whether every trained parameter gets a gradient from a row with an image (False: some may not, as the
     # generic family cannot tell, and DDP searches each step's graph for those without one)
     reads_every_parameter: ClassVar[bool] = True
+    sequence_parallel_refusal: ClassVar[str | None] = "not proven equal to one process yet"  # None: proven
     # lmms-eval's --model that loads a stage's final/ of each model type, and why none does (cli/lmms_eval.py)
     lmms_eval_models: ClassVar[dict[str, str]] = {}
     no_lmms_eval_model: ClassVar[dict[str, str]] = {}

@@ -46,6 +46,11 @@ PADDING_FREE_REFUSAL = (
 class Gemma3Family(Family):
     """Gemma 3: SigLIP tower, pooling projector, a fixed number of tokens per image."""
 
+    sequence_parallel_refusal = (
+        "an image's tokens attend to each other both ways (a bidirectional block in the causal mask), which "
+        "the split's causal attention does not build"
+    )
+
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
     lmms_eval_models = {"gemma3": "gemma3"}
 

@@ -71,6 +71,11 @@ PADDING_FREE_REFUSAL = (
 class Gemma4Family(Family):
     """Gemma 4: a variable-resolution tower pooling 3x3 patches, a linear projector, no audio in training."""
 
+    sequence_parallel_refusal = (
+        "an image's tokens attend to each other both ways (a bidirectional block in the causal mask), which "
+        "the split's causal attention does not build"
+    )
+
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)
     lmms_eval_models = {"gemma4": "gemma4"}
 

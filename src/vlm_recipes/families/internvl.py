@@ -73,6 +73,9 @@ def tiles_per_image(processor, sizes: list[tuple[int, int]]) -> list[int]:
 class InternVLFamily(Family):
     """InternVL: tiles plus a thumbnail through an InternViT tower, pixel shuffle, an MLP projector, Qwen3."""
 
+    # its merged embeddings reach `language_model`, split there; proven equal to one process (docs/parallel.md)
+    sequence_parallel_refusal = None
+
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py): `internvl_hf` (`internvl`, `internvl2` and
     # `internvl3` load OpenGVLab's remote code)
     lmms_eval_models = {"internvl": "internvl_hf"}

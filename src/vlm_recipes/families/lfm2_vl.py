@@ -100,6 +100,11 @@ def image_layout(image_processor, height: int, width: int) -> tuple[int, int, in
 class Lfm2VlFamily(Family):
     """LFM2-VL: tiles and a thumbnail through a SigLIP2 NaFlex tower, a pixel-unshuffle MLP projector, LFM2."""
 
+    sequence_parallel_refusal = (
+        "its short-convolution layers read the tokens just before each one, across a cut, outside attention "
+        "where the all-to-all gathers the row"
+    )
+
     # every image's tiles along the first dimension, each padded to one patch budget (named: a one-tile sample's
     # [1, patches, ...] could pass for a per-token tensor)
     image_padding = {

@@ -89,6 +89,9 @@ def _real_tiles(pixels: torch.Tensor) -> int:
 class LlavaOnevisionFamily(Family):
     """LLaVA-OneVision: anyres tiles through a SigLIP tower, an MLP projector, image_newline tokens."""
 
+    # its merged embeddings reach `language_model`, split there; proven equal to one process (docs/parallel.md)
+    sequence_parallel_refusal = None
+
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py): `llava_hf` (its `llava_onevision` loads
     # the LLaVA-NeXT repository's format)
     lmms_eval_models = {"llava_onevision": "llava_hf"}

@@ -34,6 +34,9 @@ class Qwen2VLFamily(Family):
     box_format = "relative_1000"
 
     rope_index_keys = QWEN_VL_ROPE_INDEX_KEYS
+    # the whole row's features and M-RoPE positions reach `language_model` as embeddings and positions, which
+    # speedups/sequence_parallel.py splits (Qwen3-VL's DeepStack features too)
+    sequence_parallel_refusal = None
     # the processor attribute naming the token a video's features fill (GLM-4V writes frames as images)
     video_feature_token = "video_token_id"
 

@@ -37,6 +37,13 @@ class Qwen3_5Family(Qwen2VLFamily):
         "qwen3_5_moe": "qwen3_5 loads the dense class unless the path names the size (`A3B`)"
     }
 
+    # its linear-attention layers (Gated DeltaNet) carry a state along the row, which Ulysses' all-to-all
+    # around softmax attention does not reach
+    sequence_parallel_refusal = (
+        "its linear-attention layers (Gated DeltaNet) carry a recurrent state along the whole row; the Ulysses "
+        "all-to-all splits only softmax attention"
+    )
+
     def video_encoder(self) -> str | None:
         return None  # get_video_features calls get_image_features, which the speed-ups already hook
 

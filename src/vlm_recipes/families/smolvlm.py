@@ -77,6 +77,9 @@ def tile_grid(image_processor, height: int, width: int) -> tuple[int, int]:
 class SmolVLMFamily(Family):
     """SmolVLM / Idefics3: tiles of a fixed size through a SigLIP tower, pixel-shuffled by the connector."""
 
+    # its merged embeddings reach `text_model`, split there; proven equal to one process (docs/parallel.md)
+    sequence_parallel_refusal = None
+
     # why no lmms-eval 0.7.3 class loads a stage's final/ (cli/lmms_eval.py)
     no_lmms_eval_model = {
         "smolvlm": "no SmolVLM class; idefics2's counts the image tokens wrong",

@@ -82,6 +82,7 @@ class SFT(TrainingMethod):
     takes_video = True  # data/collate.py extends TRL's collator to videos (the Qwen line's processors)
     takes_loss_positions_cut = True  # its loss reads the labelled positions only (speedups/loss_positions.py)
     takes_streamed_rows = True  # data/streaming.py reads `messages` rows
+    takes_sequence_parallel = True  # its token loss, split by speedups/sequence_parallel.py
 
     def parts(self) -> StageParts:
         from vlm_recipes.data.lengths import check_lengths
@@ -123,4 +124,10 @@ class SFT(TrainingMethod):
         trainer.data_collator = VideoCollator.extending(trainer.data_collator, videos, by_prefix)
         wrap_collator(trainer, built, stage, decisions)  # the batch speed-ups wrap TRL's SFT collator
         compute_loss_positions_only(trainer, built, stage, decisions)
+        if stage.sequence_parallel_size > 1:
+            from vlm_recipes.speedups.sequence_parallel import install_sequence_parallel
+
+            decision = install_sequence_parallel(trainer, built, stage.sequence_parallel_size)
+            if decisions is not None:
+                decisions.append(decision)
         return trainer

@@ -10,6 +10,7 @@ from trl import SFTTrainer
 from vlm_recipes.methods.recipe_trainer import RecipeTrainerMixin
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions
 from vlm_recipes.speedups.packing import is_packed
+from vlm_recipes.speedups.sequence_parallel import SequenceShard
 
 
 class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
@@ -18,10 +19,17 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
     every step (`if num_valid > 0`, `.item()`), and on a GPU each read waits for the step's last kernel."""
 
     loss_positions: LastLayerAtLossPositions | None = None  # training.loss_positions_only
+    sequence_shard: SequenceShard | None = None  # sequence_parallel_size > 1
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_positions is not None:
             inputs = self.loss_positions.select(inputs)  # kept set through backward (checkpointing)
+        if self.sequence_shard is not None and model.training and not return_outputs:
+            if num_items_in_batch is None:
+                raise RuntimeError("sequence parallelism needs the Trainer's token count of the global batch")
+            inputs = self.sequence_shard.split(inputs)  # kept active through backward (checkpointing)
+            # every rank of a sequence group counted the same rows; each sums only its own piece's tokens
+            num_items_in_batch = num_items_in_batch / self.sequence_shard.groups.size
         if return_outputs or not self._trls_token_loss():
             return self._trls_compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # TRL's compute_loss reads the host for its metrics and offers no switch: its token-loss branch (the
@@ -95,7 +103,8 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
             tokens = gather(position_ids.new_full((), position_ids.shape[-1], dtype=torch.long)).sum()
         else:
             raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-        return tokens // self._tp_size  # tensor-parallel ranks repeat every token
+        repeats = self._tp_size * (self.sequence_shard.groups.size if self.sequence_shard is not None else 1)
+        return tokens // repeats  # tensor-parallel ranks and a sequence group's ranks repeat every token
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """TRL's log (it averages its metrics), their device tensors read first, all in one host read."""
@@ -115,9 +124,12 @@ class RecipeTrainer(RecipeTrainerMixin, SFTTrainer):
             self._forget_loss_positions()
 
     def _forget_loss_positions(self) -> None:
-        """After the step's backward: any other forward (generation) runs the whole last layer."""
+        """After the step's backward: any other forward (generation) runs the whole last layer, and the whole
+        row on every rank of a sequence group."""
         if self.loss_positions is not None:
             self.loss_positions.positions = None
+        if self.sequence_shard is not None:
+            self.sequence_shard.release()
 
 
 def read_on_the_host(metrics: dict[str, list]) -> None:

@@ -155,6 +155,9 @@ class TrainingMethod(ABC):
     takes_video: bool = False
     takes_loss_positions_cut: bool = False
     takes_streamed_rows: bool = False
+    takes_sequence_parallel: bool = (
+        False  # its loss is split over a sequence group (speedups/sequence_parallel.py)
+    )
 
     def record(self, stage: Stage) -> dict:
         """What metrics.json keeps of the method (`method`), which the run's table and `compare` read: its

@@ -286,6 +286,12 @@ class Stage:
         "single, model-parallel (device_map sharding), ddp, fsdp, deepspeed (one process per GPU)",
         "auto",
     )
+    sequence_parallel_size: int = doc(
+        "ranks that share one row, each carrying 1/N of its tokens through the language model (Ulysses); "
+        "with parallel ddp or fsdp, the processes form processes/N data groups of N sequence ranks; 1: off",
+        1,
+        range=Range(1),
+    )
     data: DataSettings = doc("datasets and image/sequence limits", factory=DataSettings)
     training: TrainingSettings = doc("optimizer and loop settings", factory=TrainingSettings)
     evaluation: EvaluationSettings = doc("what is measured on the eval split", factory=EvaluationSettings)
@@ -344,6 +350,7 @@ class StageMethod(Protocol):
     settings: type | None
     takes_loss_positions_cut: bool  # training.loss_positions_only
     takes_streamed_rows: bool  # data.streaming
+    takes_sequence_parallel: bool  # sequence_parallel_size > 1
 
     def problems(self, stage: Stage, at: str, earlier: list[Stage]) -> list: ...
 

@@ -23,6 +23,7 @@ from vlm_recipes.errors import BadInput
 from vlm_recipes.recipes.data_sources import sources_problems
 from vlm_recipes.recipes.fields import Choices, Range
 from vlm_recipes.recipes.schema import QUANT_SKIPPABLE, RENAMED_KEYS, Recipe, StageMethod
+from vlm_recipes.recipes.sequence_parallel_keys import sequence_parallel_problems
 from vlm_recipes.roles import ROLES
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ def check_recipe(recipe: Recipe, where: str) -> list[Problem]:
         problems += _source_problems(recipe, stage, at, seen)
         problems += _quantization_problems(stage, modes, at)
         problems += _streaming_problems(stage, at)
+        problems += [Problem(f"{at}.{key}", why) for key, why in sequence_parallel_problems(stage)]
         for section, mapping in (
             ("lora.targets", stage.lora.targets),
             ("training.role_learning_rates", stage.training.role_learning_rates),
@@ -326,6 +328,14 @@ def keys_not_taken(stage, method: StageMethod, at: str, methods: Mapping[str, St
                 f"{at}.training.loss_positions_only",
                 f"is for {taken_by('takes_loss_positions_cut')} stages (a {stage.method} loss reads its own "
                 "positions); remove it from this stage",
+            )
+        )
+    if stage.sequence_parallel_size > 1 and not method.takes_sequence_parallel:
+        problems.append(
+            Problem(
+                f"{at}.sequence_parallel_size",
+                f"is proven for {taken_by('takes_sequence_parallel')} stages only (a {stage.method} loss is "
+                "not split by token counts over a sequence group yet); set it to 1 for this stage",
             )
         )
     if stage.data.streaming and not method.takes_streamed_rows:

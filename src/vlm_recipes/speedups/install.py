@@ -24,6 +24,7 @@ from vlm_recipes.speedups.liger import use_liger_kernels
 from vlm_recipes.speedups.loss_positions import LastLayerAtLossPositions, loss_positions_refusal
 from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA, PaddingFreeVisionCollator, attend_per_sample
 from vlm_recipes.speedups.patch_embedding import use_matmul_patch_embedding
+from vlm_recipes.speedups.sequence_parallel import sequence_parallel_refusal
 from vlm_recipes.speedups.sparse_dropout import use_sparse_lora_dropout
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,16 @@ def turn_off_unproven_speedups(family: Family, stage: Stage) -> list[Decision]:
     return decisions
 
 
-def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData) -> None:
+def refuse_inexact_speedups(family: Family, stage: Stage, data: StageData, text_config) -> None:
     """Refuse, before the model loads, a speed-up the family cannot do exactly (with the family's reason)."""
     if stage.training.padding_free and (why := family.padding_free_refusal()):
         raise GuardError(f"stage `{stage.name}`: training.padding_free is refused for {family.name}: {why}")
+    size = stage.sequence_parallel_size
+    if size > 1 and (why := sequence_parallel_refusal(family, text_config, size)):
+        raise GuardError(
+            f"stage `{stage.name}`: sequence_parallel_size {size} is refused: {why}. Set "
+            "stages.N.sequence_parallel_size=1 for it"
+        )
     if stage.training.vision_feature_cache:
         splits = [
             ds for ds in (data.train_sample, data.eval) if ds is not None and "images" in ds.column_names

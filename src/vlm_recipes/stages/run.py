@@ -153,7 +153,8 @@ def check_data(ctx: StageContext, method: TrainingMethod) -> tuple[StageData, ob
         data.lengths["train"] = []
         del splits["train"]
     refuse_nothing_to_see(stage, data)
-    refuse_inexact_speedups(family, stage, data)
+    text_config = ctx.model_config.get_text_config() if ctx.model_config is not None else None
+    refuse_inexact_speedups(family, stage, data, text_config)
     if data.eval is not None:
         splits["eval"] = (data.eval, data.eval_source or "")
 
@@ -242,6 +243,7 @@ def speed_up(
         t.learning_rate,
         t.lr_scheduler,
         t.warmup_ratio,
+        stage.sequence_parallel_size,
     )
     return feature_cache, [*model_side, *frozen_vision, batch]
 
