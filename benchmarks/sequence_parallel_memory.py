@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -204,10 +203,9 @@ def main() -> None:
     sha = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout
-    from vlm_recipes.machine import detect_environment
+    from data_scale import machine  # benchmarks/: the CPU's model, its cores, native bf16 or not
 
-    machine = f"{detect_environment().describe()}, {os.cpu_count()} cores, {platform.processor() or 'CPU'}"
-    text = table(json.loads(one.stdout.strip().splitlines()[-1])[0], ranks, machine, sha.strip())
+    text = table(json.loads(one.stdout.strip().splitlines()[-1])[0], ranks, machine(), sha.strip())
     OUT.write_text("# Sequence parallelism: activation memory per rank\n\n" + text)
     print(text)
 
