@@ -51,6 +51,17 @@ def kept(run_dir: Path) -> str:
     return f"{last}; stage {'marked done (wrong)' if done else 'not marked done'}"
 
 
+def stopped(result: subprocess.CompletedProcess, run_dir: Path, ended: float) -> dict:
+    """A stopped group's row: its exit code, the seconds from the first failure's record to the end, the
+    launcher's last line and what the stage kept."""
+    return {
+        "exit": result.returncode,
+        "seconds": round(ended - root_cause(run_dir).at, 1),
+        "said": final_message(result.stderr).split("\n")[0],
+        "kept": kept(run_dir),
+    }
+
+
 def raised(work: Path, fault: str) -> dict:
     """Rank 1 raises `fault` after step 2 (tests/fault_injection.py)."""
     result = run_train(
@@ -63,12 +74,7 @@ def raised(work: Path, fault: str) -> dict:
     )
     ended = time.time()
     run_dir = work / "r2-vision-only" / fault
-    return {
-        "exit": result.returncode,
-        "seconds": round(ended - root_cause(run_dir).at, 1),
-        "said": final_message(result.stderr).split("\n")[0],
-        "kept": kept(run_dir),
-    }
+    return stopped(result, run_dir, ended)
 
 
 def bad_row(work: Path) -> dict:
@@ -82,12 +88,7 @@ def bad_row(work: Path) -> dict:
     result = run_train(*flags, "--max-steps", "3", "--nproc-per-node", "2", timeout=600)
     ended = time.time()
     run_dir = work / "stream" / "bad"
-    return {
-        "exit": result.returncode,
-        "seconds": round(ended - root_cause(run_dir).at, 1),
-        "said": final_message(result.stderr).split("\n")[0],
-        "kept": kept(run_dir),
-    }
+    return stopped(result, run_dir, ended)
 
 
 def lost_host(work: Path) -> dict:
