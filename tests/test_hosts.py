@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -295,6 +296,9 @@ class Slurm:
             shown := self.run("scontrol", "show", "job", job).stdout,
         ):
             assert time.time() < deadline, f"job {job} still running after {seconds:.0f} s:\n{shown}"
+            assert "launch_failed" not in shown, (
+                f"job {job} could not start (slurmd's log says why):\n{shown}"
+            )
             time.sleep(1.0)
         return shown
 
@@ -339,8 +343,9 @@ def slurm(two_hosts, tmp_path) -> Iterator[Slurm]:
     file under tmp_path; the daemons killed at teardown, then the namespaces with anything left inside."""
     if why := why_no_slurm():
         pytest.skip(why)
-    root = tmp_path / "slurm"
-    root.mkdir(mode=0o700)
+    # a short folder of its own (0700), not tmp_path: slurmstepd's sockets live under SlurmdSpoolDir, and a
+    # path past 108 bytes (an AF_UNIX name's limit, as pytest-xdist's tmp_path gave) fails every job launch
+    root = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
     (root / "state").mkdir()
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
@@ -383,6 +388,9 @@ def slurm(two_hosts, tmp_path) -> Iterator[Slurm]:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+        for log in sorted(root.glob("*.log")):  # kept beside the test's other files, for a failure's reading
+            shutil.copy(log, tmp_path / log.name)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.e2e
