@@ -95,6 +95,7 @@ def a_trainer() -> SimpleNamespace:
         _metrics={"train": {"entropy": [], "mean_token_accuracy": []}, "eval": {}},
         _total_train_tokens=0,
         _tp_size=1,
+        sequence_shard=None,  # one process: no sequence group repeats the tokens
         aux_loss_enabled=False,
     )
     trainer._tokens_in_batch = RecipeTrainer._tokens_in_batch.__get__(trainer)
