@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from conftest import TRAIN, run_train, write_recipe  # noqa: E402
 from data_scale import machine  # noqa: E402
 from test_data_streaming import STREAMING, colour_rows, write_rows  # noqa: E402
 from test_parallel import QUICK, free_port  # noqa: E402
-from test_rank_failures import final_message, process_tree, signal_if_alive  # noqa: E402
+from test_rank_failures import final_message, freeze_node_1_once_trained  # noqa: E402
 
 from vlm_recipes.launch.rank_failures import LOST_AFTER_ENV, root_cause  # noqa: E402
 
@@ -111,19 +110,7 @@ def lost_host(work: Path) -> dict:
         )
         for rank in (0, 1)
     ]
-    try:
-        while not list((run_dir / STAGE / "checkpoints").glob("checkpoint-*/COMPLETE")):
-            time.sleep(0.5)
-        for process in process_tree(nodes[1].pid):
-            signal_if_alive(process, signal.SIGSTOP)
-        frozen = time.monotonic()
-        code = nodes[0].wait(timeout=300)
-        seconds = time.monotonic() - frozen
-    finally:
-        for node in nodes:
-            for process in process_tree(node.pid):
-                signal_if_alive(process, signal.SIGKILL)
-            node.wait()
+    code, seconds = freeze_node_1_once_trained(nodes, run_dir / STAGE, logs[0], timeout=300)
     return {
         "exit": code,
         "seconds": round(seconds, 1),

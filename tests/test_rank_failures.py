@@ -49,6 +49,29 @@ def signal_if_alive(process: psutil.Process, number: int) -> None:
         process.send_signal(number)
 
 
+def freeze_node_1_once_trained(
+    nodes: list[subprocess.Popen], stage_dir: Path, log: Path, timeout: float
+) -> tuple[int, float]:
+    """Once the stage has a complete checkpoint (training, past a collective save), every process of node 1
+    frozen with SIGSTOP; node 0's exit code and the seconds from the freeze to its end. Both nodes' processes
+    are killed after."""
+    try:
+        deadline = time.monotonic() + 240
+        while not list((stage_dir / "checkpoints").glob("checkpoint-*/COMPLETE")):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, log.read_text()[-4000:]
+            time.sleep(0.5)
+        for process in process_tree(nodes[1].pid):  # torchrun starts each rank in a session of its own
+            signal_if_alive(process, signal.SIGSTOP)
+        frozen = time.monotonic()
+        code = nodes[0].wait(timeout=timeout)
+        return code, time.monotonic() - frozen
+    finally:
+        for node in nodes:
+            for process in process_tree(node.pid):
+                signal_if_alive(process, signal.SIGKILL)
+            node.wait()
+
+
 def final_message(stderr: str) -> str:
     """The launcher's last word: the line after torchrun's report."""
     return stderr.rstrip().split("\nerror: ")[-1]
@@ -143,23 +166,7 @@ def test_a_frozen_node_ends_the_other_within_the_heartbeat_timeout_naming_it(tmp
         )
         for rank in (0, 1)
     ]
-    try:
-        checkpoints = run_dir / "stage-1-vision-full" / "checkpoints"
-        deadline = time.monotonic() + 240
-        while not list(checkpoints.glob("checkpoint-*/COMPLETE")):  # training, past a collective save
-            assert time.monotonic() < deadline and nodes[0].poll() is None, logs[0].read_text()[-4000:]
-            time.sleep(0.5)
-        node_1 = process_tree(nodes[1].pid)
-        for process in node_1:  # torchrun starts each rank in a session of its own: not a process group
-            signal_if_alive(process, signal.SIGSTOP)
-        frozen = time.monotonic()
-        code = nodes[0].wait(timeout=90)
-        stopped = time.monotonic() - frozen
-    finally:
-        for node in nodes:
-            for process in process_tree(node.pid):
-                signal_if_alive(process, signal.SIGKILL)
-            node.wait()
+    code, stopped = freeze_node_1_once_trained(nodes, run_dir / "stage-1-vision-full", logs[0], timeout=90)
     err = logs[0].read_text()
     assert code == 6, err[-4000:]
     assert LOST_AFTER < stopped < LOST_AFTER + 30, stopped
