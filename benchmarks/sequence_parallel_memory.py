@@ -108,14 +108,10 @@ def measure(split: bool, rows: list[str], timed: list[str]) -> dict:
     shard = None
     if split:
         from vlm_recipes.families import QWEN2_VL
-        from vlm_recipes.speedups.sequence_parallel import (
-            SequenceShard,
-            form_sequence_groups,
-            language_model_of,
-        )
+        from vlm_recipes.speedups.sequence_parallel import sequence_shard_for
 
         dist.init_process_group("gloo")
-        shard = SequenceShard(form_sequence_groups(2), language_model_of(model, QWEN2_VL), 0, set())
+        shard = sequence_shard_for(model, QWEN2_VL, processor, 2)
     results = {}
     for name in rows:
         frames = FRAMES[name]

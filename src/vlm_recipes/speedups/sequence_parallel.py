@@ -222,11 +222,11 @@ def language_model_of(model: nn.Module, family) -> nn.Module:
     return base.get_submodule(family.role_prefixes["llm"][0])
 
 
-def install_sequence_parallel(trainer, built, size: int) -> Decision:
-    """Sequence groups formed, the language model's attention sent through Ulysses, the batches split in
-    `compute_loss` (methods/sft_trainer.py), every rank of a group fed the same rows."""
-    text_config = built.model.config.get_text_config()
-    if why := sequence_parallel_refusal(built.family, text_config, size):
+def sequence_shard_for(model: nn.Module, family, processor, size: int) -> SequenceShard:
+    """The sequence groups formed (every rank must call this, in the same order) and this rank's shard of the
+    model: refused first, with the reason, for a family or language model that cannot be split."""
+    text_config = model.config.get_text_config()
+    if why := sequence_parallel_refusal(family, text_config, size):
         raise GuardError(f"sequence_parallel_size {size} is refused: {why}")
     implementation = getattr(text_config, "_attn_implementation", None)
     if implementation != "sdpa":
@@ -234,12 +234,17 @@ def install_sequence_parallel(trainer, built, size: int) -> Decision:
             f"sequence_parallel_size needs the language model on sdpa attention; it is on {implementation!r}"
         )
     groups = form_sequence_groups(size)
-    language_model = language_model_of(built.model, built.family)
-    processor = built.processor
     media_ids = {getattr(processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
-    trainer.sequence_shard = SequenceShard(
-        groups, language_model, processor.tokenizer.pad_token_id, media_ids
+    return SequenceShard(
+        groups, language_model_of(model, family), processor.tokenizer.pad_token_id, media_ids
     )
+
+
+def install_sequence_parallel(trainer, built, size: int) -> Decision:
+    """Sequence groups formed, the language model's attention sent through Ulysses, the batches split in
+    `compute_loss` (methods/sft_trainer.py), every rank of a group fed the same rows."""
+    trainer.sequence_shard = sequence_shard_for(built.model, built.family, built.processor, size)
+    groups = trainer.sequence_shard.groups
     feed_sequence_groups_alike(trainer.accelerator, groups)
     return Decision(
         "sequence-parallel",
