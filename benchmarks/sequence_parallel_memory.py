@@ -1,23 +1,29 @@
 #!/usr/bin/env python
-"""Activation memory per rank with a row split over 2 sequence ranks, against one process: one training step
-of the wide bench model (`demo:bench-qwen2-vl-wide`: Qwen2-VL-2B's widths, 4 decoder layers) on one video row
-of ~2k, 8k and 16k tokens, in bf16, the tower frozen, the language model trained.
+"""Activation memory per rank with a row split over 2 sequence ranks, against one process: one whole training
+step (forward, backward, AdamW) of the wide bench model (`demo:bench-qwen2-vl-wide`: Qwen2-VL-2B's widths, 4
+decoder layers) on one video row of ~2k, 8k and 16k tokens, in bf16, the tower frozen, the language model
+trained.
 
     python benchmarks/sequence_parallel_memory.py            # writes docs/results/sequence-parallel-memory.md
 
-Activation memory is what the forward keeps for the backward: every tensor autograd saves, counted once per
-storage (torch.autograd.graph.saved_tensors_hooks), the weights left out, read on each rank. The split runs the package's own path
-(speedups/sequence_parallel.py: the row padded, cut at the language model's door, Ulysses attention) under
-torchrun over gloo, one thread per rank; one process runs with 2 threads, so both use the 2 cores. Time: a
-whole step (forward and backward, after a warm-up step on the same row) for the rows given to --step-time
-(2k by default: on 2 cores a step of 16k takes many minutes), the forward alone for the others.
+Activation memory is the step's peak resident memory (VmHWM, reset through /proc/self/clear_refs) minus the
+resident memory just before it, when the process holds the weights, the gradients (zeroed, kept allocated)
+and AdamW's state: a warm-up step on the 2k row creates that state first. Beside it, what autograd saves for
+the backward (each storage once, the weights left out): the peak's floor, the rest being transient work.
+
+The split runs the package's own path (speedups/sequence_parallel.py: the row padded, cut at the language
+model's door, Ulysses attention) under torchrun over gloo, one thread per rank, its gradients summed over the
+group before AdamW as DDP would; one process runs with 2 threads, so both use the 2 cores. Both sides run the
+same rows and the same step, and time it (the measured step, not the warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +34,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "demo:bench-qwen2-vl-wide"
 FRAMES = {"2k": 16, "8k": 64, "16k": 128}  # 448x448 frames: 256 tokens per pair
+WARM_UP = (
+    "2k"  # the row of the step that creates AdamW's state and warms the kernels, before any measured one
+)
+PHASES = ("tower", "language model", "backward", "optimizer")
 OUT = REPO / "docs" / "results" / "sequence-parallel-memory.md"
+GIB = 2**30
+# glibc serves blocks of 64 KiB and more by mmap and unmaps them on free, and trims its heap's top past 128
+# KiB: a freed activation goes back to the system at once, so resident memory tracks live memory and the peak
+# is the step's, not what the allocator kept from an earlier one. Set before the measured processes start.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
 def batch_of(processor, frames: int) -> dict:
@@ -47,6 +62,16 @@ def batch_of(processor, frames: int) -> dict:
     )
     inputs["labels"] = inputs["input_ids"].clone()
     return dict(inputs)
+
+
+def resident() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to VmRSS (Linux 4.0+)
 
 
 class SavedBytes:
@@ -68,6 +93,25 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
+class Phases:
+    """Each phase's peak resident memory over the step's baseline, and its seconds: the peak is reset at each
+    phase's end, so the step's peak is the largest."""
+
+    def __init__(self):
+        self.baseline, _ = resident()
+        reset_peak()
+        self.peaks: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        self.peaks[phase] = resident()[1] - self.baseline
+        now = time.perf_counter()
+        self.seconds[phase] = now - self.started
+        self.started = now
+        reset_peak()
+
+
 def load_model():
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl.trainer.utils import add_fused_lm_head
@@ -84,76 +128,149 @@ def load_model():
     return model.train(), processor
 
 
-def step(model, inputs: dict, shard=None, backward: bool = True) -> tuple[int, float]:
-    """One forward (and backward): the bytes saved for the backward, and the seconds."""
+def train_step(model, optimizer, inputs: dict, language_model, shard=None) -> dict:
+    """One training step: (on a sequence group: the row split,) forward, backward, (the gradients summed over
+    the group,) AdamW's step. Its peak over the resident memory before it, by phase; what autograd saved; and
+    its seconds."""
+    from torch import distributed as dist
+
+    gc.collect()
+    if shard is not None:
+        dist.barrier()  # both ranks start together: the step's time is the group's
     saved = SavedBytes(model)
-    started = time.perf_counter()
+    phases = Phases()
+    # the tower's phase: the row split, the tower, its features merged, the positions; it ends at the language
+    # model's door
+    door = language_model.register_forward_pre_hook(lambda module, args: phases.end("tower"))
     if shard is not None:
         inputs = shard.split(inputs)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         outputs = model(**inputs, fused_lm_head=True)
-    if backward:
-        (-outputs.log_probs.sum()).backward()
+    door.remove()
+    phases.end("language model")
+    (-outputs.log_probs.sum()).backward()
     del outputs
+    phases.end("backward")
     if shard is not None:
         shard.release()
-    model.zero_grad(set_to_none=True)
-    return saved.total, time.perf_counter() - started
+        for p in model.parameters():  # what DDP does over every rank: each rank's gradients are its piece's
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+    optimizer.step()
+    optimizer.zero_grad(
+        set_to_none=False
+    )  # the gradients stay allocated: the next step's baseline holds them
+    phases.end("optimizer")
+    after, _ = resident()
+    return {
+        "baseline_bytes": phases.baseline,
+        "peak_bytes": max(phases.peaks.values()),
+        "phase_peak_bytes": phases.peaks,
+        "saved_bytes": saved.total,
+        "left_bytes": after - phases.baseline,  # ~0: the step kept nothing
+        "seconds": sum(phases.seconds.values()),
+        "phase_seconds": phases.seconds,
+    }
 
 
-def measure(split: bool, rows: list[str], timed: list[str]) -> dict:
+def measure(split: bool, rows: list[str]) -> dict:
     from torch import distributed as dist
 
+    from vlm_recipes.families import QWEN2_VL
+    from vlm_recipes.speedups.sequence_parallel import language_model_of
+
+    started, load = time.perf_counter(), os.getloadavg()[0]
     model, processor = load_model()
     shard = None
     if split:
-        from vlm_recipes.families import QWEN2_VL
         from vlm_recipes.speedups.sequence_parallel import sequence_shard_for
 
         dist.init_process_group("gloo")
         shard = sequence_shard_for(model, QWEN2_VL, processor, 2)
+    language_model = language_model_of(model, QWEN2_VL)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    warm_up = train_step(model, optimizer, batch_of(processor, FRAMES[WARM_UP]), language_model, shard)
+    print("warm-up", WARM_UP, warm_up, file=sys.stderr, flush=True)
     results = {}
     for name in rows:
-        frames = FRAMES[name]
-        inputs = batch_of(processor, frames)
-        # what the forward saves is complete when it ends; the backward, timed on the rows asked (2 cores take
-        # minutes per step at 8k+), follows a warm-up step
-        backward = name in timed
-        if backward:
-            step(model, dict(inputs), shard)
-        saved, seconds = step(model, dict(inputs), shard, backward)
-        results[name] = {"tokens": inputs["input_ids"].shape[1], "saved_bytes": saved, "seconds": seconds}
-        results[name]["timed"] = "step" if backward else "forward"
+        inputs = batch_of(processor, FRAMES[name])
+        results[name] = {"tokens": inputs["input_ids"].shape[1]}
+        results[name] |= train_step(model, optimizer, inputs, language_model, shard)
         print(name, results[name], file=sys.stderr, flush=True)
+        del inputs
+    wall = time.perf_counter() - started
+    side = {"rows": results, "load_average": [load, os.getloadavg()[0]], "wall_seconds": wall}
     if split:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, results)
+        dist.all_gather_object(gathered, side)
         if dist.get_rank() == 0:
             print(json.dumps(gathered))
         dist.destroy_process_group()
     else:
-        print(json.dumps([results]))
+        print(json.dumps([side]))
     return results
 
 
-def table(one: dict, ranks: list[dict], machine: str, sha: str) -> str:
+def tables(one: dict, ranks: list[dict], machine: str, sha: str, command: str) -> str:
+    """The results page: activation memory and step time on both sides, then each phase's peak."""
+    alone, split = one["rows"], [rank["rows"] for rank in ranks]
+
+    def per_rank(name: str, key: str) -> float:
+        return max(rank[name][key] for rank in split)
+
+    def gb(n: float) -> str:
+        return f"{n / GIB:.2f}"
+
+    row_names = list(alone)
+    baseline = f"{gb(alone[row_names[0]]['baseline_bytes'])} GiB in one process, {gb(max(r[row_names[0]]['baseline_bytes'] for r in split))} GiB per rank"
     lines = [
-        f"One training step of `{MODEL}` (Qwen2-VL-2B's widths, 4 decoder layers), bf16, tower frozen, one "
-        f"video row; activation memory: what autograd saves for the backward. {machine}, git {sha}; "
-        "`python benchmarks/sequence_parallel_memory.py`.",
+        "# Sequence parallelism: activation memory per rank",
         "",
-        "| row | tokens | one process: activations | per rank, 2 sequence ranks | ratio | one process: time | "
-        "2 ranks: time | timed |",
+        f"One training step (forward, backward, AdamW) of `{MODEL}` (Qwen2-VL-2B's widths, 4 decoder layers), "
+        f"bf16, tower frozen, the language model trained, one video row; one process with 2 threads against 2 "
+        f"sequence ranks (torchrun, gloo, 1 thread each). {machine}, git {sha}; `{command}`.",
+        "",
+        "Activations: the step's peak resident memory minus the resident memory just before it. That baseline "
+        f"holds the weights, the gradients (zeroed, kept allocated) and AdamW's state ({baseline} at 2k). "
+        "Saved: what autograd keeps for the backward, the peak's floor. Per rank: the larger of the 2 ranks. "
+        "A step on 2 ranks includes the gradients' sum over them (gloo all-reduce).",
+        "",
+        "| row | tokens | one process: activations (saved) | per rank: activations (saved) | ratio | "
+        "one process: step | 2 ranks: step | time ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name in one:
-        per_rank = max(rank[name]["saved_bytes"] for rank in ranks)
-        alone = one[name]["saved_bytes"]
-        seconds = max(rank[name]["seconds"] for rank in ranks)
+    for name in row_names:
+        peak, seconds = per_rank(name, "peak_bytes"), per_rank(name, "seconds")
         lines.append(
-            f"| {name} | {one[name]['tokens']:,} | {alone / 2**30:.2f} GB | {per_rank / 2**30:.2f} GB | "
-            f"{per_rank / alone:.2f}x | {one[name]['seconds']:.1f} s | {seconds:.1f} s | {one[name]['timed']} |"
+            f"| {name} | {alone[name]['tokens']:,} | {gb(alone[name]['peak_bytes'])} GiB "
+            f"({gb(alone[name]['saved_bytes'])}) | {gb(peak)} GiB ({gb(per_rank(name, 'saved_bytes'))}) | "
+            f"{peak / alone[name]['peak_bytes']:.2f}x | {alone[name]['seconds']:.1f} s | {seconds:.1f} s | "
+            f"{seconds / alone[name]['seconds']:.2f}x |"
         )
+    lines += [
+        "",
+        "Where the peak is: each phase's peak over the baseline, GiB, one process / per rank. Tower: the row "
+        "split, the tower, its features merged and the positions, up to the language model's door. Language "
+        "model: its forward and the LM head's log-probabilities. Optimizer: the gradients' sum and AdamW.",
+        "",
+        "| row | " + " | ".join(PHASES) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for name in row_names:
+        cells = [
+            f"{gb(alone[name]['phase_peak_bytes'][p])} / {gb(max(r[name]['phase_peak_bytes'][p] for r in split))}"
+            for p in PHASES
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    wall = max(rank["wall_seconds"] for rank in ranks)
+    lines += [
+        "",
+        f"Wall time with the load and the warm-up: {one['wall_seconds'] / 60:.1f} min in one process, "
+        f"{wall / 60:.1f} min on 2 ranks. The machine is shared: the load average (1 min) went from "
+        f"{one['load_average'][0]:.1f} to {one['load_average'][1]:.1f} over the one process's run, from "
+        f"{ranks[0]['load_average'][0]:.1f} to {ranks[0]['load_average'][1]:.1f} over the 2 ranks' (each side "
+        "alone adds 2).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -163,18 +280,15 @@ def main() -> None:
         "--part", choices=["one", "split"], help="(internal) measure one side in this process"
     )
     parser.add_argument("--rows", nargs="+", default=list(FRAMES), choices=list(FRAMES))
-    parser.add_argument(
-        "--step-time", nargs="*", default=["2k"], choices=list(FRAMES), help="rows timed by a whole step"
-    )
     args = parser.parse_args()
     if args.part:
         torch.set_num_threads(2 if args.part == "one" else 1)
-        measure(args.part == "split", args.rows, args.step_time)
+        measure(args.part == "split", args.rows)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **MALLOC}
     one = subprocess.run(
-        [sys.executable, __file__, "--part", "one", "--rows", *args.rows, "--step-time", *args.step_time],
-        capture_output=True,
+        [sys.executable, __file__, "--part", "one", "--rows", *args.rows],
+        stdout=subprocess.PIPE,
         text=True,
         check=True,
         env=env,
@@ -189,20 +303,26 @@ def main() -> None:
         "29677",
     ]
     split = subprocess.run(
-        [*torchrun, __file__, "--part", "split", "--rows", *args.rows, "--step-time", *args.step_time],
-        capture_output=True,
+        [*torchrun, __file__, "--part", "split", "--rows", *args.rows],
+        stdout=subprocess.PIPE,
         text=True,
         check=True,
         env=env,
     )
-    ranks = json.loads(split.stdout.strip().splitlines()[-1])
     sha = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-    ).stdout
+    ).stdout.strip()
     from data_scale import machine  # benchmarks/: the CPU's model, its cores, native bf16 or not
 
-    text = table(json.loads(one.stdout.strip().splitlines()[-1])[0], ranks, machine(), sha.strip())
-    OUT.write_text("# Sequence parallelism: activation memory per rank\n\n" + text)
+    command = " ".join(["python benchmarks/sequence_parallel_memory.py", *sys.argv[1:]])
+    text = tables(
+        json.loads(one.stdout.strip().splitlines()[-1])[0],
+        json.loads(split.stdout.strip().splitlines()[-1]),
+        machine(),
+        sha,
+        command,
+    )
+    OUT.write_text(text)
     print(text)
 
 
