@@ -28,6 +28,7 @@ from torch import nn
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.parameters import routed_experts
+from vlm_recipes.speedups.tower_split import TowerSplit
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,12 @@ class SequenceShard:
     `release` (after the backward: gradient checkpointing runs attention again there)."""
 
     def __init__(
-        self, groups: SequenceGroups, language_model: nn.Module, pad_token_id: int, media_ids: set[int]
+        self,
+        groups: SequenceGroups,
+        language_model: nn.Module,
+        pad_token_id: int,
+        media_ids: set[int],
+        tower: nn.Module | None = None,
     ):
         self.groups = groups
         self.pad_token_id = pad_token_id
@@ -147,6 +153,8 @@ class SequenceShard:
             raise GuardError(f"{type(language_model).__name__}: no attention module to send through Ulysses")
         self.length: int | None = None  # the padded row's length while active
         language_model.register_forward_pre_hook(self._keep_this_ranks_piece, with_kwargs=True)
+        if tower is not None:  # each rank encodes its share of the frames or tiles (speedups/tower_split.py)
+            TowerSplit(tower, groups.group, groups.size, groups.rank, active=lambda: self.length is not None)
 
     def piece(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         local = self.length // self.groups.size
@@ -235,9 +243,9 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
         )
     groups = form_sequence_groups(size)
     media_ids = {getattr(processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
-    return SequenceShard(
-        groups, language_model_of(model, family), processor.tokenizer.pad_token_id, media_ids
-    )
+    tower = family.vision_tower(model)
+    pad_token_id = processor.tokenizer.pad_token_id
+    return SequenceShard(groups, language_model_of(model, family), pad_token_id, media_ids, tower)
 
 
 def install_sequence_parallel(trainer, built, size: int) -> Decision:
