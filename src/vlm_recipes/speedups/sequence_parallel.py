@@ -6,10 +6,12 @@ whose docstring says why DeepSpeed's cannot carry a VLM); what no library does f
 is here, and it is where sequence parallelism goes wrong for images (a split through an image's tokens, or
 positions, masks and features computed on the piece instead of the row):
 
-- the row is split only at the language model's door: the tower runs, its features are merged into the
-  embeddings and the 3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward;
-  a pre-hook on the language model then keeps this rank's 1/N of the embeddings and positions (and of
-  Qwen3-VL's DeepStack features);
+- the tower's work is split by frame or tile over the group and its features gathered
+  (speedups/tower_split.py);
+- the row is split only at the language model's door: the features are merged into the embeddings and the
+  3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward; a pre-hook on the
+  language model then keeps this rank's 1/N of the embeddings and positions (and of Qwen3-VL's DeepStack
+  features);
 - labels are shifted on the whole row before the split (the last token of a piece predicts the first of
   the next), and the row is padded to a multiple of N with ignored tokens at its end;
 - the loss: each rank sums its own tokens; the Trainer's token count is divided by N (every rank of a group
@@ -110,8 +112,8 @@ def group_share(
         held += f"; {verdict} data.max_length {limit:,}, which the group holds as {padded_length(limit, size) // size:,} per rank"
     return (
         f"{held}; per rank the language model's activations are 1/{size} (its tokens, attention's heads after "
-        "the all-to-all, the LM head's log-probabilities); the tower's are whole (every rank of a group encodes "
-        "the row's images)"
+        f"the all-to-all, the LM head's log-probabilities); the tower's about 1/{size} (each rank encodes its "
+        "share of the frames or tiles)"
     )
 
 
