@@ -6,10 +6,12 @@ whose docstring says why DeepSpeed's cannot carry a VLM); what no library does f
 is here, and it is where sequence parallelism goes wrong for images (a split through an image's tokens, or
 positions, masks and features computed on the piece instead of the row):
 
-- the row is split only at the language model's door: the tower runs, its features are merged into the
-  embeddings and the 3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward;
-  a pre-hook on the language model then keeps this rank's 1/N of the embeddings and positions (and of
-  Qwen3-VL's DeepStack features);
+- the tower's work is split by frame or tile over the group and its features gathered
+  (speedups/tower_split.py);
+- the row is split only at the language model's door: the features are merged into the embeddings and the
+  3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward; a pre-hook on the
+  language model then keeps this rank's 1/N of the embeddings and positions (and of Qwen3-VL's DeepStack
+  features);
 - labels are shifted on the whole row before the split (the last token of a piece predicts the first of
   the next), and the row is padded to a multiple of N with ignored tokens at its end;
 - the loss: each rank sums its own tokens; the Trainer's token count is divided by N (every rank of a group
@@ -28,6 +30,8 @@ from torch import nn
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.parameters import routed_experts
+from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA
+from vlm_recipes.speedups.tower_split import TowerSplit
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
 log = logging.getLogger(__name__)
@@ -109,8 +113,8 @@ def group_share(
         held += f"; {verdict} data.max_length {limit:,}, which the group holds as {padded_length(limit, size) // size:,} per rank"
     return (
         f"{held}; per rank the language model's activations are 1/{size} (its tokens, attention's heads after "
-        "the all-to-all, the LM head's log-probabilities); the tower's are whole (every rank of a group encodes "
-        "the row's images)"
+        f"the all-to-all, the LM head's log-probabilities); the tower's about 1/{size} (each rank encodes its "
+        "share of the frames or tiles)"
     )
 
 
@@ -133,7 +137,13 @@ class SequenceShard:
     `release` (after the backward: gradient checkpointing runs attention again there)."""
 
     def __init__(
-        self, groups: SequenceGroups, language_model: nn.Module, pad_token_id: int, media_ids: set[int]
+        self,
+        groups: SequenceGroups,
+        language_model: nn.Module,
+        pad_token_id: int,
+        media_ids: set[int],
+        tower: nn.Module | None = None,
+        implementation: str = "sdpa",
     ):
         self.groups = groups
         self.pad_token_id = pad_token_id
@@ -141,12 +151,14 @@ class SequenceShard:
             media_ids  # image and video placeholder tokens: where the first batch was cut, logged
         )
         self.cuts_logged = False
-        self.switch = AttentionSwitch(groups.group, groups.size)
+        self.switch = AttentionSwitch(groups.group, groups.size, implementation)
         self.switch.modules = {id(m) for m in language_model.modules() if hasattr(m, "num_key_value_groups")}
         if not self.switch.modules:
             raise GuardError(f"{type(language_model).__name__}: no attention module to send through Ulysses")
         self.length: int | None = None  # the padded row's length while active
         language_model.register_forward_pre_hook(self._keep_this_ranks_piece, with_kwargs=True)
+        if tower is not None:  # each rank encodes its share of the frames or tiles (speedups/tower_split.py)
+            TowerSplit(tower, groups.group, groups.size, groups.rank, active=lambda: self.length is not None)
 
     def piece(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         local = self.length // self.groups.size
@@ -159,8 +171,14 @@ class SequenceShard:
         ids = inputs["input_ids"]
         batch, length = ids.shape
         self.length = padded_length(length, self.groups.size)
-        if "attention_mask" not in inputs:
+        # padding-free: one row of samples end to end, their positions restarting, no mask (speedups/packing.py)
+        packed = inputs.get("position_ids") is not None and "attention_mask" not in inputs
+        if not packed and "attention_mask" not in inputs:
             inputs["attention_mask"] = torch.ones_like(ids)
+        if packed and self.length > length:  # the pads join the last sample, after it: causality hides them
+            positions = inputs["position_ids"]
+            after = torch.arange(1, self.length - length + 1, device=positions.device, dtype=positions.dtype)
+            inputs["position_ids"] = torch.cat([positions, positions[..., -1:] + after], dim=-1)
         for key, value in PER_TOKEN_PAD.items():
             tensor = inputs.get(key)
             if tensor is None or tensor.shape[:2] != (batch, length) or self.length == length:
@@ -175,6 +193,10 @@ class SequenceShard:
         labels = inputs.pop("labels")
         shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = self.piece(shifted)
+        if packed:  # row 0 of the 4-row (Qwen line) positions: the text ones, restarting with every sample
+            positions = inputs["position_ids"]
+            self.switch.active = RowMask(positions=positions[0] if positions.dim() == 3 else positions)
+            return inputs
         mask = inputs["attention_mask"]
         lengths = mask.sum(-1, keepdim=True)
         right_padded = torch.equal(mask.bool(), torch.arange(self.length, device=mask.device) < lengths)
@@ -229,15 +251,18 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
     if why := sequence_parallel_refusal(family, text_config, size):
         raise GuardError(f"sequence_parallel_size {size} is refused: {why}")
     implementation = getattr(text_config, "_attn_implementation", None)
-    if implementation != "sdpa":
+    if implementation not in ("sdpa", PER_SAMPLE_SDPA):
         raise GuardError(
             f"sequence_parallel_size needs the language model on sdpa attention; it is on {implementation!r}"
         )
     groups = form_sequence_groups(size)
     media_ids = {getattr(processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
-    return SequenceShard(
-        groups, language_model_of(model, family), processor.tokenizer.pad_token_id, media_ids
+    tower = family.vision_tower(model)
+    pad_token_id = processor.tokenizer.pad_token_id
+    shard = SequenceShard(
+        groups, language_model_of(model, family), pad_token_id, media_ids, tower, implementation
     )
+    return shard
 
 
 def install_sequence_parallel(trainer, built, size: int) -> Decision:
