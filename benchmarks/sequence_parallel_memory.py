@@ -64,10 +64,10 @@ def batch_of(processor, frames: int) -> dict:
     return dict(inputs)
 
 
-def resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) of this process, in bytes."""
+def resident(keys: tuple[str, ...] = ("VmRSS", "VmHWM")) -> tuple[int, ...]:
+    """These lines of /proc/self/status (resident memory now and its peak, by default), in bytes."""
     status = Path("/proc/self/status").read_text()
-    return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in ("VmRSS", "VmHWM"))
+    return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) * 1024 for key in keys)
 
 
 def reset_peak() -> None:
@@ -98,7 +98,7 @@ class Phases:
     phase's end, so the step's peak is the largest."""
 
     def __init__(self):
-        self.baseline, _ = resident()
+        self.baseline, self.file = resident(("VmRSS", "RssFile"))
         reset_peak()
         self.peaks: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
@@ -122,6 +122,10 @@ def load_model():
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=torch.bfloat16, attn_implementation="sdpa"
     )
+    # the weights copied out of the mapped checkpoint into memory of their own: mapped file pages are resident
+    # only once read, and the system may drop them mid-step when memory runs short, either way moving the peak
+    for parameter in model.parameters():
+        parameter.data = parameter.data.clone()
     model.model.visual.requires_grad_(False)  # frozen tower: it keeps nothing for the backward
     add_fused_lm_head(model)  # as SFTTrainer adds it: log-probabilities in chunks, no full logits
     processor = AutoProcessor.from_pretrained(path)
@@ -161,13 +165,16 @@ def train_step(model, optimizer, inputs: dict, language_model, shard=None) -> di
         set_to_none=False
     )  # the gradients stay allocated: the next step's baseline holds them
     phases.end("optimizer")
-    after, _ = resident()
+    after, file = resident(("VmRSS", "RssFile"))
     return {
         "baseline_bytes": phases.baseline,
         "peak_bytes": max(phases.peaks.values()),
         "phase_peak_bytes": phases.peaks,
         "saved_bytes": saved.total,
         "left_bytes": after - phases.baseline,  # ~0: the step kept nothing
+        # pages of files (the libraries' code) the system took back during the step, when memory ran short:
+        # the peak can be that much too low
+        "file_dropped_bytes": max(0, phases.file - file),
         "seconds": sum(phases.seconds.values()),
         "phase_seconds": phases.seconds,
     }
@@ -263,7 +270,11 @@ def tables(one: dict, ranks: list[dict], machine: str, sha: str, command: str) -
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     wall = max(rank["wall_seconds"] for rank in ranks)
+    dropped = max(row["file_dropped_bytes"] for side in [alone, *split] for row in side.values())
     lines += [
+        "",
+        "File pages (the libraries' code) the system took back during a measured step, when memory ran short: "
+        f"at most {dropped / 2**20:.0f} MiB. A peak can be that much too low.",
         "",
         f"Wall time with the load and the warm-up: {one['wall_seconds'] / 60:.1f} min in one process, "
         f"{wall / 60:.1f} min on 2 ranks. The machine is shared: the load average (1 min) went from "
