@@ -180,11 +180,35 @@ def train_step(model, optimizer, inputs: dict, language_model, shard=None) -> di
     }
 
 
+def head_alone(model, scored: int) -> dict:
+    """The LM head's chunked log-probabilities (TRL's kernel, as the fused head calls it on a CPU: every
+    position scored) forward and backward alone, on `scored` random hidden states: its peak over the resident
+    memory before it, and its seconds. The part of the step's peak that the row's split does not halve."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    weight = model.get_output_embeddings().weight
+    hidden = torch.randn(scored, weight.shape[1], dtype=weight.dtype, requires_grad=True)
+    targets = torch.randint(0, weight.shape[0], (scored,))
+    gc.collect()
+    baseline, _ = resident()
+    reset_peak()
+    started = time.perf_counter()
+    log_probs = ChunkedLogProbFunction.apply(
+        hidden, weight, None, targets, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs",)
+    )[0]
+    (-log_probs.sum()).backward()
+    seconds = time.perf_counter() - started
+    peak = resident()[1] - baseline
+    model.zero_grad(set_to_none=False)
+    return {"peak_bytes": peak, "seconds": seconds}
+
+
 def measure(split: bool, rows: list[str]) -> dict:
     from torch import distributed as dist
 
     from vlm_recipes.families import QWEN2_VL
-    from vlm_recipes.speedups.sequence_parallel import language_model_of
+    from vlm_recipes.speedups.sequence_parallel import language_model_of, padded_length
 
     started, load = time.perf_counter(), os.getloadavg()[0]
     model, processor = load_model()
@@ -203,8 +227,11 @@ def measure(split: bool, rows: list[str]) -> dict:
         inputs = batch_of(processor, FRAMES[name])
         results[name] = {"tokens": inputs["input_ids"].shape[1]}
         results[name] |= train_step(model, optimizer, inputs, language_model, shard)
-        print(name, results[name], file=sys.stderr, flush=True)
         del inputs
+        tokens = results[name]["tokens"]  # the head scores a rank's piece, or one process's row but its last
+        scored = padded_length(tokens, shard.groups.size) // shard.groups.size if split else tokens - 1
+        results[name]["head"] = {"scored": scored} | head_alone(model, scored)
+        print(name, results[name], file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     side = {"rows": results, "load_average": [load, os.getloadavg()[0]], "wall_seconds": wall}
     if split:
@@ -256,19 +283,24 @@ def tables(one: dict, ranks: list[dict], machine: str, sha: str, command: str) -
         )
     lines += [
         "",
-        "Where the peak is: each phase's peak over the baseline, GiB, one process / per rank. Tower: the row "
-        "split, the tower, its features merged and the positions, up to the language model's door. Language "
-        "model: its forward and the LM head's log-probabilities. Optimizer: the gradients' sum and AdamW.",
+        "Where the peak is: each phase's peak over the baseline and its seconds; per rank, the larger of the 2. "
+        "Tower: the row split, the tower, its features merged and the positions, up to the language model's "
+        "door. Language model: its forward and the LM head's log-probabilities. Optimizer: the gradients' sum "
+        "and AdamW. LM head alone: its forward and backward on as many random hidden states as the side scores.",
         "",
-        "| row | " + " | ".join(PHASES) + " |",
-        "|---|" + "---|" * len(PHASES),
+        "| row | side | " + " | ".join(PHASES) + " | LM head alone |",
+        "|---|---|" + "---|" * (len(PHASES) + 1),
     ]
     for name in row_names:
-        cells = [
-            f"{gb(alone[name]['phase_peak_bytes'][p])} / {gb(max(r[name]['phase_peak_bytes'][p] for r in split))}"
-            for p in PHASES
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for side, sides in (("one process", [alone]), ("per rank", split)):
+            cells = [
+                f"{gb(max(r[name]['phase_peak_bytes'][p] for r in sides))} GiB, "
+                f"{max(r[name]['phase_seconds'][p] for r in sides):.0f} s"
+                for p in PHASES
+            ]
+            head = max((rows[name]["head"] for rows in sides), key=lambda h: h["peak_bytes"])
+            cells.append(f"{gb(head['peak_bytes'])} GiB, {head['seconds']:.0f} s ({head['scored']:,} tokens)")
+            lines.append(f"| {name} | {side} | " + " | ".join(cells) + " |")
     wall = max(rank["wall_seconds"] for rank in ranks)
     dropped = max(row["file_dropped_bytes"] for side in [alone, *split] for row in side.values())
     lines += [
