@@ -6,10 +6,12 @@ whose docstring says why DeepSpeed's cannot carry a VLM); what no library does f
 is here, and it is where sequence parallelism goes wrong for images (a split through an image's tokens, or
 positions, masks and features computed on the piece instead of the row):
 
-- the row is split only at the language model's door: the tower runs, its features are merged into the
-  embeddings and the 3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward;
-  a pre-hook on the language model then keeps this rank's 1/N of the embeddings and positions (and of
-  Qwen3-VL's DeepStack features);
+- the tower's work is split by frame or tile over the group and its features gathered
+  (speedups/tower_split.py);
+- the row is split only at the language model's door: the features are merged into the embeddings and the
+  3-D (M-RoPE) positions are computed, all on the whole row, by the model's own forward; a pre-hook on the
+  language model then keeps this rank's 1/N of the embeddings and positions (and of Qwen3-VL's DeepStack
+  features);
 - labels are shifted on the whole row before the split (the last token of a piece predicts the first of
   the next), and the row is padded to a multiple of N with ignored tokens at its end;
 - the loss: each rank sums its own tokens; the Trainer's token count is divided by N (every rank of a group
@@ -28,6 +30,7 @@ from torch import nn
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.parameters import routed_experts
+from vlm_recipes.speedups.tower_split import TowerSplit
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
 log = logging.getLogger(__name__)
@@ -109,8 +112,8 @@ def group_share(
         held += f"; {verdict} data.max_length {limit:,}, which the group holds as {padded_length(limit, size) // size:,} per rank"
     return (
         f"{held}; per rank the language model's activations are 1/{size} (its tokens, attention's heads after "
-        "the all-to-all, the LM head's log-probabilities); the tower's are whole (every rank of a group encodes "
-        "the row's images)"
+        f"the all-to-all, the LM head's log-probabilities); the tower's about 1/{size} (each rank encodes its "
+        "share of the frames or tiles)"
     )
 
 
@@ -133,7 +136,12 @@ class SequenceShard:
     `release` (after the backward: gradient checkpointing runs attention again there)."""
 
     def __init__(
-        self, groups: SequenceGroups, language_model: nn.Module, pad_token_id: int, media_ids: set[int]
+        self,
+        groups: SequenceGroups,
+        language_model: nn.Module,
+        pad_token_id: int,
+        media_ids: set[int],
+        tower: nn.Module | None = None,
     ):
         self.groups = groups
         self.pad_token_id = pad_token_id
@@ -147,6 +155,8 @@ class SequenceShard:
             raise GuardError(f"{type(language_model).__name__}: no attention module to send through Ulysses")
         self.length: int | None = None  # the padded row's length while active
         language_model.register_forward_pre_hook(self._keep_this_ranks_piece, with_kwargs=True)
+        if tower is not None:  # each rank encodes its share of the frames or tiles (speedups/tower_split.py)
+            TowerSplit(tower, groups.group, groups.size, groups.rank, active=lambda: self.length is not None)
 
     def piece(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         local = self.length // self.groups.size
@@ -235,9 +245,9 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
         )
     groups = form_sequence_groups(size)
     media_ids = {getattr(processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
-    return SequenceShard(
-        groups, language_model_of(model, family), processor.tokenizer.pad_token_id, media_ids
-    )
+    tower = family.vision_tower(model)
+    pad_token_id = processor.tokenizer.pad_token_id
+    return SequenceShard(groups, language_model_of(model, family), pad_token_id, media_ids, tower)
 
 
 def install_sequence_parallel(trainer, built, size: int) -> Decision:
