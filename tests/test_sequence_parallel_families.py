@@ -5,12 +5,15 @@ One launch of 2 ranks serves every family and precision (a process's start and i
 rank runs the split of every case, the gradients summed over the ranks as DDP sums them; then each rank runs
 half of the cases in one process: the reference (the whole batch at once) and the floor (the same rows as 2
 micro-batches, accumulated: summation order only). Every parameter trains, so gradients reach the tower,
-the projector and the language model alike. docs/results/parallel-tests.md holds what it measured.
+the projector and the language model alike; the batch's 3 images give the ranks unequal shares of the
+tower's frames or tiles (speedups/tower_split.py). docs/results/parallel-tests.md holds what it measured.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 MODELS = (
@@ -25,7 +28,7 @@ PRECISIONS = ("fp32", "bf16")
 # Split wrongly too, to show the bound can fail: the subtle error in fp32 (each piece's positions restarting
 # at 0), a gross one in bf16, whose floor is the gradients' own rounding (labels cut unshifted)
 WRONG = {("demo:tiny-qwen2-vl", "fp32"): "positions", ("demo:tiny-qwen2-vl", "bf16"): "labels"}
-# The split may be this many times the floor (measured: at most 5x). The floor is one sample of summation-
+# The split may be this many times the floor (measured: at most 3x). The floor is one sample of summation-
 # order noise, and the split reorders more sums than 2 micro-batches do: each weight's gradient summed over 2
 # pieces cut inside the rows, then over the ranks in the parameter's dtype. A wrong split: over 1000x.
 FACTOR = 10
@@ -61,12 +64,14 @@ def _long_row(answer_words: int) -> dict:
 
 
 def _short_row() -> dict:
+    """Two images: with the long row's, 3 to share over 2 ranks, so one image's frames or tiles are cut."""
+    question = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same colour?"}]
     return {
         "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
         ],
-        "images": [_image(160)],
+        "images": [_image(160), _image(100)],
     }
 
 
@@ -203,6 +208,17 @@ def _apart(got: tuple[float, dict], want: tuple[float, dict], family) -> dict:
     return {"loss": abs(loss - ref_loss) / abs(ref_loss), **{r: distance[r] / scale[r] for r in scale}}
 
 
+class _Said(logging.Handler):
+    """What the sequence-parallel modules log: where the first row is cut, how the tower's work is split."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _ranks(rank: int, init: str, out: str) -> None:
     """Rank `rank` of 2: every case split; then its half of the cases' references and floors."""
     import copy
@@ -211,11 +227,14 @@ def _ranks(rank: int, init: str, out: str) -> None:
     from torch import distributed as dist
 
     from vlm_recipes.demo.models import DEMO_MODELS, ensure_demo_model
-    from vlm_recipes.speedups.sequence_parallel import describe_cuts, padded_length, sequence_shard_for
+    from vlm_recipes.speedups.sequence_parallel import sequence_shard_for
 
     torch.set_num_threads(1)  # the same summation order on every CPU
     torch.set_float32_matmul_precision("highest")  # fp32 matmuls in fp32 (oneDNN may take bf16 otherwise)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    said = _Said()
+    logging.getLogger("vlm_recipes.speedups").addHandler(said)
+    logging.getLogger("vlm_recipes.speedups").setLevel(logging.INFO)
     for model_id in MODELS[rank::2]:  # built once, half by each rank
         ensure_demo_model(model_id)
     dist.barrier()
@@ -237,7 +256,8 @@ def _ranks(rank: int, init: str, out: str) -> None:
         case = cases[model_id]
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
         model = _trained_model(ensure_demo_model(model_id), case["family"], dtype)
-        one_process = copy.deepcopy(model) if index % 2 == rank else None  # taken before the shard's hook
+        one_process = copy.deepcopy(model) if index % 2 == rank else None  # taken before the shard's hooks
+        said.lines.clear()
         shard = sequence_shard_for(model, case["family"], case["processor"], 2)
         split = _summed_over_ranks(*_step(model, [case["batch"]], case["count"], shard.split, shard.release))
         wrong = None
@@ -247,11 +267,9 @@ def _ranks(rank: int, init: str, out: str) -> None:
                 *_step(model, [case["batch"]], case["count"], wrong_split, shard.release)
             )
         if one_process is not None:
-            ids = case["batch"]["input_ids"][0]
-            cuts = describe_cuts(ids, padded_length(len(ids), 2), 2, shard.media_ids)
-            kept[(model_id, precision)] = (one_process, split, wrong, cuts)
+            kept[(model_id, precision)] = (one_process, split, wrong, said.lines[:])
     results = []
-    for (model_id, precision), (one_process, split, wrong, cuts) in kept.items():
+    for (model_id, precision), (one_process, split, wrong, logged) in kept.items():
         case, family = cases[model_id], cases[model_id]["family"]
         loss, grads = _step(one_process, [case["batch"]], case["count"])
         reference = loss, {n: g.float().clone() for n, g in grads.items()}
@@ -263,7 +281,7 @@ def _ranks(rank: int, init: str, out: str) -> None:
                 "precision": precision,
                 "tokens": case["batch"]["attention_mask"].sum(-1).tolist(),
                 "labelled": case["count"],
-                "cuts": cuts,  # the module's own account of where the row is cut
+                "logged": logged,  # the split's own account: where the row was cut, the tower's shares
                 "split": _apart(split, reference, family),
                 "floor": _apart(floor, reference, family),
                 "wrong": _apart(wrong, reference, family) if wrong is not None else None,
@@ -276,9 +294,10 @@ def _ranks(rank: int, init: str, out: str) -> None:
 
 def test_a_batch_split_over_two_ranks_trains_as_one_process_in_every_proven_family(tmp_path):
     """Per family and precision: 2 rows (the second padded; the first cut at its middle inside its image's
-    tokens) split over 2 ranks, the gradients summed over them, against one process on the whole batch: the
-    loss and each role's gradients (tower, projector, language model) within FACTOR times the floor measured
-    beside them (one unit roundoff of the precision where the floor is less); a wrong split far outside."""
+    tokens; the tower's work shared unequally) split over 2 ranks, the gradients summed over them, against
+    one process on the whole batch: the loss and each role's gradients (tower, projector, language model)
+    within FACTOR times the floor measured beside them (one unit roundoff of the precision where the floor
+    is less); a wrong split far outside."""
     from torch import multiprocessing
 
     out = str(tmp_path / "rank")
@@ -289,14 +308,19 @@ def test_a_batch_split_over_two_ranks_trains_as_one_process_in_every_proven_fami
     )
     # docs/results/parallel-tests.md's table (pytest -s -n 0 prints it)
     print(
-        "\n| model | precision | tokens | loss | tower | projector | language model |\n|---|---|---|---|---|---|---|"
+        "\n| model | precision | tokens | tower's units per rank | loss | tower | projector | language model |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     for r in sorted(results, key=lambda r: (PRECISIONS.index(r["precision"]), MODELS.index(r["model"]))):
         cells = [f"{r['split'][k]:.1e} / {r['floor'][k]:.1e}" for k in ("loss", "vision", "projector", "llm")]
         tokens = " + ".join(map(str, r["tokens"]))
-        print(f"| {r['model'].removeprefix('demo:')} | {r['precision']} | {tokens} | {' | '.join(cells)} |")
+        units = re.search(r"encodes (\S+ \w+) per rank", " ".join(r["logged"]))
+        row = [r["model"].removeprefix("demo:"), r["precision"], tokens, units[1] if units else "all", *cells]
+        print(f"| {' | '.join(row)} |")
     for r in results:
-        assert r["cuts"].endswith("1 of them inside an image's or video's tokens"), r
+        said = "\n".join(r["logged"])  # the split's own log: the cut, then the tower's shares
+        assert re.search(r"cut at token\(s\) \[\d+\]: 1 of them inside an image's or video's tokens", said), r
+        assert re.search(r"the vision tower encodes [1-9]\d*/[1-9]\d* (frames|tiles) per rank", said), r
         assert r["tokens"][1] < r["tokens"][0], r  # the second row padded
         assert {"vision", "projector", "llm"} <= r["split"].keys(), r  # every role's gradients compared
         for what, distance in r["split"].items():
