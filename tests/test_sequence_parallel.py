@@ -107,10 +107,11 @@ def split_run(root: Path, common: list[str], name: str, processes: int, per_devi
     ("processes", "per_device", "how"),
     [
         (2, 2, ["--parallel", "ddp"]),
-        # FSDP2 over the data x sequence grid, attention and the tower recomputed in the backward
-        (4, 1, ["--parallel", "fsdp", "training.gradient_checkpointing=true"]),
+        # FSDP2 over the data x sequence grid, attention and the tower recomputed in the backward, the row
+        # packed padding-free (its positions padded with the row, per-sample attention over the whole row)
+        (4, 1, ["--parallel", "fsdp", "training.gradient_checkpointing=true", "training.padding_free=true"]),
     ],
-    ids=["1x2-ddp", "2x2-fsdp-checkpointing"],
+    ids=["1x2-ddp", "2x2-fsdp-checkpointing-padding-free"],
 )
 def test_a_video_row_split_over_sequence_ranks_trains_as_one_process(one_process, processes, per_device, how):
     """Rows of 4,135 tokens (one video each) on `processes` gloo ranks as data groups of 2 sequence ranks (1
@@ -134,6 +135,8 @@ def test_a_video_row_split_over_sequence_ranks_trains_as_one_process(one_process
     groups = processes // 2
     assert decisions["sequence-parallel"].startswith(f"{groups} data group(s) x 2 sequence ranks")
     assert f"global batch 2 = {per_device} per device" in decisions["batch"]
+    if "training.padding_free=true" in how:
+        assert decisions["per-sample-attention"] == "text attention sdpa_per_sample"
 
     losses = {
         name: read_json(path / "stage-1-llm-lora" / "metrics.json")["loss_curve"][0]["loss"]
@@ -173,13 +176,13 @@ def test_a_stage_that_cannot_split_its_rows_is_refused_at_load_naming_the_key_an
     overrides = [
         "stages.1.sequence_parallel_size=2",
         "stages.1.parallel=single",
-        "training.padding_free=true",
+        "training.loss_positions_only=true",
     ]
     with pytest.raises(RecipeError) as error:
         load_recipe("r1-llm-only", overrides)
     message = str(error.value)
     assert "stages[0].parallel: with sequence_parallel_size 2: needs one process per rank" in message
-    assert "stages[0].training.padding_free: with sequence_parallel_size 2:" in message
+    assert "stages[0].training.loss_positions_only: with sequence_parallel_size 2:" in message
     with pytest.raises(RecipeError, match="sequence_parallel_size: must be at least 1, got 0"):
         load_recipe("r1-llm-only", ["stages.1.sequence_parallel_size=0"])
 
@@ -261,6 +264,7 @@ def _attend_split(rank: int, init: str, out: str) -> None:
     from torch import distributed as dist
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from vlm_recipes.speedups.packing import per_sample_sdpa_attention
     from vlm_recipes.speedups.ulysses_attention import RowMask, ulysses_attention
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -277,17 +281,28 @@ def _attend_split(rank: int, init: str, out: str) -> None:
     group = dist.new_group([0, 1])
     output, _ = ulysses_attention(sdpa_attention_forward, group, 2, RowMask(padding), Layer(), *local)
     output.sum().backward()
-    torch.save({"output": output.detach(), "grads": [t.grad for t in local]}, f"{out}-{rank}.pt")
+    # a packed row (padding-free): samples of 3 and 5 tokens, the cut at 4 inside the second
+    packed = [t[:1, :, piece].detach() for t in (q, k, v)]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    per_sample, _ = ulysses_attention(
+        per_sample_sdpa_attention, group, 2, RowMask(positions=positions), Layer(), *packed
+    )
+    torch.save(
+        {"output": output.detach(), "grads": [t.grad for t in local], "packed": per_sample},
+        f"{out}-{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
 def test_ulysses_attention_over_two_ranks_equals_attention_over_the_whole_padded_row(tmp_path):
     """The all-to-all around sdpa, with a left-padded row (the whole row's mask built by the exchange's side):
     each rank's output and the gradients of its q, k, v equal those of sdpa over the whole row, on every
-    real token."""
+    real token; and a packed row cut inside a sample is attended per sample, as over the whole row."""
     import torch
     from torch import multiprocessing
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlm_recipes.speedups.packing import per_sample_sdpa_attention
 
     out = str(tmp_path / "rank")
     multiprocessing.spawn(_attend_split, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
@@ -315,3 +330,13 @@ def test_ulysses_attention_over_two_ranks_equals_attention_over_the_whole_padded
             assert torch.allclose(
                 grad.transpose(1, 2)[kept], full[:, :, piece].transpose(1, 2)[kept], atol=1e-6
             )
+    # the packed row: each sample attended on its own, as per-sample attention does over the whole row
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    packed = [t[:1].detach() for t in (q, k, v)]
+    alone, _ = per_sample_sdpa_attention(Layer(), *packed, None, position_ids=positions)
+    across, _ = sdpa_attention_forward(
+        Layer(), *packed, None
+    )  # one causal row: the second sample sees the first
+    split = torch.cat([torch.load(f"{out}-{rank}.pt")["packed"] for rank in range(2)], dim=1)
+    assert torch.allclose(split, alone, atol=1e-6)
+    assert (split[:, 3:] - across[:, 3:]).abs().max() > 1e-2

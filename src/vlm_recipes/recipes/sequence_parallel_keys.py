@@ -18,11 +18,6 @@ def sequence_parallel_problems(stage) -> list[tuple[str, str]]:
             "needs one process per rank: set parallel ddp or fsdp",
         ),
         (
-            t.padding_free,
-            "training.padding_free",
-            "a packed row's per-sample mask is not split yet: set it false",
-        ),
-        (
             t.loss_positions_only,
             "training.loss_positions_only",
             "it cuts the whole row's positions, each rank holds a piece: set it false",

@@ -30,6 +30,7 @@ from torch import nn
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.parameters import routed_experts
+from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA
 from vlm_recipes.speedups.tower_split import TowerSplit
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
@@ -142,6 +143,7 @@ class SequenceShard:
         pad_token_id: int,
         media_ids: set[int],
         tower: nn.Module | None = None,
+        implementation: str = "sdpa",
     ):
         self.groups = groups
         self.pad_token_id = pad_token_id
@@ -149,7 +151,7 @@ class SequenceShard:
             media_ids  # image and video placeholder tokens: where the first batch was cut, logged
         )
         self.cuts_logged = False
-        self.switch = AttentionSwitch(groups.group, groups.size)
+        self.switch = AttentionSwitch(groups.group, groups.size, implementation)
         self.switch.modules = {id(m) for m in language_model.modules() if hasattr(m, "num_key_value_groups")}
         if not self.switch.modules:
             raise GuardError(f"{type(language_model).__name__}: no attention module to send through Ulysses")
@@ -169,8 +171,14 @@ class SequenceShard:
         ids = inputs["input_ids"]
         batch, length = ids.shape
         self.length = padded_length(length, self.groups.size)
-        if "attention_mask" not in inputs:
+        # padding-free: one row of samples end to end, their positions restarting, no mask (speedups/packing.py)
+        packed = inputs.get("position_ids") is not None and "attention_mask" not in inputs
+        if not packed and "attention_mask" not in inputs:
             inputs["attention_mask"] = torch.ones_like(ids)
+        if packed and self.length > length:  # the pads join the last sample, after it: causality hides them
+            positions = inputs["position_ids"]
+            after = torch.arange(1, self.length - length + 1, device=positions.device, dtype=positions.dtype)
+            inputs["position_ids"] = torch.cat([positions, positions[..., -1:] + after], dim=-1)
         for key, value in PER_TOKEN_PAD.items():
             tensor = inputs.get(key)
             if tensor is None or tensor.shape[:2] != (batch, length) or self.length == length:
@@ -185,6 +193,10 @@ class SequenceShard:
         labels = inputs.pop("labels")
         shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = self.piece(shifted)
+        if packed:  # row 0 of the 4-row (Qwen line) positions: the text ones, restarting with every sample
+            positions = inputs["position_ids"]
+            self.switch.active = RowMask(positions=positions[0] if positions.dim() == 3 else positions)
+            return inputs
         mask = inputs["attention_mask"]
         lengths = mask.sum(-1, keepdim=True)
         right_padded = torch.equal(mask.bool(), torch.arange(self.length, device=mask.device) < lengths)
@@ -239,7 +251,7 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
     if why := sequence_parallel_refusal(family, text_config, size):
         raise GuardError(f"sequence_parallel_size {size} is refused: {why}")
     implementation = getattr(text_config, "_attn_implementation", None)
-    if implementation != "sdpa":
+    if implementation not in ("sdpa", PER_SAMPLE_SDPA):
         raise GuardError(
             f"sequence_parallel_size needs the language model on sdpa attention; it is on {implementation!r}"
         )
@@ -247,7 +259,10 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
     media_ids = {getattr(processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
     tower = family.vision_tower(model)
     pad_token_id = processor.tokenizer.pad_token_id
-    return SequenceShard(groups, language_model_of(model, family), pad_token_id, media_ids, tower)
+    shard = SequenceShard(
+        groups, language_model_of(model, family), pad_token_id, media_ids, tower, implementation
+    )
+    return shard
 
 
 def install_sequence_parallel(trainer, built, size: int) -> Decision:

@@ -29,6 +29,9 @@ class RowMask:
     when every token is real (causal attention needs no mask), else [batch, length] with 1 on real tokens."""
 
     padding: torch.Tensor | None = None
+    # a packed row's text positions over the whole row ([1, length], restarting with every sample), from
+    # which per-sample attention reads the samples' bounds (padding-free: speedups/packing.py); else None
+    positions: torch.Tensor | None = None
     built: dict = field(default_factory=dict)  # the 4-D mask, built once per forward (every layer reads it)
 
     def full_mask(self) -> torch.Tensor | None:
@@ -76,24 +79,26 @@ def ulysses_attention(
     row, `core` (transformers' sdpa function) run with the whole row's mask, the output exchanged back. The
     layer's own mask was built for its 1/N of the row and is not used."""
     query, key, value = (heads_to_row(t, group, size) for t in (query, key, value))
+    kwargs["position_ids"] = mask.positions  # the layer's are its piece's
     output, weights = core(module, query, key, value, mask.full_mask(), **kwargs)
     return row_to_heads(output, group, size), weights
 
 
 class AttentionSwitch:
-    """transformers' sdpa function, replaced by one that sends the language model's attention modules
-    (`modules`) through Ulysses while a sequence shard is active (`active`), and every other call (the vision
-    tower's, generation's, eval's) to sdpa itself. A switch by module, not a new attention name: the tower and
-    the language model share the name "sdpa", and a new name would be written into final/'s config."""
+    """The language model's attention function (transformers' sdpa, or padding-free's `sdpa_per_sample`),
+    replaced by one that sends the language model's attention modules (`modules`) through Ulysses while a
+    sequence shard is active (`active`), and every other call (the vision tower's, generation's, eval's) to
+    the function itself. A switch by module, not a new attention name: the tower and the language model share
+    the name "sdpa", and a new name would be written into final/'s config."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int):
+    def __init__(self, group: dist.ProcessGroup, size: int, implementation: str = "sdpa"):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.group, self.size = group, size
         self.modules: set[int] = set()
         self.active: RowMask | None = None
-        self.core = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = self
+        self.core = ALL_ATTENTION_FUNCTIONS[implementation]
+        ALL_ATTENTION_FUNCTIONS[implementation] = self
 
     def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
         if self.active is None or id(module) not in self.modules:
