@@ -25,6 +25,12 @@ MODELS = (
     "demo:tiny-smolvlm",
 )
 PRECISIONS = ("fp32", "bf16")
+EVERY_ROLE = "every role trained"
+# every family and precision with every role trained; and the stage's frozen-vision path once (tower and
+# projector frozen: their features computed without autograd, methods/../speedups/frozen_vision.py)
+CASES = [(m, p, EVERY_ROLE) for m in MODELS for p in PRECISIONS] + [
+    ("demo:tiny-qwen2-vl", "fp32", "tower and projector frozen")
+]
 # Split wrongly too, to show the bound can fail: the subtle error in fp32 (each piece's positions restarting
 # at 0), a gross one in bf16, whose floor is the gradients' own rounding (labels cut unshifted)
 WRONG = {("demo:tiny-qwen2-vl", "fp32"): "positions", ("demo:tiny-qwen2-vl", "bf16"): "labels"}
@@ -122,16 +128,23 @@ def _training_batch(collator, media_ids: set[int]) -> tuple[dict, list[dict]]:
     raise AssertionError(f"no answer length put the cut inside the image (last: {words} words)")
 
 
-def _trained_model(model_dir: Path, family, dtype):
-    """The model as a stage loads it, every parameter trained, with the LM head SFTTrainer adds."""
+def _trained_model(model_dir: Path, family, dtype, roles: str):
+    """The model as a stage loads it, with the LM head SFTTrainer adds: every parameter trained, or the
+    tower and projector frozen and run without autograd, as a stage runs them."""
     from trl.trainer.utils import add_fused_lm_head
 
     from vlm_recipes.model.build import load_model
     from vlm_recipes.recipes.schema import QuantizationSettings
+    from vlm_recipes.speedups.frozen_vision import run_without_grad
 
     model = load_model(str(model_dir), QuantizationSettings(), family, dtype, "cpu")
     add_fused_lm_head(model)
-    return model.train().requires_grad_(True)
+    model.train().requires_grad_(True)
+    if roles != EVERY_ROLE:
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(family.role_of(name) == "llm")
+        run_without_grad(model, family)
+    return model
 
 
 def _step(model, batches: list[dict], count: int, split=None, release=None) -> tuple[float, dict]:
@@ -252,10 +265,10 @@ def _ranks(rank: int, init: str, out: str) -> None:
             "count": int((batch["labels"][:, 1:] != -100).sum()),  # the global batch's tokens
         }
     kept = {}
-    for index, (model_id, precision) in enumerate((m, p) for m in MODELS for p in PRECISIONS):
+    for index, (model_id, precision, roles) in enumerate(CASES):
         case = cases[model_id]
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-        model = _trained_model(ensure_demo_model(model_id), case["family"], dtype)
+        model = _trained_model(ensure_demo_model(model_id), case["family"], dtype, roles)
         one_process = copy.deepcopy(model) if index % 2 == rank else None  # taken before the shard's hooks
         said.lines.clear()
         shard = sequence_shard_for(model, case["family"], case["processor"], 2)
@@ -267,9 +280,9 @@ def _ranks(rank: int, init: str, out: str) -> None:
                 *_step(model, [case["batch"]], case["count"], wrong_split, shard.release)
             )
         if one_process is not None:
-            kept[(model_id, precision)] = (one_process, split, wrong, said.lines[:])
+            kept[(model_id, precision, roles)] = (one_process, split, wrong, said.lines[:])
     results = []
-    for (model_id, precision), (one_process, split, wrong, logged) in kept.items():
+    for (model_id, precision, roles), (one_process, split, wrong, logged) in kept.items():
         case, family = cases[model_id], cases[model_id]["family"]
         loss, grads = _step(one_process, [case["batch"]], case["count"])
         reference = loss, {n: g.float().clone() for n, g in grads.items()}
@@ -279,6 +292,7 @@ def _ranks(rank: int, init: str, out: str) -> None:
             {
                 "model": model_id,
                 "precision": precision,
+                "roles": roles,
                 "tokens": case["batch"]["attention_mask"].sum(-1).tolist(),
                 "labelled": case["count"],
                 "logged": logged,  # the split's own account: where the row was cut, the tower's shares
@@ -303,16 +317,17 @@ def test_a_batch_split_over_two_ranks_trains_as_one_process_in_every_proven_fami
     out = str(tmp_path / "rank")
     multiprocessing.spawn(_ranks, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
     results = [r for rank in range(2) for r in json.loads(Path(f"{out}-{rank}.json").read_text())]
-    assert sorted((r["model"], r["precision"]) for r in results) == sorted(
-        (m, p) for m in MODELS for p in PRECISIONS
-    )
+    assert sorted((r["model"], r["precision"], r["roles"]) for r in results) == sorted(CASES)
     # docs/results/parallel-tests.md's table (pytest -s -n 0 prints it)
     print(
         "\n| model | precision | tokens | tower's units per rank | loss | tower | projector | language model |"
         "\n|---|---|---|---|---|---|---|---|"
     )
-    for r in sorted(results, key=lambda r: (PRECISIONS.index(r["precision"]), MODELS.index(r["model"]))):
-        cells = [f"{r['split'][k]:.1e} / {r['floor'][k]:.1e}" for k in ("loss", "vision", "projector", "llm")]
+    for r in sorted(results, key=lambda r: CASES.index((r["model"], r["precision"], r["roles"]))):
+        cells = [
+            f"{r['split'][k]:.1e} / {r['floor'][k]:.1e}" if k in r["split"] else "frozen"
+            for k in ("loss", "vision", "projector", "llm")
+        ]
         tokens = " + ".join(map(str, r["tokens"]))
         units = re.search(r"encodes (\S+ \w+) per rank", " ".join(r["logged"]))
         row = [r["model"].removeprefix("demo:"), r["precision"], tokens, units[1] if units else "all", *cells]
@@ -322,7 +337,8 @@ def test_a_batch_split_over_two_ranks_trains_as_one_process_in_every_proven_fami
         assert re.search(r"cut at token\(s\) \[\d+\]: 1 of them inside an image's or video's tokens", said), r
         assert re.search(r"the vision tower encodes [1-9]\d*/[1-9]\d* (frames|tiles) per rank", said), r
         assert r["tokens"][1] < r["tokens"][0], r  # the second row padded
-        assert {"vision", "projector", "llm"} <= r["split"].keys(), r  # every role's gradients compared
+        trained = {"vision", "projector", "llm"} if r["roles"] == EVERY_ROLE else {"llm"}
+        assert r["split"].keys() - {"loss"} == trained, r  # every trained role's gradients compared
         for what, distance in r["split"].items():
             assert distance <= FACTOR * max(r["floor"][what], UNIT_ROUNDOFF[r["precision"]]), (what, r)
     for r in (r for r in results if r["wrong"] is not None):
