@@ -75,8 +75,8 @@ class Mistral3Family(Family):
     """Mistral 3: a Pixtral tower (2-D RoPE), a patch-merger projector, [IMG] rows ended by [IMG_BREAK]."""
 
     sequence_parallel_refusal = (
-        "not proven: split over 2 ranks it ended 8.0e-7 from one process after 2 steps, 20x the floor measured "
-        "beside it (4.1e-8), a cause not found yet"
+        "its Pixtral tower encodes every image in one sequence, with no output per image for the tower's split "
+        "to gather (and 2 split steps ended 20x their floor, a cause not found yet)"
     )
 
     # lmms-eval 0.7.3's --model for a stage's final/ (cli/lmms_eval.py)

@@ -27,6 +27,8 @@ import torch
 from torch import distributed as dist
 from torch import nn
 
+from vlm_recipes.errors import GuardError
+
 log = logging.getLogger(__name__)
 
 # Keyword arguments a caller may pass precomputed for the whole batch (transformers' vision_utils pops them
@@ -54,7 +56,7 @@ class TowerSplit:
 
     def __init__(self, tower: nn.Module, group, size: int, rank: int, active: Callable[[], bool]):
         self.group, self.size, self.rank, self.active = group, size, rank, active
-        self.forward = tower.forward
+        self.forward, self.tower_name = tower.forward, type(tower).__name__
         parameters = inspect.signature(self.forward).parameters
         self.by_frame = "grid_thw" in parameters
         self.first_argument = next(iter(parameters))  # pixels: `hidden_states` or `pixel_values`
@@ -80,7 +82,14 @@ class TowerSplit:
                 units,
                 self.rank,
             )
-        return self._gather(self.forward(*args, **mine))
+        self.gathered = 0
+        output = self._gather(self.forward(*args, **mine))
+        if not self.gathered:  # e.g. Pixtral's tower: every image's patches in one sequence, not one per tile
+            raise GuardError(
+                f"sequence-parallel: the vision tower {self.tower_name} returned no tensor "
+                "with one entry per frame or tile, so its split cannot be gathered; this family cannot split"
+            )
+        return output
 
     def _split_by_frame(self, kwargs: dict):
         """This rank's frames: its pixel rows and a grid of (frames, h, w) runs; None if too few frames."""
@@ -140,6 +149,7 @@ class TowerSplit:
         sizes = self.sizes.get(local.shape[0]) if local.dim() else None
         if sizes is None:
             return local
+        self.gathered += 1
         return GatherRows.apply(local, sizes, self.rank, self.group)
 
 
