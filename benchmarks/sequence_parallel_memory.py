@@ -206,6 +206,7 @@ def head_alone(model, scored: int) -> dict:
 
 def measure(split: bool, rows: list[str]) -> dict:
     from torch import distributed as dist
+    from trl.kernels import chunked_logprob
 
     from vlm_recipes.families import QWEN2_VL
     from vlm_recipes.speedups.sequence_parallel import language_model_of, padded_length
@@ -230,7 +231,13 @@ def measure(split: bool, rows: list[str]) -> dict:
         del inputs
         tokens = results[name]["tokens"]  # the head scores a rank's piece, or one process's row but its last
         scored = padded_length(tokens, shard.groups.size) // shard.groups.size if split else tokens - 1
-        results[name]["head"] = {"scored": scored} | head_alone(model, scored)
+        tile = chunked_logprob.TOKEN_CHUNK_SIZE
+        if split:  # the head's tile as the shard sets it while a row is split (speedups/sequence_parallel.py)
+            chunked_logprob.TOKEN_CHUNK_SIZE = tile // shard.groups.size
+        try:
+            results[name]["head"] = {"scored": scored} | head_alone(model, scored)
+        finally:
+            chunked_logprob.TOKEN_CHUNK_SIZE = tile
         print(name, results[name], file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     side = {"rows": results, "load_average": [load, os.getloadavg()[0]], "wall_seconds": wall}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import distributed as dist
 from torch import nn
+from trl.kernels import chunked_logprob
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
@@ -156,6 +157,7 @@ class SequenceShard:
         if not self.switch.modules:
             raise GuardError(f"{type(language_model).__name__}: no attention module to send through Ulysses")
         self.length: int | None = None  # the padded row's length while active
+        self.head_tile: int | None = None  # TRL's LM-head tile while active (restored at release)
         language_model.register_forward_pre_hook(self._keep_this_ranks_piece, with_kwargs=True)
         if tower is not None:  # each rank encodes its share of the frames or tiles (speedups/tower_split.py)
             TowerSplit(tower, groups.group, groups.size, groups.rank, active=lambda: self.length is not None)
@@ -190,6 +192,11 @@ class SequenceShard:
             log.info(
                 "sequence-parallel: %s", describe_cuts(ids[0], self.length, self.groups.size, self.media_ids)
             )
+        # TRL's fused LM head scores tokens in tiles of TOKEN_CHUNK_SIZE (4,096), whatever their number, and a
+        # tile's working memory (on a CPU ~8 fp32 copies of tile x vocabulary) would be one process's on every
+        # rank: each rank scores its 1/N of the row in tiles of 1/N, restored at `release`
+        self.head_tile = chunked_logprob.TOKEN_CHUNK_SIZE
+        chunked_logprob.TOKEN_CHUNK_SIZE = max(1, self.head_tile // self.groups.size)
         labels = inputs.pop("labels")
         shifted = nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = self.piece(shifted)
@@ -207,6 +214,8 @@ class SequenceShard:
     def release(self) -> None:
         self.length = None
         self.switch.active = None
+        if self.head_tile is not None:
+            chunked_logprob.TOKEN_CHUNK_SIZE, self.head_tile = self.head_tile, None
 
     def _keep_this_ranks_piece(self, module, args, kwargs):
         if self.length is None:
