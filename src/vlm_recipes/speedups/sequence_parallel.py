@@ -26,12 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import distributed as dist
 from torch import nn
-from trl.kernels import chunked_logprob
 
 from vlm_recipes.decisions import Decision
 from vlm_recipes.errors import GuardError
 from vlm_recipes.families.parameters import routed_experts
-from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA
 from vlm_recipes.speedups.tower_split import TowerSplit
 from vlm_recipes.speedups.ulysses_attention import AttentionSwitch, RowMask
 
@@ -195,6 +193,8 @@ class SequenceShard:
         # TRL's fused LM head scores tokens in tiles of TOKEN_CHUNK_SIZE (4,096), whatever their number, and a
         # tile's working memory (on a CPU ~8 fp32 copies of tile x vocabulary) would be one process's on every
         # rank: each rank scores its 1/N of the row in tiles of 1/N, restored at `release`
+        from trl.kernels import chunked_logprob
+
         self.head_tile = chunked_logprob.TOKEN_CHUNK_SIZE
         chunked_logprob.TOKEN_CHUNK_SIZE = max(1, self.head_tile // self.groups.size)
         labels = inputs.pop("labels")
@@ -215,6 +215,8 @@ class SequenceShard:
         self.length = None
         self.switch.active = None
         if self.head_tile is not None:
+            from trl.kernels import chunked_logprob
+
             chunked_logprob.TOKEN_CHUNK_SIZE, self.head_tile = self.head_tile, None
 
     def _keep_this_ranks_piece(self, module, args, kwargs):
@@ -259,6 +261,8 @@ def sequence_shard_for(model: nn.Module, family, processor, size: int) -> Sequen
     text_config = model.config.get_text_config()
     if why := sequence_parallel_refusal(family, text_config, size):
         raise GuardError(f"sequence_parallel_size {size} is refused: {why}")
+    from vlm_recipes.speedups.packing import PER_SAMPLE_SDPA  # TRL: imported by the ranks only, not the plan
+
     implementation = getattr(text_config, "_attn_implementation", None)
     if implementation not in ("sdpa", PER_SAMPLE_SDPA):
         raise GuardError(
